@@ -1,0 +1,35 @@
+"""Atomic file writes: a file is either the old one or the whole new one, never half of each."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from mhcrun.errors import InputError
+
+
+def check_writable(path: str | Path, force: bool) -> Path:
+    """Refuse to overwrite an existing file unless forced."""
+    p = Path(path)
+    if p.exists() and not force:
+        raise InputError(f"{p}: already exists (use --force to overwrite)")
+    return p
+
+
+def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Path:
+    """Write to a temp file beside `path`, fsync, then rename over it."""
+    p = check_writable(path, force)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    blob = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p

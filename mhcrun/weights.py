@@ -1,0 +1,121 @@
+"""The tensors a V4 checkpoint must hold for a config: names (DeepSeek's inference names), shapes, kinds.
+
+Kinds:
+- "float":  an unquantised float tensor (bf16 or fp32 in the release; any float dtype accepted).
+- "linear": a linear weight [out, in]; FP8 e4m3 with a block `.scale` when the config is quantised.
+- "expert": a routed-expert weight [out, in]; FP4 (int8-packed) or FP8 per `expert_dtype`, else as "linear".
+- "index":  an integer table (`tid2eid`).
+`act_quant` says whether DeepSeek's reference quantises the activation to FP8 before this GEMM when the
+weight is quantised (wo_a is dequantised to bf16 by the reference's converter, so it is not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhcrun.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str = "float"
+    act_quant: bool = True
+
+
+def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    d, n = cfg.dim, cfg.hc_mult
+    hd, H, G = cfg.head_dim, cfg.n_heads, cfg.o_groups
+    p = f"layers.{i}."
+    specs = [
+        TensorSpec(p + "attn_norm.weight", (d,)),
+        TensorSpec(p + "ffn_norm.weight", (d,)),
+    ]
+    for site in ("attn", "ffn"):
+        specs += [
+            TensorSpec(p + f"hc_{site}_fn", (cfg.mix_hc, n * d)),
+            TensorSpec(p + f"hc_{site}_base", (cfg.mix_hc,)),
+            TensorSpec(p + f"hc_{site}_scale", (3,)),
+        ]
+    a = p + "attn."
+    specs += [
+        TensorSpec(a + "wq_a.weight", (cfg.q_lora_rank, d), "linear"),
+        TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,)),
+        TensorSpec(a + "wq_b.weight", (H * hd, cfg.q_lora_rank), "linear"),
+        TensorSpec(a + "wkv.weight", (hd, d), "linear"),
+        TensorSpec(a + "kv_norm.weight", (hd,)),
+        TensorSpec(a + "wo_a.weight", (G * cfg.o_lora_rank, H * hd // G), "linear", act_quant=False),
+        TensorSpec(a + "wo_b.weight", (d, G * cfg.o_lora_rank), "linear"),
+        TensorSpec(a + "attn_sink", (H,)),
+    ]
+    ratio = cfg.compress_ratios[i]
+    if ratio:
+        specs += compressor_specs(a + "compressor.", d, ratio, hd)
+    if ratio == 4:
+        ihd = cfg.index_head_dim
+        specs += [
+            TensorSpec(a + "indexer.wq_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank), "linear"),
+            TensorSpec(a + "indexer.weights_proj.weight", (cfg.index_n_heads, d)),
+        ]
+        specs += compressor_specs(a + "indexer.compressor.", d, ratio, ihd)
+    f = p + "ffn."
+    specs.append(TensorSpec(f + "gate.weight", (cfg.n_routed_experts, d)))
+    if i < cfg.n_hash_layers:
+        specs.append(TensorSpec(f + "gate.tid2eid", (cfg.vocab_size, cfg.n_activated_experts), "index"))
+    else:
+        specs.append(TensorSpec(f + "gate.bias", (cfg.n_routed_experts,)))
+    for e in range(cfg.n_routed_experts):
+        specs += expert_specs(f + f"experts.{e}.", d, cfg.moe_inter_dim, "expert")
+    specs += expert_specs(f + "shared_experts.", d, cfg.moe_inter_dim, "linear")
+    return specs
+
+
+def compressor_specs(prefix: str, dim: int, ratio: int, head_dim: int) -> list[TensorSpec]:
+    c = 2 if ratio == 4 else 1  # the 4:1 compressor overlaps two groups
+    return [
+        TensorSpec(prefix + "ape", (ratio, c * head_dim)),
+        TensorSpec(prefix + "wkv.weight", (c * head_dim, dim)),
+        TensorSpec(prefix + "wgate.weight", (c * head_dim, dim)),
+        TensorSpec(prefix + "norm.weight", (head_dim,)),
+    ]
+
+
+def expert_specs(prefix: str, dim: int, inter: int, kind: str) -> list[TensorSpec]:
+    return [
+        TensorSpec(prefix + "w1.weight", (inter, dim), kind),
+        TensorSpec(prefix + "w2.weight", (dim, inter), kind),
+        TensorSpec(prefix + "w3.weight", (inter, dim), kind),
+    ]
+
+
+def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSpec]:
+    """Every tensor generation needs, in a stable order (model-level first, then layer by layer)."""
+    d, n = cfg.dim, cfg.hc_mult
+    specs = [
+        TensorSpec("embed.weight", (cfg.vocab_size, d)),
+        TensorSpec("head.weight", (cfg.vocab_size, d)),
+        TensorSpec("norm.weight", (d,)),
+        TensorSpec("hc_head_fn", (n, n * d)),
+        TensorSpec("hc_head_base", (n,)),
+        TensorSpec("hc_head_scale", (1,)),
+    ]
+    for i in range(cfg.n_layers if n_layers is None else n_layers):
+        specs += layer_tensor_specs(cfg, i)
+    return specs
+
+
+def scale_name(weight_name: str) -> str:
+    """`layers.0.attn.wq_a.weight` -> `layers.0.attn.wq_a.scale` (DeepSeek's naming)."""
+    return weight_name[: -len("weight")] + "scale"
+
+
+def stored_format(cfg: ModelConfig, spec: TensorSpec) -> str:
+    """How the tensor is stored for this config: 'float', 'fp8', 'fp4' or 'index'."""
+    if spec.kind == "linear":
+        return "fp8" if cfg.quant_method == "fp8" else "float"
+    if spec.kind == "expert":
+        if cfg.expert_dtype in ("fp4", "fp8"):
+            return cfg.expert_dtype
+        return "fp8" if cfg.quant_method == "fp8" else "float"
+    return spec.kind
