@@ -28,6 +28,9 @@ def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Pa
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

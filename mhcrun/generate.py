@@ -1,8 +1,20 @@
-"""Generation: eager prefill per prompt, batched decode with per-sequence positions."""
+"""Generation: eager prefill per prompt, then batched decode with per-sequence positions.
+
+Each prompt is prefilled alone into its own cache row, so a sequence's tokens do not depend on what it
+is batched with; decode then advances every unfinished row by one token per step.
+"""
 
 from __future__ import annotations
 
+import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+from mhcrun.errors import InputError
+from mhcrun.model import Transformer
 
 
 @dataclass
@@ -14,3 +26,119 @@ class GenerationResult:
     margins: list[float] = field(default_factory=list)  # per step: top-1 minus top-2 logit
     text: str = ""
     stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class SamplingOptions:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, context: int,
+                  names: list[str] | None = None) -> None:
+    """Raise InputError (naming the prompt) for an empty prompt, an id outside the vocabulary,
+    or a prompt that with its new tokens does not fit the context."""
+    if max_new_tokens < 0:
+        raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not prompts:
+        raise InputError("no prompts given")
+    for i, ids in enumerate(prompts):
+        name = names[i] if names else f"prompt {i}"
+        if not ids:
+            raise InputError(f"{name}: the prompt is empty (it needs at least one token)")
+        for j, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise InputError(f"{name}: token id {t} at position {j} is outside the vocabulary [0, {vocab_size})")
+        if len(ids) > context:
+            raise InputError(f"{name}: the prompt has {len(ids)} tokens, longer than the context of {context}")
+        if len(ids) + max_new_tokens > context:
+            raise InputError(f"{name}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context "
+                             f"of {context}")
+
+
+def sample(logits: torch.Tensor, opts: SamplingOptions, gen: torch.Generator) -> torch.Tensor:
+    """logits [b, V] (fp32) -> token ids [b]: argmax when greedy, else temperature + top-p sampling."""
+    if opts.temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = (logits / opts.temperature).softmax(dim=-1)
+    if opts.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(dim=-1) - sorted_p > opts.top_p  # keep the smallest set reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def record_step(logits: torch.Tensor, k: int) -> tuple[list[tuple[int, float]], float]:
+    """Top-k (id, log-prob) and the top-1/top-2 logit margin of one row's logits [V]."""
+    logp = logits.float().log_softmax(dim=-1)
+    top = logp.topk(min(k, logp.numel()))
+    pairs = [(int(i), float(v)) for i, v in zip(top.indices, top.values, strict=True)]
+    top2 = logits.topk(2).values
+    return pairs, float(top2[0] - top2[1])
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+             sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
+             on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+    """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams."""
+    sampling = sampling or SamplingOptions()
+    cfg = model.cfg
+    check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
+    results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
+    if max_new_tokens == 0:
+        return results
+    gen = torch.Generator().manual_seed(sampling.seed)
+    model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+
+    def accept(row: int, logits: torch.Tensor, token: int) -> None:
+        res = results[row]
+        res.tokens.append(token)
+        if record_topk:
+            pairs, margin = record_step(logits, record_topk)
+            res.top_logprobs.append(pairs)
+            res.margins.append(margin)
+        if on_token:
+            on_token(row, token)
+
+    def finished(row: int) -> bool:
+        toks = results[row].tokens
+        return len(toks) >= max_new_tokens or (not ignore_eos and toks[-1] == eos_id)
+
+    prefill_s = []
+    for row, ids in enumerate(prompts):
+        t0 = time.perf_counter()
+        logits = model(torch.tensor([ids]), torch.tensor([row]))
+        prefill_s.append(time.perf_counter() - t0)
+        accept(row, logits[0], int(sample(logits, sampling, gen)[0]))
+
+    decode_s, decode_tokens = 0.0, 0
+    active = [r for r in range(len(prompts)) if not finished(r)]
+    while active:
+        rows = torch.tensor(active)
+        tokens = torch.tensor([[results[r].tokens[-1]] for r in active])
+        pos = torch.tensor([len(prompts[r]) + len(results[r].tokens) - 1 for r in active])
+        t0 = time.perf_counter()
+        logits = model(tokens, rows, pos)
+        next_ids = sample(logits, sampling, gen).tolist()
+        decode_s += time.perf_counter() - t0
+        decode_tokens += len(active)
+        for i, r in enumerate(active):
+            accept(r, logits[i], next_ids[i])
+        active = [r for r in active if not finished(r)]
+
+    rss = peak_rss_mb()
+    for row, res in enumerate(results):
+        res.stats = {
+            "prefill_tok_s": len(prompts[row]) / prefill_s[row] if prefill_s[row] > 0 else 0.0,
+            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
+            "compile_s": 0.0,  # eager: nothing compiled
+            "peak_rss_mb": rss,
+        }
+    return results

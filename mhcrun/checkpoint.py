@@ -1,0 +1,460 @@
+"""Load and validate DeepSeek-layout V4 checkpoints lazily (safetensors only, never pickle).
+
+A checkpoint directory holds `config.json`, `model.safetensors.index.json` and its shards (or one
+`model.safetensors` without an index). Every shard's header is parsed and checked (length, JSON, data
+offsets against the file size) and every required tensor's dtype and shape are checked from the headers
+before any tensor data is read; then the tensors are read one by one with `safetensors.safe_open` and
+dequantised to fp32. Every problem is a one-line `CheckpointError` naming the tensor and/or the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_save
+
+from mhcrun.config import ModelConfig, load_config
+from mhcrun.errors import CheckpointError, InputError
+from mhcrun.fileio import write_atomic
+from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
+from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FP4_BLOCK = 32
+# Below this total shard size the weights hash covers every byte; above it only names, sizes and headers.
+FULL_HASH_LIMIT = 1 << 30
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
+# safetensors dtype tag -> (torch dtype name, bytes per element)
+_ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_FP8_DTYPES = ("float8_e4m3fn",)
+_FP4_DTYPES = ("int8", "uint8")
+_SCALE_DTYPES = ("float8_e8m0fnu", "float32")
+_INDEX_DTYPES = ("int32", "int64")
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # name -> fp32 (int64 for 'index') tensor, every spec'd name
+    quantized: set[str]  # names whose weights were stored fp8/fp4
+    bytes_by_dtype: dict[str, int]  # on-disk bytes of the loaded tensors (scales included), by dtype
+    unused: list[str]  # tensors in the checkpoint that the model does not use (mtp.* excluded)
+    weights_hash: str  # 16 hex chars, see checkpoint_weights_hash
+
+
+@dataclass(frozen=True)
+class _HeaderEntry:
+    dtype: str  # torch dtype name, or the raw safetensors tag when unknown
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class _Shard:
+    path: Path
+    size: int
+    header_len: int
+    entries: dict[str, _HeaderEntry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    spec: TensorSpec
+    fmt: str
+    shard: _Shard
+    scale_shard: _Shard | None
+
+
+def _fail(what: str) -> CheckpointError:
+    return CheckpointError(" ".join(what.split("\n")))
+
+
+def _read_shard_header(path: Path) -> _Shard:
+    """Parse and check a safetensors header without reading any tensor data."""
+    if not path.is_file():
+        raise _fail(f"{path}: shard not found")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(f"{path}: shard truncated ({size} bytes, shorter than the 8-byte header length)")
+            header_len = int.from_bytes(head, "little")
+            if header_len > size - 8:
+                raise _fail(f"{path}: shard truncated ({size} bytes, header alone needs {8 + header_len})")
+            if header_len > _MAX_HEADER:
+                raise _fail(f"{path}: corrupt safetensors header (header length {header_len} is too large)")
+            blob = f.read(header_len)
+    except OSError as e:
+        raise _fail(f"{path}: cannot read shard ({e.strerror or e})") from None
+
+    def corrupt(why: str) -> CheckpointError:
+        return _fail(f"{path}: corrupt safetensors header ({why})")
+
+    try:
+        header = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise corrupt("not valid JSON") from None
+    if not isinstance(header, dict):
+        raise corrupt("not a JSON object")
+    shard = _Shard(path, size, header_len)
+    data_end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise corrupt(f"entry {name!r} is not an object")
+        tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(tag, str):
+            raise corrupt(f"entry {name!r} has no dtype")
+        if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
+            raise corrupt(f"entry {name!r} has a bad shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_nonneg_int(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise corrupt(f"entry {name!r} has bad data_offsets {offsets!r}")
+        nbytes = offsets[1] - offsets[0]
+        dtype_name, itemsize = _ST_DTYPES.get(tag, (tag, 0))
+        if itemsize:
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * itemsize != nbytes:
+                raise corrupt(f"entry {name!r}: {nbytes} data bytes for shape {shape} of {dtype_name}")
+        shard.entries[name] = _HeaderEntry(dtype_name, tuple(shape), nbytes)
+        data_end = max(data_end, offsets[1])
+    need = 8 + header_len + data_end
+    if size < need:
+        raise _fail(f"{path}: shard truncated ({size} bytes, header says at least {need})")
+    return shard
+
+
+def _is_nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _read_weight_map(root: Path) -> tuple[dict[str, str], Path]:
+    """The name -> shard file map, and the file it came from (the index or the single shard)."""
+    index = root / INDEX_FILE
+    if index.exists():
+        try:
+            raw = json.loads(index.read_text())
+        except json.JSONDecodeError as e:
+            raise _fail(f"{index}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise _fail(f"{index}: cannot read ({e})") from None
+        if not isinstance(raw, dict) or "weight_map" not in raw:
+            raise _fail(f"{index}: no 'weight_map' object")
+        wm = raw["weight_map"]
+        if not isinstance(wm, dict):
+            raise _fail(f"{index}: 'weight_map' is not a JSON object")
+        for name, shard in wm.items():
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+                raise _fail(f"{index}: weight_map entry {name!r} names a bad shard file {shard!r}")
+        return dict(wm), index
+    single = root / SINGLE_FILE
+    if single.exists():
+        shard = _read_shard_header(single)
+        return {name: SINGLE_FILE for name in shard.entries}, single
+    raise _fail(f"{root}: no {INDEX_FILE} and no {SINGLE_FILE}")
+
+
+def _check_entry(name: str, shard: _Shard, accepted: tuple[str, ...], shape: tuple[int, ...]) -> _HeaderEntry:
+    entry = shard.entries.get(name)
+    if entry is None:
+        raise _fail(f"{name}: listed in the index for {shard.path} but absent from that shard")
+    if entry.dtype not in accepted:
+        raise _fail(f"{name} in {shard.path}: dtype {entry.dtype}, expected one of {', '.join(accepted)}")
+    if entry.shape != shape:
+        raise _fail(f"{name} in {shard.path}: shape {list(entry.shape)}, expected {list(shape)}")
+    return entry
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str], map_file: Path,
+          shards: dict[str, _Shard]) -> tuple[list[_Plan], dict[str, int]]:
+    """Check every required tensor (and scale) against the headers; no data is read here."""
+    plans: list[_Plan] = []
+    bytes_by_dtype: dict[str, int] = {}
+
+    def locate(name: str, what: str = "tensor") -> _Shard:
+        if name not in weight_map:
+            raise _fail(f"{name}: {what} missing from {map_file}")
+        return shards[weight_map[name]]
+
+    def count(entry: _HeaderEntry) -> None:
+        bytes_by_dtype[entry.dtype] = bytes_by_dtype.get(entry.dtype, 0) + entry.nbytes
+
+    for spec in specs:  # an odd FP4 inner size is a config problem: report it before any tensor
+        if stored_format(cfg, spec) == "fp4" and spec.shape[1] % 2:
+            where = f" in {shards[weight_map[spec.name]].path}" if spec.name in weight_map else ""
+            raise _fail(f"{spec.name}{where}: FP4 inner size {spec.shape[1]} is odd")
+    for spec in specs:
+        fmt = stored_format(cfg, spec)
+        shard = locate(spec.name)
+        scale_shard = None
+        if fmt == "float":
+            count(_check_entry(spec.name, shard, _FLOAT_DTYPES, spec.shape))
+        elif fmt == "index":
+            count(_check_entry(spec.name, shard, _INDEX_DTYPES, spec.shape))
+        elif fmt in ("fp8", "fp4"):
+            out, inner = spec.shape
+            if fmt == "fp8":
+                b = cfg.weight_block_size
+                count(_check_entry(spec.name, shard, _FP8_DTYPES, spec.shape))
+                scale_shape = (_ceil_div(out, b), _ceil_div(inner, b))
+            else:
+                count(_check_entry(spec.name, shard, _FP4_DTYPES, (out, inner // 2)))
+                scale_shape = (out, _ceil_div(inner, FP4_BLOCK))
+            sname = scale_name(spec.name)
+            scale_shard = locate(sname, f"scale of {spec.name}")
+            count(_check_entry(sname, scale_shard, _SCALE_DTYPES, scale_shape))
+        else:  # pragma: no cover - weights.stored_format only returns the four above
+            raise _fail(f"{spec.name}: unknown stored format {fmt!r}")
+        plans.append(_Plan(spec, fmt, shard, scale_shard))
+    return plans, bytes_by_dtype
+
+
+class _Reader:
+    """Open safetensors handles on demand, one per shard, and turn read failures into CheckpointErrors."""
+
+    def __init__(self) -> None:
+        self._handles: dict[Path, Any] = {}
+        self._stack = ExitStack()
+
+    def get(self, shard: _Shard, name: str) -> torch.Tensor:
+        try:
+            h = self._handles.get(shard.path)
+            if h is None:
+                h = self._stack.enter_context(safe_open(str(shard.path), framework="pt", device="cpu"))
+                self._handles[shard.path] = h
+            return h.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _fail(f"{name} in {shard.path}: cannot read ({msg})") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._stack.close()
+
+
+def _load_one(reader: _Reader, plan: _Plan, cfg: ModelConfig) -> torch.Tensor:
+    name, shard = plan.spec.name, plan.shard
+    raw = reader.get(shard, name)
+    if plan.fmt == "float":
+        return raw.float()
+    if plan.fmt == "index":
+        t = raw.to(torch.int64)
+        if t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= cfg.n_routed_experts:
+                raise _fail(f"{name} in {shard.path}: expert ids must be in [0, {cfg.n_routed_experts}), "
+                            f"found values from {lo} to {hi}")
+        return t
+    assert plan.scale_shard is not None
+    scale = reader.get(plan.scale_shard, scale_name(name))
+    if plan.fmt == "fp8":
+        return dequantize_fp8(raw, scale, cfg.weight_block_size)
+    return dequantize_fp4(raw, scale, FP4_BLOCK)
+
+
+def load_checkpoint(path: str | Path, n_layers: int | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+    """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
+
+    Float tensors come back as fp32, FP8/FP4 weights dequantised to fp32, `tid2eid` as int64. All headers,
+    dtypes and shapes are checked before any tensor data is read. `progress(done, total)` is called after
+    each tensor.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise _fail(f"{root}: checkpoint directory not found")
+    if not root.is_dir():
+        raise _fail(f"{root}: not a directory (expected a checkpoint directory)")
+    cfg = load_config(root)
+    if n_layers is not None:
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers <= cfg.n_layers:
+            raise _fail(f"{root}: n_layers {n_layers!r} must be between 1 and {cfg.n_layers}")
+
+    weight_map, map_file = _read_weight_map(root)
+    shards: dict[str, _Shard] = {}
+    for shard_file in sorted(set(weight_map.values())):
+        shard_path = root / shard_file
+        if not shard_path.is_file():
+            raise _fail(f"{shard_path}: shard listed in {map_file.name} is missing")
+        shards[shard_file] = _read_shard_header(shard_path)
+
+    specs = tensor_specs(cfg, n_layers)
+    plans, bytes_by_dtype = _plan(cfg, specs, weight_map, map_file, shards)
+
+    known: set[str] = set()
+    for spec in tensor_specs(cfg):
+        known.add(spec.name)
+        if stored_format(cfg, spec) in ("fp8", "fp4"):
+            known.add(scale_name(spec.name))
+    unused = sorted(n for n in weight_map if n not in known and not n.startswith("mtp."))
+
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: set[str] = set()
+    reader = _Reader()
+    try:
+        for done, plan in enumerate(plans, 1):
+            tensors[plan.spec.name] = _load_one(reader, plan, cfg)
+            if plan.fmt in ("fp8", "fp4"):
+                quantized.add(plan.spec.name)
+            if progress is not None:
+                progress(done, len(plans))
+    finally:
+        reader.close()
+
+    weights_hash = checkpoint_weights_hash(root, [s.path for s in shards.values()])
+    return LoadedCheckpoint(root, cfg, tensors, quantized, bytes_by_dtype, unused, weights_hash)
+
+
+def checkpoint_weights_hash(path: Path, shard_files: list[Path]) -> str:
+    """16 hex chars of a sha256 identifying the weights.
+
+    Shards are taken in sorted file-name order. When their total size is below 1 GiB (FULL_HASH_LIMIT)
+    each shard contributes its file name and full bytes; above that, to keep start-up fast on real
+    checkpoints, each contributes its file name, size and safetensors header bytes only (so a change in
+    tensor data that keeps the header identical is not detected there). Relative shard paths are taken
+    relative to `path`.
+    """
+    root = Path(path)
+    files = sorted((f if Path(f).is_absolute() else root / f for f in map(Path, shard_files)),
+                   key=lambda p: p.name)
+    try:
+        sizes = [f.stat().st_size for f in files]
+        full = sum(sizes) < FULL_HASH_LIMIT
+        h = hashlib.sha256()
+        h.update(b"full\0" if full else b"headers\0")
+        for f, size in zip(files, sizes, strict=True):
+            h.update(f.name.encode() + b"\0")
+            h.update(size.to_bytes(8, "little"))
+            with f.open("rb") as fh:
+                if full:
+                    while chunk := fh.read(1 << 20):
+                        h.update(chunk)
+                else:
+                    head = fh.read(8)
+                    h.update(head)
+                    if len(head) == 8:
+                        h.update(fh.read(min(int.from_bytes(head, "little"), _MAX_HEADER)))
+    except OSError as e:
+        raise _fail(f"{root}: cannot read shard for hashing ({e})") from None
+    return h.hexdigest()[:16]
+
+
+def _check_file_name(name: str) -> None:
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise InputError(f"{name!r}: extra file names must be plain file names")
+
+
+def _split_groups(sizes: list[int], n: int) -> list[tuple[int, int]]:
+    """Split items (in order) into n contiguous non-empty groups of roughly equal total size."""
+    total = sum(sizes)
+    cum = [0]
+    for s in sizes:
+        cum.append(cum[-1] + s)
+    groups = []
+    start = 0
+    for k in range(n):
+        left = n - k  # groups still to make, this one included
+        if left == 1:
+            end = len(sizes)
+        else:
+            target = total * (k + 1) / n
+            end = start + 1
+            while end < len(sizes) - (left - 1) and cum[end] < target:
+                end += 1
+            # take the boundary on whichever side of the target is nearer
+            if end - 1 > start and abs(cum[end - 1] - target) < abs(cum[end] - target):
+                end -= 1
+        groups.append((start, end))
+        start = end
+    return groups
+
+
+def write_checkpoint(out_dir: str | Path, config_raw: dict, tensors: dict[str, torch.Tensor],
+                     n_shards: int = 2, extra_files: dict[str, str] | None = None,
+                     force: bool = False) -> Path:
+    """Write a DeepSeek-layout checkpoint: config.json, `model-0000i-of-0000n.safetensors` shards (tensors
+    in order, split into contiguous groups of roughly equal bytes), the index and `extra_files`.
+
+    Refuses (InputError) a non-empty existing `out_dir` unless `force`. Returns the directory.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise InputError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not force:
+            raise InputError(f"{out}: directory exists and is not empty (use --force to overwrite)")
+    if isinstance(n_shards, bool) or not isinstance(n_shards, int) or n_shards < 1:
+        raise InputError(f"n_shards must be a positive integer, got {n_shards!r}")
+    extra = dict(extra_files or {})
+    for name in extra:
+        _check_file_name(name)
+
+    items: list[tuple[str, torch.Tensor]] = []
+    seen_storage: set[tuple[str, int]] = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: not a tensor ({type(t).__name__})")
+        t = t.detach().to("cpu").contiguous()
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if t.numel() and key in seen_storage:  # safetensors refuses tensors sharing memory
+            t = t.clone()
+        seen_storage.add(key)
+        items.append((name, t))
+
+    n = max(1, min(n_shards, len(items)))
+    groups = _split_groups([t.nbytes for _, t in items], n) if items else [(0, 0)]
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(config_raw, indent=2), force=force)
+    for i, (a, b) in enumerate(groups, 1):
+        shard_name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        group = dict(items[a:b])
+        write_atomic(out / shard_name, safetensors_save(group, metadata={"format": "pt"}), force=force)
+        for name, t in group.items():
+            weight_map[name] = shard_name
+            total_size += t.nbytes
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    write_atomic(out / INDEX_FILE, json.dumps(index, indent=2), force=force)
+    for name, text in extra.items():
+        write_atomic(out / name, text, force=force)
+    return out

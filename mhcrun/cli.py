@@ -1,0 +1,285 @@
+"""The `mhcrun` command line (Typer + Rich).
+
+Every user error prints one line `error: ...` on stderr and exits non-zero (2 for bad input); a bug
+prints one line too unless `--debug` asks for the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mhcrun.errors import InputError, MhcrunError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+DEFAULT_PROMPT = "The river runs past the mill"
+
+ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the bundled tiny model).")
+DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
+JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
+
+
+def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
+    """Run a command body; turn errors into one line and an exit code."""
+    try:
+        code = fn() or 0
+    except MhcrunError as e:
+        if debug:
+            raise
+        err.print(f"error: {e}", markup=False, soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("error: interrupted", markup=False)
+        raise typer.Exit(130) from None
+    except Exception as e:  # a bug: still one line unless --debug
+        if debug:
+            raise
+        err.print(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+                  markup=False, soft_wrap=True)
+        raise typer.Exit(3) from None
+    raise typer.Exit(code)
+
+
+def graph_mode_option(value: str | None) -> str:
+    from mhcrun.runner import GRAPH_MODES, check_choice
+
+    return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", "eager"), GRAPH_MODES)
+
+
+def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):
+    """-> (names, texts or None, token id lists) from exactly one prompt source."""
+    from mhcrun.prompts import parse_prompt_ids, read_prompts_file
+
+    given = [x is not None for x in (prompt, prompt_ids, prompts_file)]
+    if sum(given) > 1:
+        raise InputError("give only one of --prompt, --prompt-ids and --prompts-file")
+    vocab = runner.ckpt.config.vocab_size
+    if prompt_ids is not None:
+        return ["prompt"], [None], [parse_prompt_ids(prompt_ids, vocab)]
+    if prompts_file is not None:
+        items = read_prompts_file(prompts_file, vocab)
+    else:
+        from mhcrun.prompts import Prompt
+
+        items = [Prompt(id="prompt", text=DEFAULT_PROMPT if prompt is None else prompt, ids=None)]
+    ids = [p.ids if p.ids is not None else runner.require_tokenizer().encode(p.text) for p in items]
+    return [p.id for p in items], [p.text for p in items], ids
+
+
+@app.command()
+def generate(
+    model: str = ModelOpt,
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (BOS is added)."),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used as given."),
+    prompts_file: Path = typer.Option(None, "--prompts-file", help="JSON Lines: {\"prompt\": ...} or "
+                                      "{\"prompt_ids\": [...]} per line; run as one batch."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
+    quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim",
+                                   help="Simulate DeepSeek's FP8/FP4 rounding (kv, indexer, GEMM activations)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past eos."),
+    graph_mode: str = typer.Option(None, "--graph-mode", help="eager (env MHCRUN_GRAPH_MODE)."),
+    device: str = typer.Option("cpu", "--device"),
+    as_json: bool = JsonOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Generate text: eager prefill, then decode; reports tokens/s and peak memory."""
+
+    def body() -> None:
+        from mhcrun.generate import SamplingOptions, check_prompts
+        from mhcrun.generate import generate as run_generate
+        from mhcrun.runner import load_runner
+
+        if max_new_tokens < 0:
+            raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise InputError(f"--temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {top_p}")
+        graph_mode_option(graph_mode)
+        runner = load_runner(model, dtype, quant_sim, device)
+        names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
+        cfg = runner.ckpt.config
+        check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
+        tok = runner.tokenizer
+        eos = tok.eos_id if tok else cfg.eos_token_id
+        stream = tok.stream() if tok and len(ids) == 1 and not as_json else None
+        if stream is not None:
+            out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
+
+        def on_token(row: int, token: int) -> None:
+            if stream is not None:
+                out.print(stream.push(token), end="", markup=False)
+
+        results = run_generate(runner.model, ids, max_new_tokens, eos,
+                               SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token)
+        if stream is not None:
+            out.print(stream.flush(), markup=False)
+        for name, text, res in zip(names, texts, results, strict=True):
+            res.text = tok.decode(res.tokens) if tok else ""
+            if as_json:
+                print(json.dumps({"id": name, "tokens": res.tokens, "prompt_tokens": len(res.prompt_ids),
+                                  "prompt_ids": res.prompt_ids, "text": res.text, "stats": res.stats}))
+                continue
+            if stream is None:
+                out.print(f"[bold]{name}[/]: ", end="")
+                out.print((text or "") + res.text if tok else " ".join(map(str, res.tokens)), markup=False)
+        if not as_json:
+            s = results[0].stats if results else {}
+            err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
+                      f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
+                      f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB[/]", soft_wrap=True)
+
+    run_guarded(debug, body)
+
+
+@app.command("golden-record")
+def golden_record(
+    prompts_file: Path = typer.Option(..., "--prompts-file", help="JSON Lines prompts."),
+    out_path: Path = typer.Option(..., "--out", help="Golden JSON to write."),
+    model: str = ModelOpt,
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    dtype: str = typer.Option("fp32", "--dtype"),
+    quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim"),
+    top_k: int = typer.Option(5, "--top-k", help="Log-probs kept per step."),
+    tolerance: float = typer.Option(0.01, "--tolerance", help="Near-tie tolerance on the logit margin."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Record greedy tokens (eager path) and per-step top-k log-probs into a golden file."""
+
+    def body() -> None:
+        from mhcrun.fileio import check_writable
+        from mhcrun.generate import generate as run_generate
+        from mhcrun.golden import golden_from_results, write_golden
+        from mhcrun.runner import load_runner
+
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if top_k < 2:
+            raise InputError(f"--top-k must be >= 2, got {top_k}")
+        check_writable(out_path, force)  # fail before the work, and again atomically at the write
+        runner = load_runner(model, dtype, quant_sim)
+        from mhcrun.prompts import read_prompts_file
+
+        items = read_prompts_file(prompts_file, runner.ckpt.config.vocab_size)
+        ids = [p.ids if p.ids is not None else runner.require_tokenizer().encode(p.text) for p in items]
+        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.ckpt.config.eos_token_id
+        results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k)
+        settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
+                    "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
+        golden = golden_from_results(runner.identity, settings, items, results, tolerance)
+        write_golden(out_path, golden, force)
+        margins = sorted(m for r in results for m in r.margins)
+        out.print(f"wrote {out_path}: {len(items)} prompts x {max_new_tokens} tokens "
+                  f"(median margin {margins[len(margins) // 2]:.3f}, min {margins[0]:.4f})")
+
+    run_guarded(debug, body)
+
+
+@app.command("golden-check")
+def golden_check(
+    golden_path: Path = typer.Argument(..., metavar="GOLDEN", help="Golden JSON file."),
+    model: str = ModelOpt,
+    graph_mode: str = typer.Option(None, "--graph-mode", help="eager (env MHCRUN_GRAPH_MODE)."),
+    force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model."),
+    as_json: bool = JsonOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Re-generate a golden file's prompts and report the first divergence. Exit 0 match, 1 mismatch, 2 bad input."""
+
+    def body() -> int:
+        from mhcrun.generate import generate as run_generate
+        from mhcrun.golden import check_model_identity, compare, load_golden, render_report, report_to_json
+        from mhcrun.runner import load_runner
+
+        golden = load_golden(golden_path)
+        mode = graph_mode_option(graph_mode)
+        s = golden["settings"]
+        runner = load_runner(model, s["dtype"], s["quant_sim"])
+        for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
+            err.print(f"warning: {w}", markup=False, soft_wrap=True)
+        ids = [p["prompt_ids"] for p in golden["prompts"]]
+        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.ckpt.config.eos_token_id
+        results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
+                               record_topk=2)
+        report = compare(golden, results)
+        if as_json:
+            print(json.dumps({"golden": str(golden_path), "graph_mode": mode, **report_to_json(report)}))
+        else:
+            decode = runner.tokenizer.decode if runner.tokenizer else None
+            render_report(report, out, decode)
+        return 0 if report.ok else 1
+
+    run_guarded(debug, body)
+
+
+@app.command()
+def info(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
+    """Describe a checkpoint: config, layer kinds, parameters and bytes by dtype (reads headers only)."""
+
+    def body() -> None:
+        from mhcrun.checkpoint import inspect_checkpoint
+        from mhcrun.runner import resolve_model_path
+
+        desc = inspect_checkpoint(resolve_model_path(model))
+        if as_json:
+            print(json.dumps(desc))
+            return
+        c = desc["config"]
+        out.print(f"[bold]{desc['path']}[/]")
+        out.print(f"dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads x {c['head_dim']}, "
+                  f"vocab {c['vocab_size']}, {c['n_routed_experts']} experts ({c['n_activated_experts']} active), "
+                  f"window {c['window_size']}, hc_mult {c['hc_mult']}", markup=False)
+        kinds = Table("layer", "attention", "ratio", "moe")
+        for k in desc["layer_kinds"]:
+            kinds.add_row(str(k["layer"]), k["attention"], str(k["ratio"]), k["moe"])
+        out.print(kinds)
+        dt = Table("dtype", "bytes")
+        for name, n in desc["bytes_by_dtype"].items():
+            dt.add_row(name, f"{n:,}")
+        out.print(dt)
+        out.print(f"parameters: {desc['params']:,}")
+
+    run_guarded(debug, body)
+
+
+@app.command("make-tiny")
+def make_tiny_cmd(
+    out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to write."),
+    seed: int = typer.Option(0, "--seed"),
+    fp8: bool = typer.Option(False, "--fp8", help="FP8 e4m3 linears (e8m0 block scales) and FP4 experts."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty directory."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Write the tiny model's checkpoint (or its FP8/FP4 variant)."""
+
+    def body() -> None:
+        from mhcrun.tiny import make_tiny
+
+        path = make_tiny(out_dir, seed, fp8, force)
+        out.print(f"wrote {path}")
+
+    run_guarded(debug, body)
+
+
+def main() -> None:
+    app(prog_name="mhcrun")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

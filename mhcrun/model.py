@@ -1,0 +1,458 @@
+"""DeepSeek V4 as DeepSeek's inference code computes it, in plain torch on the ops in `mhcrun.ops`.
+
+Module and parameter names equal DeepSeek's checkpoint names (`layers.0.attn.wq_a.weight`, ...).
+Two entry points share the weights and the per-sequence state:
+- prefill: a whole prompt at position 0 for the cache rows `rows` (all of one length);
+- decode: one token per row at per-row positions `pos` (rows may be at different positions).
+KV caches and compressor state live in buffers made by `setup_caches`; row r of every buffer belongs to
+one sequence, so sequences of different lengths decode side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mhcrun.config import ModelConfig
+from mhcrun.ops.attention import (
+    compress_mask_decode,
+    compress_mask_prefill,
+    sparse_attn,
+    window_mask_decode,
+    window_mask_prefill,
+)
+from mhcrun.ops.compress import compress_groups, gather_overlap_state, pool
+from mhcrun.ops.hc import hc_collapse, hc_expand, hc_head, hc_mixes, hc_post
+from mhcrun.ops.index import index_scores, select_topk
+from mhcrun.ops.linear import linear
+from mhcrun.ops.moe import gate_scores, route, swiglu
+from mhcrun.ops.norm import rms_norm
+from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
+from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
+
+KV_FP8_BLOCK = 64  # the reference simulates FP8 on the non-rope part of kv in blocks of 64
+INDEX_FP4_BLOCK = 32
+
+
+@dataclass
+class RunOptions:
+    """Settings every module reads at run time (one shared instance per model)."""
+
+    quant_sim: bool = True
+
+
+def empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """A weight [out, in]. `quantized`: stored FP8/FP4 in the checkpoint (kept dequantised in fp32);
+    `act_quant`: the reference rounds the activation to FP8 before this GEMM when it is quantized."""
+
+    def __init__(self, in_features: int, out_features: int, opts: RunOptions, act_quant: bool = True):
+        super().__init__()
+        self.weight = empty(out_features, in_features)
+        self.opts = opts
+        self.act_quant = act_quant
+        self.quantized = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.act_quant and self.quantized and self.opts.quant_sim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = empty(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Compressor(nn.Module):
+    """Pools each closed group of `ratio` tokens into one kv entry; partial groups wait in state buffers."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, opts: RunOptions, rotate: bool = False):
+        super().__init__()
+        self.ratio, self.head_dim, self.rope_dim = ratio, head_dim, cfg.rope_head_dim
+        self.overlap = ratio == 4
+        self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 on the non-rope part
+        self.pow2 = cfg.scale_fmt is not None
+        self.opts = opts
+        c = 2 if self.overlap else 1
+        self.ape = empty(ratio, c * head_dim)
+        self.wkv = Linear(cfg.dim, c * head_dim, opts)  # fp32 weights, fp32 math
+        self.wgate = Linear(cfg.dim, c * head_dim, opts)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+
+    def setup(self, max_batch: int, cache: torch.Tensor, freqs: torch.Tensor) -> None:
+        c = 2 if self.overlap else 1
+        shape = (max_batch, c * self.ratio, c * self.head_dim)
+        self.kv_state = torch.zeros(shape, dtype=torch.float32)
+        self.score_state = torch.full(shape, float("-inf"), dtype=torch.float32)
+        self.cache = cache  # [B, max_seq // ratio, head_dim], a view into the owner's cache
+        self.freqs = freqs
+
+    def finish(self, pooled: torch.Tensor, dtype: torch.dtype, freqs: torch.Tensor) -> torch.Tensor:
+        """norm -> RoPE at the group start -> FP8 (or Hadamard + FP4) simulation."""
+        kv = apply_rope_tail(self.norm(pooled.to(dtype)), freqs, self.rope_dim)
+        if self.rotate:
+            kv = hadamard(kv)
+            if self.opts.quant_sim:
+                kv = fp4_simulate(kv, INDEX_FP4_BLOCK)
+        elif self.opts.quant_sim:
+            kv = simulate_kv_fp8(kv, self.rope_dim, self.pow2)
+        return kv
+
+    def prefill(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """x [b, s, d] at positions [0, s) -> the s // ratio closed entries [b, g, head_dim] (None if g == 0)."""
+        b, s, _ = x.shape
+        r, dtype = self.ratio, x.dtype
+        kv = self.wkv(x.float())
+        score = self.wgate(x.float())
+        self.kv_state[rows] = 0.0
+        self.score_state[rows] = float("-inf")
+        cutoff = s - s % r
+        offset = r if self.overlap else 0
+        if self.overlap and cutoff >= r:  # the last closed group, for the next entry's overlap half
+            self.kv_state[rows, :r] = kv[:, cutoff - r:cutoff]
+            self.score_state[rows, :r] = score[:, cutoff - r:cutoff] + self.ape
+        if s > cutoff:  # the open group
+            self.kv_state[rows, offset:offset + s - cutoff] = kv[:, cutoff:]
+            self.score_state[rows, offset:offset + s - cutoff] = score[:, cutoff:] + self.ape[:s - cutoff]
+        if cutoff == 0:
+            return None
+        ape = self.ape.repeat(cutoff // r, 1)
+        pooled = compress_groups(kv[:, :cutoff], score[:, :cutoff] + ape, r, self.overlap)
+        out = self.finish(pooled, dtype, self.freqs[:cutoff:r])
+        self.cache[rows, :cutoff // r] = out
+        return out
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
+        """x [b, 1, d] at per-row positions pos [b]; closes a group where (pos + 1) % ratio == 0."""
+        r, dtype = self.ratio, x.dtype
+        kv = self.wkv(x.float())[:, 0]
+        score = self.wgate(x.float())[:, 0] + self.ape[pos % r]
+        slot = pos % r + (r if self.overlap else 0)
+        self.kv_state[rows, slot] = kv
+        self.score_state[rows, slot] = score
+        done = (pos + 1) % r == 0
+        if not bool(done.any()):
+            return
+        rows, pos = rows[done], pos[done]
+        kv_state, score_state = self.kv_state[rows], self.score_state[rows]
+        if self.overlap:
+            kv_state = gather_overlap_state(kv_state, r, self.head_dim)
+            score_state = gather_overlap_state(score_state, r, self.head_dim)
+            self.kv_state[rows, :r] = self.kv_state[rows, r:]
+            self.score_state[rows, :r] = self.score_state[rows, r:]
+        pooled = pool(kv_state, score_state, dim=1)
+        out = self.finish(pooled, dtype, self.freqs[pos + 1 - r])
+        self.cache[rows, pos // r] = out
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores the compressed entries for each query and keeps the top `index_topk`."""
+
+    def __init__(self, cfg: ModelConfig, opts: RunOptions):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
+        self.topk = cfg.index_topk
+        self.opts = opts
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, opts)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, opts)
+        self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def setup(self, max_batch: int, max_seq: int, freqs: torch.Tensor, dtype: torch.dtype) -> None:
+        self.cache = torch.zeros(max_batch, max_seq // 4, self.head_dim, dtype=dtype)
+        self.compressor.setup(max_batch, self.cache, freqs)
+
+    def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = hadamard(apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim))
+        return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
+
+    def prefill(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """-> mask [b, s, s // 4] of the chosen compressed entries per query."""
+        s = x.size(1)
+        q = self.queries(qr, freqs)
+        self.compressor.prefill(x, rows)
+        w = self.weights_proj(x) * self.weight_scale
+        scores = index_scores(q, self.cache[rows, :s // 4], w)
+        return select_topk(scores, compress_mask_prefill(s, 4, x.device).expand_as(scores), self.topk)
+
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+               freqs: torch.Tensor) -> torch.Tensor:
+        """-> mask [b, 1, max_seq // 4]."""
+        q = self.queries(qr, freqs)
+        self.compressor.decode(x, pos, rows)
+        w = self.weights_proj(x) * self.weight_scale
+        n_closed = int((pos + 1).max()) // 4  # score only the entries any row has closed, as the reference
+        scores = index_scores(q, self.cache[rows, :n_closed], w)
+        valid = compress_mask_decode(pos, n_closed, 4).unsqueeze(1)
+        chosen = select_topk(scores, valid, self.topk)
+        return torch.nn.functional.pad(chosen, (0, self.cache.size(1) - n_closed))
+
+
+def simulate_kv_fp8(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
+    """FP8 round trip on the non-rope channels (the rope channels stay in the activation dtype)."""
+    nope, pe = kv.split([kv.size(-1) - rope_dim, rope_dim], dim=-1)
+    return torch.cat([fp8_simulate(nope, KV_FP8_BLOCK, pow2), pe], dim=-1)
+
+
+class Attention(nn.Module):
+    """Shared-latent attention (K == V) over a sliding window plus compressed entries (CSA / HCA)."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.window, self.ratio = cfg.window_size, cfg.compress_ratios[layer_id]
+        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.eps = cfg.norm_eps
+        self.pow2 = cfg.scale_fmt is not None
+        self.opts = opts
+        self.scale = self.head_dim ** -0.5
+        hd, H = cfg.head_dim, cfg.n_heads
+        self.attn_sink = empty(H)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, opts)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * hd, opts)
+        self.wkv = Linear(cfg.dim, hd, opts)
+        self.kv_norm = RMSNorm(hd, cfg.norm_eps)
+        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * cfg.o_lora_rank, opts, act_quant=False)
+        self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim, opts)
+        if self.ratio:
+            self.compressor = Compressor(cfg, self.ratio, hd, opts)
+        if self.ratio == 4:
+            self.indexer = Indexer(cfg, opts)
+
+    def setup(self, max_batch: int, max_seq: int, freqs: torch.Tensor, dtype: torch.dtype) -> None:
+        n_comp = max_seq // self.ratio if self.ratio else 0
+        self.cache = torch.zeros(max_batch, self.window + n_comp, self.head_dim, dtype=dtype)
+        self.freqs = freqs
+        if self.ratio:
+            self.compressor.setup(max_batch, self.cache[:, self.window:], freqs)
+        if self.ratio == 4:
+            self.indexer.setup(max_batch, max_seq, freqs, dtype)
+
+    def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd]; freqs broadcast to [b or 1, s, rd/2]."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # weightless per-head norm
+        q = apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim)
+        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+        if self.opts.quant_sim:
+            kv = simulate_kv_fp8(kv, self.rope_dim, self.pow2)
+        return qr, q, kv
+
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """De-rotate, then the grouped low-rank output: o [b,s,H,hd] -> [b,s,d]."""
+        b, s = o.shape[:2]
+        o = apply_rope_tail(o, freqs.unsqueeze(2), self.rope_dim, inverse=True)
+        o = o.reshape(b, s, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # bf16/fp32, never act-quantised
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def prefill(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        win = self.window
+        freqs = self.freqs[:s].unsqueeze(0)
+        qr, q, kv = self.project(x, freqs)
+        t = torch.arange(max(0, s - win), s)
+        self.cache[rows.unsqueeze(1), (t % win).unsqueeze(0)] = kv[:, t]
+        keys, mask = kv, window_mask_prefill(s, win, x.device).expand(b, s, s)
+        if self.ratio:
+            chosen = self.indexer.prefill(x, qr, rows, freqs) if self.ratio == 4 else None
+            comp = self.compressor.prefill(x, rows)
+            if comp is not None:
+                if chosen is None:
+                    chosen = compress_mask_prefill(s, self.ratio, x.device).expand(b, s, -1)
+                keys, mask = torch.cat([kv, comp], dim=1), torch.cat([mask, chosen], dim=-1)
+        o = sparse_attn(q, keys, self.attn_sink, mask, self.scale)
+        return self.output(o, freqs)
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        win = self.window
+        freqs = self.freqs[pos].unsqueeze(1)  # [b, 1, rd/2]
+        qr, q, kv = self.project(x, freqs)
+        self.cache[rows, pos % win] = kv[:, 0]
+        mask = window_mask_decode(pos, win)
+        if self.ratio:
+            if self.ratio == 4:
+                chosen = self.indexer.decode(x, qr, pos, rows, freqs)[:, 0]
+            self.compressor.decode(x, pos, rows)
+            if self.ratio != 4:
+                chosen = compress_mask_decode(pos, self.cache.size(1) - win, self.ratio)
+            mask = torch.cat([mask, chosen], dim=-1)
+        o = sparse_attn(q, self.cache[rows], self.attn_sink, mask.unsqueeze(1), self.scale)
+        return self.output(o, freqs)
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float, opts: RunOptions):
+        super().__init__()
+        self.w1 = Linear(dim, inter, opts)
+        self.w2 = Linear(inter, dim, opts)
+        self.w3 = Linear(dim, inter, opts)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        h = swiglu(self.w1(x), self.w3(x), self.limit)
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.topk, self.score_func, self.route_scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
+        self.hash = layer_id < cfg.n_hash_layers
+        self.weight = empty(cfg.n_routed_experts, cfg.dim)
+        if self.hash:
+            self.tid2eid = empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64)
+        else:
+            self.bias = empty(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = gate_scores(x, self.weight, self.score_func)
+        if self.hash:
+            return route(scores, self.topk, self.route_scale, self.score_func, hash_ids=self.tid2eid[token_ids])
+        return route(scores, self.topk, self.route_scale, self.score_func, bias=self.bias)
+
+
+class MoE(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
+        super().__init__()
+        self.dim, self.n_experts = cfg.dim, cfg.n_routed_experts
+        self.gate = Gate(layer_id, cfg)
+        self.experts = nn.ModuleList(
+            Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, idx = self.gate(x, token_ids.reshape(-1))
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
+        for e, count in enumerate(counts):  # only the experts some token routes to
+            if count:
+                tok, slot = torch.where(idx == e)
+                y[tok] += self.experts[e](x[tok], weights[tok, slot, None])
+        y += self.shared_experts(x)
+        return y.type_as(x).view(shape)
+
+
+class Block(nn.Module):
+    """One layer: mHC site -> attention -> mHC post, then mHC site -> MoE -> mHC post."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
+        super().__init__()
+        self.cfg = cfg
+        self.attn = Attention(layer_id, cfg, opts)
+        self.ffn = MoE(layer_id, cfg, opts)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", empty(cfg.mix_hc, cfg.hc_mult * cfg.dim))
+            setattr(self, f"hc_{site}_base", empty(cfg.mix_hc))
+            setattr(self, f"hc_{site}_scale", empty(3))
+
+    def mixes(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                        getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
+                pos: torch.Tensor | None) -> torch.Tensor:
+        # x [b, s, n, d]; pos None = prefill from position 0
+        pre, post, comb = self.mixes(x, "attn")
+        h = self.attn_norm(hc_collapse(x, pre))
+        h = self.attn.prefill(h, rows) if pos is None else self.attn.decode(h, pos, rows)
+        x = hc_post(h, x, post, comb)
+        pre, post, comb = self.mixes(x, "ffn")
+        h = self.ffn(self.ffn_norm(hc_collapse(x, pre)), token_ids)
+        return hc_post(h, x, post, comb)
+
+
+class Transformer(nn.Module):
+    """embed -> mHC expand -> blocks -> mHC head -> logits of the last position (fp32)."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.opts = RunOptions()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device="meta")
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size, self.opts, act_quant=False)
+        self.hc_head_fn = empty(cfg.hc_mult, cfg.hc_mult * cfg.dim)
+        self.hc_head_base = empty(cfg.hc_mult)
+        self.hc_head_scale = empty(1)
+        self.dtype = torch.float32
+        self.max_batch = self.max_seq = 0
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        """Allocate KV caches and compressor state for `max_batch` sequences of up to `max_seq` tokens."""
+        c = self.cfg
+        window_freqs = precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor,
+                                            c.beta_fast, c.beta_slow)
+        compress_freqs = precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len,
+                                              c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow)
+        for layer in self.layers:
+            freqs = compress_freqs if layer.attn.ratio else window_freqs
+            layer.attn.setup(max_batch, max_seq, freqs, self.dtype)
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, vocab] of the last position.
+
+        pos None: prefill, tokens are whole prompts at positions [0, s) written to cache rows `rows`.
+        pos [b]: decode, s == 1, token i sits at position pos[i] of cache row rows[i].
+        """
+        c = self.cfg
+        x = hc_expand(self.embed(tokens), c.hc_mult)
+        for layer in self.layers:
+            x = layer(x, tokens, rows, pos)
+        h = hc_head(x[:, -1:], self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.norm_eps)
+        return torch.nn.functional.linear(self.norm(h)[:, -1].float(), self.head.weight.float())
+
+
+def fp32_param(name: str) -> bool:
+    """Parameters DeepSeek's reference keeps in fp32 whatever the activation dtype."""
+    leaf = name.rsplit(".", 1)[-1]
+    return (leaf in ("attn_sink", "ape", "bias") or name.startswith("hc_") or ".hc_" in name
+            or "norm.weight" in name or ".compressor.w" in name or name.endswith("gate.weight")
+            or name == "head.weight")
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],
+                dtype: torch.dtype = torch.float32, n_layers: int | None = None) -> Transformer:
+    """Make a Transformer and place the checkpoint's tensors in it (cast to their run-time dtypes)."""
+    model = Transformer(cfg, n_layers)
+    model.dtype = dtype
+    state = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if p.dtype == torch.int64:
+            want = torch.int64
+        elif (name in quantized and not name.endswith("wo_a.weight")) or fp32_param(name):
+            want = torch.float32
+        else:
+            want = dtype
+        # a fresh, aligned copy: CPU GEMV results depend on the operand's alignment, and a tensor read
+        # from a shard may sit at any offset
+        state[name] = torch.empty(p.shape, dtype=want).copy_(tensors[name])
+    model.load_state_dict(state, assign=True, strict=True)
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            m.quantized = f"{name}.weight" in quantized
+    return model.eval()

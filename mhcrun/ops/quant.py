@@ -1,0 +1,264 @@
+"""Plain-torch reference ops for the V4 quantisation formats.
+
+- FP8 e4m3 with power-of-two (ue8m0) block scales: linear weights ([B x B] tiles) and the activation
+  simulation (blocks along the last dim).
+- FP4 e2m1 with a power-of-two scale per 32 values along the input dim: routed experts and the indexer
+  activation simulation. Two e2m1 codes per byte, low nibble first; bit 3 of a code is the sign.
+- The normalised Walsh-Hadamard transform (Sylvester order).
+
+Everything here is exact where the format allows it (no log2, no float exponent arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+_FP8_AMAX_FLOOR = 1e-4  # activation simulation: the reference's floor on a block's amax
+_E8M0_MIN = 2.0**-127
+_E8M0_MAX = 2.0**127
+# magnitudes of the e2m1 codes 0..7; codes 8..15 are their negatives
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def pow2_ceil(x: Tensor) -> Tensor:
+    """Smallest power of two >= x, elementwise, for positive fp32 x (exact, via frexp)."""
+    x = x.float()
+    m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    e = torch.where(m == 0.5, e - 1, e)
+    return torch.ldexp(torch.ones_like(x), e)
+
+
+def _blocked(x: Tensor, block: int) -> tuple[Tensor, int]:
+    """[..., n] fp32 -> [..., ceil(n/block), block], zero-padded (zeros never change an amax)."""
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    n = x.shape[-1]
+    pad = (-n) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], (n + pad) // block, block), n
+
+
+def _unblocked(x: Tensor, n: int) -> Tensor:
+    """Inverse of `_blocked`: [..., nb, block] -> [..., n]."""
+    return x.reshape(*x.shape[:-2], -1)[..., :n]
+
+
+def fp8_simulate(x: Tensor, block: int, pow2_scale: bool = True) -> Tensor:
+    """Quantise to FP8 e4m3 and back in blocks of `block` along the last dim (last block may be partial).
+
+    Per block: scale = max(amax, 1e-4) / 448 (rounded up to a power of two when `pow2_scale`),
+    q = e4m3(clamp(x / scale, +-448)); returns q * scale in x.dtype (a new tensor).
+    """
+    if x.shape[-1] == 0:
+        return x.clone()
+    xb, n = _blocked(x.float(), block)  # [..., nb, block]
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_FP8_AMAX_FLOOR)  # [..., nb, 1]
+    scale = amax / FP8_MAX
+    if pow2_scale:
+        scale = pow2_ceil(scale)
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return _unblocked(q * scale, n).to(x.dtype)
+
+
+def round_e2m1(x: Tensor) -> Tensor:
+    """Round fp32 values to the nearest e2m1 value (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), saturating at 6.
+
+    Ties go to the value whose mantissa bit is 0 (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
+    Within each binade the grid is uniform and the mantissa bit is the parity of the grid index, so
+    torch.round (half to even) on the binade's step gives exactly this rule.
+    """
+    x = x.float()
+    a = x.abs()
+    r = torch.where(
+        a < 2.0,
+        torch.round(a * 2.0) * 0.5,  # step 0.5 on [0, 2)
+        torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0),  # step 1 on [2, 4), 2 on [4, 6]
+    )
+    r = r.clamp(max=FP4_MAX)
+    return torch.copysign(r, x)
+
+
+def fp4_simulate(x: Tensor, block: int = 32) -> Tensor:
+    """Quantise to FP4 e2m1 and back in blocks of `block` along the last dim (last block may be partial).
+
+    Per block: scale = pow2_ceil(max(amax, 6 * 2**-126) / 6), q = round_e2m1(clamp(x / scale, +-6));
+    returns q * scale in x.dtype.
+    """
+    if x.shape[-1] == 0:
+        return x.clone()
+    xb, n = _blocked(x.float(), block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_MAX * 2.0**-126)
+    scale = pow2_ceil(amax / FP4_MAX)
+    q = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
+    return _unblocked(q * scale, n).to(x.dtype)
+
+
+_HADAMARD_CACHE: dict[tuple[int, str], Tensor] = {}
+
+
+def _hadamard_matrix(n: int, device: torch.device) -> Tensor:
+    key = (n, str(device))
+    h = _HADAMARD_CACHE.get(key)
+    if h is None:
+        h = torch.ones(1, 1, dtype=torch.float32)
+        while h.shape[0] < n:  # Sylvester: [[H, H], [H, -H]] gives H[i, j] = (-1)**popcount(i & j)
+            h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+        h = h.to(device)
+        _HADAMARD_CACHE[key] = h
+    return h
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """Normalised Walsh-Hadamard transform along the last dim (a power of two), computed in fp32."""
+    n = x.shape[-1]
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"hadamard: last dim {n} is not a power of two")
+    h = _hadamard_matrix(n, x.device)  # [n, n], symmetric
+    return ((x.float() @ h) * n**-0.5).to(x.dtype)
+
+
+def e8m0_to_float(t: Tensor) -> Tensor:
+    """float8_e8m0fnu (or its uint8 bytes) -> fp32 2**(byte - 127); byte 255 is NaN."""
+    if t.dtype == torch.float8_e8m0fnu:
+        t = t.view(torch.uint8)
+    elif t.dtype != torch.uint8:
+        raise ValueError(f"e8m0_to_float: expected float8_e8m0fnu or uint8, got {t.dtype}")
+    b = t.to(torch.int32)
+    # fp32 bit pattern: exponent field = byte for 1..254; byte 0 is the subnormal 2**-127
+    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def float_to_e8m0(t: Tensor) -> Tensor:
+    """fp32 powers of two in [2**-127, 2**127] -> float8_e8m0fnu; ValueError for anything else."""
+    t = t.float()
+    m, e = torch.frexp(t)
+    ok = (m == 0.5) & (t >= _E8M0_MIN) & (t <= _E8M0_MAX)
+    if not bool(ok.all()):
+        bad = t[~ok].flatten()[0].item()
+        raise ValueError(f"float_to_e8m0: {bad!r} is not a power of two in [2**-127, 2**127]")
+    return (e.to(torch.int32) - 1 + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def scale_to_float(scale: Tensor) -> Tensor:
+    """A stored scale as fp32: e8m0 decoded, fp32 as is, anything else float()."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return e8m0_to_float(scale)
+    if scale.dtype == torch.float32:
+        return scale
+    return scale.float()
+
+
+def _tile_expand(values: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
+    """values [R, C] fp32 * scale [ceil(R/br), ceil(C/bc)] broadcast over tiles -> [R, C] fp32."""
+    r, c = values.shape
+    sr, sc = -(-r // block_r), -(-c // block_c)
+    if tuple(scale.shape) != (sr, sc):
+        raise ValueError(f"scale shape {list(scale.shape)}, expected [{sr}, {sc}] for a [{r}, {c}] weight")
+    pr, pc = sr * block_r - r, sc * block_c - c
+    if pr or pc:
+        values = torch.nn.functional.pad(values, (0, pc, 0, pr))
+    tiles = values.reshape(sr, block_r, sc, block_c) * scale[:, None, :, None]
+    return tiles.reshape(sr * block_r, sc * block_c)[:r, :c]
+
+
+def dequantize_fp8(w: Tensor, scale: Tensor, block: int) -> Tensor:
+    """w float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)] (e8m0 or fp32) -> fp32 [out, in]."""
+    if w.dim() != 2:
+        raise ValueError(f"dequantize_fp8: expected a 2-D weight, got shape {list(w.shape)}")
+    return _tile_expand(w.float(), scale_to_float(scale), block, block)
+
+
+_E2M1_LUT = torch.tensor(list(_E2M1_GRID) + [-v for v in _E2M1_GRID], dtype=torch.float32)  # code -> value
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """int8/uint8 [..., in/2] (low nibble = element 2j, high nibble = 2j+1) -> fp32 [..., in]."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"unpack_fp4: expected int8 or uint8, got {packed.dtype}")
+    p = packed.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1)  # [..., in/2, 2]
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return _E2M1_LUT.to(packed.device)[codes]
+
+
+def dequantize_fp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
+    """packed int8 [out, in/2], scale [out, in/block] (e8m0 or fp32) -> fp32 [out, in]."""
+    if packed.dim() != 2:
+        raise ValueError(f"dequantize_fp4: expected a 2-D weight, got shape {list(packed.shape)}")
+    return _tile_expand(unpack_fp4(packed), scale_to_float(scale), 1, block)
+
+
+def pack_fp4(values: Tensor) -> Tensor:
+    """fp32 [..., in] already on the e2m1 grid -> int8 [..., in/2], low nibble first (-0.0 -> code 8)."""
+    if values.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim {values.shape[-1]} is odd")
+    v = values.float()
+    a = v.abs()
+    # grid index of the magnitude: 2a on [0, 2), a + 2 on [2, 4), a/2 + 4 on [4, 6]
+    idx = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0))
+    idx = idx.clamp(0, 7).to(torch.int64)
+    lut = _E2M1_LUT.to(v.device)
+    if not bool((lut[idx] == a).all()):
+        raise ValueError("pack_fp4: values are not all on the e2m1 grid")
+    codes = idx | (torch.signbit(v).to(torch.int64) << 3)
+    codes = codes.reshape(*codes.shape[:-1], -1, 2)
+    byte = codes[..., 0] | (codes[..., 1] << 4)
+    return byte.to(torch.uint8).view(torch.int8)
+
+
+def _pow2_scale(amax: Tensor, qmax: float) -> Tensor:
+    """pow2_ceil(amax / qmax) with a floor so all-zero blocks get a valid (tiny) e8m0 scale."""
+    tiny = torch.finfo(torch.float32).tiny
+    return pow2_ceil(amax.clamp(min=tiny) / qmax).clamp(min=_E8M0_MIN)
+
+
+def _check_finite(w: Tensor, what: str) -> None:
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{what}: weight holds inf or nan")
+
+
+def quantize_weight_fp8(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """w [out, in] -> (float8_e4m3fn [out, in], float8_e8m0fnu scale [ceil(out/block), ceil(in/block)]).
+
+    Each [block x block] tile gets the smallest power-of-two scale with amax / scale <= 448, and the
+    values are rounded to nearest e4m3, so dequantize_fp8 gives the closest such representation.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight_fp8: expected a 2-D weight, got shape {list(w.shape)}")
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    wf = w.float()
+    _check_finite(wf, "quantize_weight_fp8")
+    r, c = wf.shape
+    sr, sc = -(-r // block), -(-c // block)
+    padded = torch.nn.functional.pad(wf, (0, sc * block - c, 0, sr * block - r))
+    tiles = padded.reshape(sr, block, sc, block)
+    amax = tiles.abs().amax(dim=(1, 3))  # [sr, sc]
+    scale = _pow2_scale(amax, FP8_MAX)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(sr * block, sc * block)[:r, :c].contiguous()
+    return q, float_to_e8m0(scale)
+
+
+def quantize_weight_fp4(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """w [out, in] -> (int8 packed [out, in/2], float8_e8m0fnu scale [out, ceil(in/block)]).
+
+    Per row and `block` values along in: scale = pow2_ceil(amax / 6), values round_e2m1(w / scale).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight_fp4: expected a 2-D weight, got shape {list(w.shape)}")
+    if w.shape[1] % 2:
+        raise ValueError(f"quantize_weight_fp4: inner size {w.shape[1]} is odd")
+    wf = w.float()
+    _check_finite(wf, "quantize_weight_fp4")
+    wb, n = _blocked(wf, block)  # [out, nb, block]
+    scale = _pow2_scale(wb.abs().amax(dim=-1), FP4_MAX)  # [out, nb]
+    q = round_e2m1((wb / scale[..., None]).clamp(-FP4_MAX, FP4_MAX))
+    return pack_fp4(_unblocked(q, n)), float_to_e8m0(scale)

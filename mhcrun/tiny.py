@@ -1,0 +1,110 @@
+"""The bundled tiny model: random weights of the V4 architecture, scaled so greedy decoding is decisive.
+
+`make_tiny` writes a DeepSeek-layout checkpoint (config.json, index, >= 2 shards, tokenizer.json);
+with `fp8=True` the linears are stored FP8 e4m3 with e8m0 block scales and the routed experts FP4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from mhcrun.config import ModelConfig, config_from_hf
+from mhcrun.ops.quant import quantize_weight_fp4, quantize_weight_fp8
+from mhcrun.weights import scale_name, stored_format, tensor_specs
+
+TINY_DIR = Path(__file__).parent / "data" / "tiny"
+CONFIGS_DIR = Path(__file__).parent.parent / "configs"
+HEAD_GAIN = 4.0  # logit scale of the head; sets the greedy top-1/top-2 margins
+FP8_BLOCK = 32  # the tiny model's widths (64, 128) are below DeepSeek's 128, so its FP8 blocks are 32
+
+
+def tiny_config_raw() -> dict:
+    return json.loads(resources.files("mhcrun").joinpath("data/tiny/config.json").read_text())
+
+
+def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
+    """A random value for one checkpoint tensor, by its role."""
+
+    def randn(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    n = cfg.hc_mult
+    if name == "embed.weight":
+        return randn(1.0)
+    if name == "head.weight":
+        return randn(HEAD_GAIN / math.sqrt(shape[1]))
+    if name.endswith("norm.weight"):
+        return 1.0 + randn(0.1)
+    if name.endswith("_fn"):  # mHC mixes: small, so the base dominates
+        return randn(0.5 / math.sqrt(shape[1]))
+    if name.endswith("hc_head_base"):
+        return randn(0.5)
+    if name.endswith("_base"):
+        base = randn(0.5)
+        base[2 * n:] += 2.0 * torch.eye(n).flatten()  # comb leans to identity: streams mostly keep
+        return base
+    if name.endswith("_scale"):
+        return 1.0 + randn(0.1).abs()
+    if name.endswith("attn_sink"):
+        return randn(1.0)
+    if name.endswith("ape"):
+        return randn(0.5)
+    if name.endswith("gate.bias"):
+        return randn(0.1)
+    if name.endswith("gate.tid2eid"):
+        rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows).to(torch.int32)
+    return randn(1.0 / math.sqrt(shape[-1]))  # a linear [out, in]
+
+
+def init_tensors(cfg: ModelConfig, seed: int = 0, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors for `cfg`: bf16 weights (fp32 for the tensors the release keeps in fp32);
+    with fp8, the FP8 linears / FP4 experts (plus scales) that `cfg` asks for."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for spec in tensor_specs(cfg):
+        t = init_tensor(spec.name, spec.shape, cfg, g)
+        fmt = stored_format(cfg, spec) if fp8 else spec.kind
+        if fmt == "fp8":
+            out[spec.name], out[scale_name(spec.name)] = quantize_weight_fp8(t, cfg.weight_block_size)
+        elif fmt == "fp4":
+            out[spec.name], out[scale_name(spec.name)] = quantize_weight_fp4(t, 32)
+        elif t.dtype == torch.int32:
+            out[spec.name] = t
+        elif spec.name.startswith("hc_") or ".hc_" in spec.name or spec.name.endswith(
+                ("attn_sink", "ape", "gate.bias")):
+            out[spec.name] = t.float()
+        else:
+            out[spec.name] = t.to(torch.bfloat16)
+    return out
+
+
+def fp8_variant(raw: dict) -> dict:
+    """The config of the FP8-linear / FP4-expert variant."""
+    raw = dict(raw)
+    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "scale_fmt": "ue8m0", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    raw["expert_dtype"] = "fp4"
+    return raw
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool = False) -> Path:
+    """Write the tiny checkpoint (2 shards + index + tokenizer.json) to out_dir."""
+    from mhcrun.checkpoint import write_checkpoint
+    from mhcrun.tokenizer import build_tiny_tokenizer
+
+    raw = json.loads((TINY_DIR / "config.json").read_text()) if (TINY_DIR / "config.json").exists() \
+        else json.loads((CONFIGS_DIR / "tiny.json").read_text())
+    if fp8:
+        raw = fp8_variant(raw)
+    cfg = config_from_hf(raw)
+    corpus = resources.files("mhcrun").joinpath("data/tiny_corpus.txt").read_text()
+    tok = build_tiny_tokenizer(corpus, cfg.vocab_size)
+    tensors = init_tensors(cfg, seed, fp8)
+    return write_checkpoint(out_dir, raw, tensors, n_shards=2, extra_files={"tokenizer.json": tok.to_str()},
+                            force=force)
