@@ -291,14 +291,20 @@ def _load_one(reader: _Reader, plan: _Plan, cfg: ModelConfig) -> torch.Tensor:
     return dequantize_fp4(raw, scale, FP4_BLOCK)
 
 
-def load_checkpoint(path: str | Path, n_layers: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
-    """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
+@dataclass
+class CheckpointPlan:
+    """A checked checkpoint before any tensor data is read: what loads from where, and its size."""
 
-    Float tensors come back as fp32, FP8/FP4 weights dequantised to fp32, `tid2eid` as int64. All headers,
-    dtypes and shapes are checked before any tensor data is read. `progress(done, total)` is called after
-    each tensor.
-    """
+    root: Path
+    config: ModelConfig
+    plans: list[_Plan]
+    shards: dict[str, _Shard]
+    bytes_by_dtype: dict[str, int]  # of the tensors generation loads (scales included)
+    unused: list[str]
+
+
+def plan_checkpoint(path: str | Path, n_layers: int | None = None) -> CheckpointPlan:
+    """Validate a checkpoint directory from its config, index and shard headers alone."""
     root = Path(path)
     if not root.exists():
         raise _fail(f"{root}: checkpoint directory not found")
@@ -317,31 +323,69 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
             raise _fail(f"{shard_path}: shard listed in {map_file.name} is missing")
         shards[shard_file] = _read_shard_header(shard_path)
 
-    specs = tensor_specs(cfg, n_layers)
-    plans, bytes_by_dtype = _plan(cfg, specs, weight_map, map_file, shards)
-
+    plans, bytes_by_dtype = _plan(cfg, tensor_specs(cfg, n_layers), weight_map, map_file, shards)
     known: set[str] = set()
     for spec in tensor_specs(cfg):
         known.add(spec.name)
         if stored_format(cfg, spec) in ("fp8", "fp4"):
             known.add(scale_name(spec.name))
     unused = sorted(n for n in weight_map if n not in known and not n.startswith("mtp."))
+    return CheckpointPlan(root, cfg, plans, shards, bytes_by_dtype, unused)
 
+
+def load_checkpoint(path: str | Path, n_layers: int | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+    """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
+
+    Float tensors come back as fp32, FP8/FP4 weights dequantised to fp32, `tid2eid` as int64. All headers,
+    dtypes and shapes are checked before any tensor data is read. `progress(done, total)` is called after
+    each tensor.
+    """
+    plan = plan_checkpoint(path, n_layers)
+    cfg = plan.config
     tensors: dict[str, torch.Tensor] = {}
     quantized: set[str] = set()
     reader = _Reader()
     try:
-        for done, plan in enumerate(plans, 1):
-            tensors[plan.spec.name] = _load_one(reader, plan, cfg)
-            if plan.fmt in ("fp8", "fp4"):
-                quantized.add(plan.spec.name)
+        for done, p in enumerate(plan.plans, 1):
+            tensors[p.spec.name] = _load_one(reader, p, cfg)
+            if p.fmt in ("fp8", "fp4"):
+                quantized.add(p.spec.name)
             if progress is not None:
-                progress(done, len(plans))
+                progress(done, len(plan.plans))
     finally:
         reader.close()
 
-    weights_hash = checkpoint_weights_hash(root, [s.path for s in shards.values()])
-    return LoadedCheckpoint(root, cfg, tensors, quantized, bytes_by_dtype, unused, weights_hash)
+    weights_hash = checkpoint_weights_hash(plan.root, [s.path for s in plan.shards.values()])
+    return LoadedCheckpoint(plan.root, cfg, tensors, quantized, plan.bytes_by_dtype, plan.unused, weights_hash)
+
+
+def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+    """What `mhcrun info` shows: path, config, layer kinds, parameters and on-disk bytes by dtype.
+
+    Reads the config, the index and the shard headers only (no tensor data).
+    """
+    plan = plan_checkpoint(path)
+    cfg = plan.config
+    params = 0
+    for p in plan.plans:
+        n = 1
+        for d in p.spec.shape:
+            n *= d
+        params += n
+    kinds = [{"layer": i, "attention": cfg.layer_kind(i), "ratio": cfg.compress_ratios[i], "moe": cfg.moe_kind(i)}
+             for i in range(cfg.n_layers)]
+    return {
+        "path": str(plan.root.resolve()),
+        "config": cfg.to_dict(),
+        "config_hash": cfg.fingerprint(),
+        "layer_kinds": kinds,
+        "params": params,
+        "bytes_by_dtype": dict(sorted(plan.bytes_by_dtype.items())),
+        "total_bytes": sum(plan.bytes_by_dtype.values()),
+        "shards": len(plan.shards),
+        "unused_tensors": plan.unused,
+    }
 
 
 def checkpoint_weights_hash(path: Path, shard_files: list[Path]) -> str:

@@ -17,8 +17,6 @@ from mhcrun.config import ModelConfig, config_from_hf
 from mhcrun.ops.quant import quantize_weight_fp4, quantize_weight_fp8
 from mhcrun.weights import scale_name, stored_format, tensor_specs
 
-TINY_DIR = Path(__file__).parent / "data" / "tiny"
-CONFIGS_DIR = Path(__file__).parent.parent / "configs"
 HEAD_GAIN = 4.0  # logit scale of the head; sets the greedy top-1/top-2 margins
 FP8_BLOCK = 32  # the tiny model's widths (64, 128) are below DeepSeek's 128, so its FP8 blocks are 32
 
@@ -98,8 +96,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool
     from mhcrun.checkpoint import write_checkpoint
     from mhcrun.tokenizer import build_tiny_tokenizer
 
-    raw = json.loads((TINY_DIR / "config.json").read_text()) if (TINY_DIR / "config.json").exists() \
-        else json.loads((CONFIGS_DIR / "tiny.json").read_text())
+    raw = tiny_config_raw()
     if fp8:
         raw = fp8_variant(raw)
     cfg = config_from_hf(raw)

@@ -1,0 +1,162 @@
+"""The V4 model: prefill + decode equals a full recompute at every step (per layer kind), batch equals single,
+the compressor's decode steps rebuild what prefill pools, the indexer only picks closed entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mhcrun.config import config_from_hf
+from mhcrun.generate import generate
+from mhcrun.model import build_model
+from mhcrun.tiny import init_tensors, tiny_config_raw
+
+N_TOKENS = 44  # crosses the window (16), CSA groups (4) and two HCA groups (16)
+
+
+def make_model(ratios: list[int], quant_sim: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0):
+    raw = dict(tiny_config_raw(), compress_ratios=ratios, num_hidden_layers=len(ratios))
+    cfg = config_from_hf(raw)
+    model = build_model(cfg, init_tensors(cfg, seed), set(), dtype)
+    model.opts.quant_sim = quant_sim
+    return model
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    model.setup_caches(1, N_TOKENS + 4)
+    return model(torch.tensor([ids]), torch.tensor([0]))[0]
+
+
+@pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
+@pytest.mark.parametrize("ratios", [[0, 0], [4, 4], [16, 16], [0, 4, 16, 4]], ids=["window", "csa", "hca", "mixed"])
+def test_decode_equals_full_recompute_every_step(ratios, quant_sim):
+    model = make_model(ratios, quant_sim)
+    ref = make_model(ratios, quant_sim)
+    ids = torch.randint(3, 512, (N_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
+    start = 3
+    with torch.inference_mode():
+        model.setup_caches(1, N_TOKENS + 4)
+        logits = model(torch.tensor([ids[:start]]), torch.tensor([0]))[0]
+        worst = (logits - prefill_logits(ref, ids[:start])).abs().max().item()
+        for p in range(start, N_TOKENS):
+            logits = model(torch.tensor([[ids[p]]]), torch.tensor([0]), torch.tensor([p]))[0]
+            worst = max(worst, (logits - prefill_logits(ref, ids[: p + 1])).abs().max().item())
+    # with the simulation on, an fp32 rounding difference between the two paths can move a value across an
+    # FP8/FP4 rounding boundary (one quantum of FP4 is coarse), so the bound is looser there
+    bound = 1e-2 if quant_sim else 1e-4
+    assert worst < bound, f"decode drifts from a full recompute by {worst}"
+
+
+def test_batch_with_different_lengths_equals_each_prompt_alone():
+    model = make_model([0, 4, 16, 4])
+    g = torch.Generator().manual_seed(2)
+    prompts = [[0] + torch.randint(3, 512, (n,), generator=g).tolist() for n in (0, 6, 17, 35)]
+    batched = generate(model, prompts, 24, eos_id=1, ignore_eos=True, record_topk=2)
+    for p, b in zip(prompts, batched, strict=True):
+        alone = generate(model, [p], 24, eos_id=1, ignore_eos=True, record_topk=2)[0]
+        assert alone.tokens == b.tokens
+        for m1, m2 in zip(alone.margins, b.margins, strict=True):
+            assert abs(m1 - m2) < 1e-4
+
+
+def test_batch_rows_do_not_leak_into_each_other():
+    """A row's state is reset by its prefill: a second generate on the same model gives the same tokens."""
+    model = make_model([0, 4, 16, 4])
+    prompts = [[0, 5, 9, 11], [0, 7]]
+    first = [r.tokens for r in generate(model, prompts, 20, eos_id=1, ignore_eos=True)]
+    again = [r.tokens for r in generate(model, prompts[::-1], 20, eos_id=1, ignore_eos=True)][::-1]
+    assert first == again
+
+
+@pytest.mark.parametrize("ratio", [4, 16])
+def test_compressor_decode_steps_rebuild_prefill_entries(ratio):
+    model = make_model([ratio], quant_sim=True)
+    comp = model.layers[0].attn.compressor
+    x = torch.randn(1, 37, model.cfg.dim)
+    with torch.inference_mode():
+        model.setup_caches(1, 40)
+        comp.prefill(x, torch.tensor([0]))
+        pooled = comp.cache[0, : 37 // ratio].clone()
+        model.setup_caches(1, 40)
+        comp.prefill(x[:, :1], torch.tensor([0]))
+        for p in range(1, 37):
+            comp.decode(x[:, p:p + 1], torch.tensor([p]), torch.tensor([0]))
+        stepped = comp.cache[0, : 37 // ratio]
+    assert torch.allclose(pooled, stepped, atol=1e-5)
+    assert pooled.abs().sum() > 0
+
+
+def test_indexer_chooses_only_closed_entries_and_at_most_topk():
+    model = make_model([4])
+    attn = model.layers[0].attn
+    cfg = model.cfg
+    s = 40
+    x = torch.randn(1, s, cfg.dim)
+    with torch.inference_mode():
+        model.setup_caches(1, 48)
+        freqs = attn.freqs[:s].unsqueeze(0)
+        qr, _, _ = attn.project(x, freqs)
+        chosen = attn.indexer.prefill(x, qr, torch.tensor([0]), freqs)[0]  # [s, s // 4]
+    for t in range(s):
+        closed = (t + 1) // 4
+        picked = torch.nonzero(chosen[t]).flatten().tolist()
+        assert all(j < closed for j in picked)
+        assert len(picked) == min(cfg.index_topk, closed)
+
+
+def test_quant_sim_switch_changes_numerics_but_bf16_and_fp32_agree_roughly():
+    ids = [0, 17, 99, 3, 250, 41, 7, 300]
+    on = make_model([0, 4, 16, 4], quant_sim=True)
+    off = make_model([0, 4, 16, 4], quant_sim=False)
+    bf16 = make_model([0, 4, 16, 4], quant_sim=True, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        a, b, c = (prefill_logits(m, ids) for m in (on, off, bf16))
+    assert (a - b).abs().max() > 1e-4  # the FP8/FP4 simulation is really applied
+    assert (a - b).abs().max() < 2.0  # same model, slightly different numerics
+    assert (a - c).abs().max() < 1.0
+
+
+def test_fp8_variant_kept_as_dequantised_weights_quantises_activations(tmp_path):
+    from mhcrun.checkpoint import load_checkpoint
+    from mhcrun.tiny import make_tiny
+
+    path = make_tiny(tmp_path / "t8", fp8=True)
+    ck = load_checkpoint(path)
+    assert "layers.1.attn.wq_a.weight" in ck.quantized and "layers.1.ffn.experts.0.w1.weight" in ck.quantized
+    model = build_model(ck.config, ck.tensors, ck.quantized)
+    assert model.layers[1].attn.wq_a.quantized and not model.layers[1].attn.wo_a.act_quant
+    ids = [0, 12, 40, 7, 9]
+    with torch.inference_mode():
+        on = prefill_logits(model, ids)
+        model.opts.quant_sim = False
+        off = prefill_logits(model, ids)
+    assert (on - off).abs().max() > 1e-4
+
+
+def test_bundled_tiny_model_and_goldens_cover_every_layer_kind():
+    from mhcrun.runner import DEFAULT_MODEL
+
+    cfg = config_from_hf(json.loads((DEFAULT_MODEL / "config.json").read_text()))
+    kinds = {cfg.layer_kind(i) for i in range(cfg.n_layers)} | {cfg.moe_kind(i) for i in range(cfg.n_layers)}
+    assert kinds == {"window", "csa", "hca", "hash", "routed"}
+    assert (cfg.head_dim - cfg.rope_head_dim) % 64 == 0
+    assert cfg.index_head_dim >= cfg.rope_head_dim and cfg.index_head_dim & (cfg.index_head_dim - 1) == 0
+    golden = json.loads(open("tests/golden/tiny.json").read())
+    lengths = [len(p["prompt_ids"]) for p in golden["prompts"]]
+    hca = max(cfg.compress_ratios)
+    assert len(lengths) >= 9 and min(lengths) == 1 and max(lengths) > 2 * hca
+    assert any(n < cfg.window_size < n + 32 for n in lengths)  # crosses the window while decoding
+    assert all(len(p["tokens"]) >= 32 for p in golden["prompts"])
+    # the longest prompts leave the indexer more closed entries than it may pick
+    assert (max(lengths) + 32) // 4 > cfg.index_topk
+    margins = sorted(s["margin"] for p in golden["prompts"] for s in p["steps"])
+    assert margins[len(margins) // 2] >= 0.1
+
+
+def test_config_dataclass_is_frozen():
+    cfg = config_from_hf(tiny_config_raw())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dim = 3  # type: ignore[misc]
