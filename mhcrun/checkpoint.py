@@ -23,7 +23,7 @@ from safetensors.torch import save as safetensors_save
 
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
-from mhcrun.fileio import write_atomic
+from mhcrun.fileio import read_json, write_atomic
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 
@@ -165,12 +165,7 @@ def _read_weight_map(root: Path) -> tuple[dict[str, str], Path]:
     """The name -> shard file map, and the file it came from (the index or the single shard)."""
     index = root / INDEX_FILE
     if index.exists():
-        try:
-            raw = json.loads(index.read_text())
-        except json.JSONDecodeError as e:
-            raise _fail(f"{index}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise _fail(f"{index}: cannot read ({e})") from None
+        raw = read_json(index, CheckpointError)
         if not isinstance(raw, dict) or "weight_map" not in raw:
             raise _fail(f"{index}: no 'weight_map' object")
         wm = raw["weight_map"]

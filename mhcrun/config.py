@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mhcrun.errors import ConfigError
+from mhcrun.fileio import read_json
 
 
 @dataclass(frozen=True)
@@ -255,10 +256,5 @@ def load_config(path: str | Path) -> ModelConfig:
     file = find_config_file(path)
     if not file.exists():
         raise ConfigError(f"{file}: config file not found")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read ({e})") from None
+    raw = read_json(file, ConfigError)
     return config_from_hf(raw, str(file))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from mhcrun.errors import InputError
+from mhcrun.errors import InputError, MhcrunError
 
 
 def check_writable(path: str | Path, force: bool) -> Path:
@@ -36,3 +38,16 @@ def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def read_json(path: str | Path, error: type[MhcrunError]) -> Any:
+    """Parse a JSON file; a missing, unreadable or malformed one raises `error` naming the file."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise error(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except FileNotFoundError:
+        raise error(f"{p}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{p}: cannot read ({e})") from None
