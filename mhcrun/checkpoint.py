@@ -23,7 +23,7 @@ from safetensors.torch import save as safetensors_save
 
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
-from mhcrun.fileio import read_json, write_atomic
+from mhcrun.fileio import make_dirs, read_json, write_atomic
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 
@@ -483,7 +483,7 @@ def write_checkpoint(out_dir: str | Path, config_raw: dict, tensors: dict[str, t
     groups = _split_groups([t.nbytes for _, t in items], n) if items else [(0, 0)]
     weight_map: dict[str, str] = {}
     total_size = 0
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     write_atomic(out / "config.json", json.dumps(config_raw, indent=2), force=force)
     for i, (a, b) in enumerate(groups, 1):
         shard_name = f"model-{i:05d}-of-{n:05d}.safetensors"

@@ -7,6 +7,7 @@ prints one line too unless `--debug` asks for the traceback.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -106,10 +107,12 @@ def generate(
 
         if max_new_tokens < 0:
             raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InputError(f"--temperature must be a finite number >= 0, got {temperature}")
+        if not 0 < top_p <= 1:  # also false for nan
             raise InputError(f"--top-p must be in (0, 1], got {top_p}")
+        if not 0 <= seed < 2**63:
+            raise InputError(f"--seed must be in [0, 2**63), got {seed}")
         graph_mode_option(graph_mode)
         runner = load_runner(model, dtype, quant_sim, device)
         names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)

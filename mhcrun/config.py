@@ -130,6 +130,17 @@ _INT_FIELDS = {f.name for f in fields(ModelConfig) if f.type in ("int",)}
 _FLOAT_FIELDS = {f.name for f in fields(ModelConfig) if f.type in ("float",)}
 
 
+def hf_key(field_name: str) -> str:
+    """The config.json key of a ModelConfig field (for error messages)."""
+    if field_name == "rope_factor":
+        return "rope_scaling.factor"
+    if field_name == "original_seq_len":
+        return "rope_scaling.original_max_position_embeddings"
+    if field_name == "weight_block_size":
+        return "quantization_config.weight_block_size"
+    return next((k for k, v in _HF_KEYS.items() if v == field_name), field_name)
+
+
 def _check_type(where: str, key: str, value: Any, kind: type) -> Any:
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -147,7 +158,7 @@ def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConf
         raise ConfigError(f"{where}: expected a JSON object at the top level")
     if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"{where}: model_type is {raw['model_type']!r}, mhcrun runs 'deepseek_v4'")
-    missing = [k for k in _REQUIRED if k not in raw]
+    missing = [k for k in _REQUIRED if raw.get(k) is None]
     if missing:
         raise ConfigError(f"{where}: missing required key(s): {', '.join(missing)}")
     kw: dict[str, Any] = {}
@@ -209,9 +220,15 @@ def validate_config(cfg: ModelConfig, where: str = "config.json") -> None:
     for name in ["vocab_size", "dim", "n_layers", "n_heads", "q_lora_rank", "head_dim", "rope_head_dim",
                  "o_groups", "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts",
                  "moe_inter_dim", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
-                 "hc_sinkhorn_iters"]:
+                 "hc_sinkhorn_iters", "max_position_embeddings", "weight_block_size"]:
         if getattr(cfg, name) <= 0:
-            bad(f"'{name}' must be positive, got {getattr(cfg, name)}")
+            bad(f"'{hf_key(name)}' must be positive, got {getattr(cfg, name)}")
+    for name in ["n_hash_layers", "n_mtp_layers", "bos_token_id", "eos_token_id", "original_seq_len"]:
+        if getattr(cfg, name) < 0:
+            bad(f"'{hf_key(name)}' must be >= 0, got {getattr(cfg, name)}")
+    for name in ["rope_factor", "rope_theta", "compress_rope_theta", "norm_eps", "hc_eps"]:
+        if not getattr(cfg, name) > 0:
+            bad(f"'{hf_key(name)}' must be positive, got {getattr(cfg, name)}")
     if len(cfg.compress_ratios) < cfg.n_layers:
         bad(f"'compress_ratios' has {len(cfg.compress_ratios)} entries but there are {cfg.n_layers} layers")
     for i, r in enumerate(cfg.compress_ratios):

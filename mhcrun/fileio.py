@@ -12,19 +12,37 @@ from mhcrun.errors import InputError, MhcrunError
 
 
 def check_writable(path: str | Path, force: bool) -> Path:
-    """Refuse to overwrite an existing file unless forced."""
+    """Refuse to overwrite an existing file unless forced, or to write where a file cannot go."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory (give a file path)")
     if p.exists() and not force:
         raise InputError(f"{p}: already exists (use --force to overwrite)")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{p}: cannot write, {parent} is not a directory")
+            break
     return p
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, with a failure as one user-facing line."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{path}: cannot create directory ({e.strerror or e})") from None
 
 
 def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Path:
     """Write to a temp file beside `path`, fsync, then rename over it."""
     p = check_writable(path, force)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(p.parent)
     blob = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    except OSError as e:
+        raise InputError(f"{p}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
@@ -34,6 +52,9 @@ def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Pa
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, p)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"{p}: cannot write ({e.strerror or e})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -49,5 +70,7 @@ def read_json(path: str | Path, error: type[MhcrunError]) -> Any:
         raise error(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except FileNotFoundError:
         raise error(f"{p}: file not found") from None
+    except IsADirectoryError:
+        raise error(f"{p}: is a directory, not a file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"{p}: cannot read ({e})") from None

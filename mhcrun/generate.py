@@ -93,6 +93,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
     results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     if max_new_tokens == 0:
+        for res in results:
+            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb()}
         return results
     gen = torch.Generator().manual_seed(sampling.seed)
     model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)

@@ -136,6 +136,8 @@ def _reject_constant(name: str) -> Any:
 def load_golden(path: str | Path) -> dict:
     """Read and fully validate a golden file; any problem raises a one-line GoldenError."""
     p = Path(path)
+    if p.is_dir():
+        raise GoldenError(f"{p}: is a directory, not a golden file")
     if not p.is_file():
         raise GoldenError(f"{p}: golden file not found")
     try:

@@ -41,6 +41,8 @@ def _check_ids(value: Any, vocab_size: int | None) -> str | None:
 def read_prompts_file(path: str | Path, vocab_size: int | None = None) -> list[Prompt]:
     """Read a JSON Lines prompts file; any problem raises InputError naming the file and line."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory, not a prompts file")
     if not p.is_file():
         raise InputError(f"{p}: prompts file not found")
     try:

@@ -1,0 +1,837 @@
+"""The `mhcrun` command line as a user meets it: exit codes, stdout/stderr, files written or left alone.
+
+Most cases run in-process through Typer's CliRunner (stdout and stderr kept apart); a few run the real
+`mhcrun` console script in a subprocess to prove the exit code and the single `error:` line end to end.
+Broken checkpoints are copies of the bundled tiny model edited in tmp_path.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mhcrun.cli import DEFAULT_PROMPT, app
+from mhcrun.runner import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "tests" / "golden" / "tiny.json"
+INDEX = "model.safetensors.index.json"
+SHARD1 = "model-00001-of-00002.safetensors"
+SHARD2 = "model-00002-of-00002.safetensors"
+LINEAR = "layers.0.attn.wq_a.weight"  # a bf16 [64, 128] linear of the tiny model
+IDS = "0,5,6"
+N = 4
+STATS_KEYS = {"prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb"}
+STATS_LINE = re.compile(r"^prompt tokens \d+ \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| compile [\d.]+ s "
+                        r"\| peak RSS \d+ MB$")
+
+try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps result.stderr apart
+    RUNNER = CliRunner(mix_stderr=False)
+except TypeError:
+    RUNNER = CliRunner()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def cli(*args: object, env: dict[str, str | None] | None = None):
+    return RUNNER.invoke(app, [str(a) for a in args], env=env)
+
+
+def ok(result) -> None:
+    """Assert exit 0 and no traceback, showing the output when not."""
+    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def user_error(result, *needles: str, code: int = 2) -> str:
+    """Assert the CLI's contract for bad input: exit `code`, stderr exactly one `error: ...` line naming
+    every needle, no traceback anywhere, and no exception other than the exit. Returns the line."""
+    out, err = result.stdout, result.stderr
+    assert result.exit_code == code, f"exit {result.exit_code}, want {code}\nstdout:\n{out}\nstderr:\n{err}"
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"want one stderr line, got {len(lines)}:\n{err}"
+    line = lines[0]
+    assert line.startswith("error: ") and line[len("error: "):].strip(), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    assert "internal error" not in line, line  # a user error is not reported as a bug
+    return line
+
+
+def json_lines(result) -> list[dict]:
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def gen_json(*args: object, env: dict[str, str | None] | None = None) -> list[dict]:
+    r = cli("generate", *args, "--json", env=env)
+    ok(r)
+    return json_lines(r)
+
+
+def snapshot(path: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under `path` (or of `path` itself)."""
+    if path.is_file():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def copy_tiny(dst: Path) -> Path:
+    shutil.copytree(DEFAULT_MODEL, dst)
+    return dst
+
+
+DELETE = object()
+
+
+def edit_config(ckpt: Path, **changes: object) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key, value in changes.items():
+        if value is DELETE:
+            del cfg[key]
+        else:
+            cfg[key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def rewrite_tensor(ckpt: Path, name: str, tensor: torch.Tensor | None, fix_index: bool = True) -> Path:
+    """Re-save the shard holding `name` with `tensor` in its place (None: without it; then also drop it
+    from the index unless fix_index is False). Returns the shard path."""
+    index = json.loads((ckpt / INDEX).read_text())
+    shard = ckpt / index["weight_map"][name]
+    tensors = load_file(shard)
+    if tensor is None:
+        del tensors[name]
+        if fix_index:
+            del index["weight_map"][name]
+    else:
+        tensors[name] = tensor
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (ckpt / INDEX).write_text(json.dumps(index, indent=2))
+    return shard
+
+
+def load_golden_json(path: Path = GOLDEN) -> dict:
+    return json.loads(path.read_text())
+
+
+def write_json(path: Path, obj: dict) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def swap_top1(golden: dict, pid: str, step: int, margin: float | None = None) -> tuple[int, int, float]:
+    """Make the recorded winner at (pid, step) the runner-up and vice versa, consistently: the generated
+    token and top[0][0] change together (golden.load_golden requires it). Optionally set the margin.
+    Returns (new expected token, the token the model really produces, the margin now recorded)."""
+    p = next(p for p in golden["prompts"] if p["id"] == pid)
+    s = p["steps"][step]
+    real, other = s["top"][0][0], s["top"][1][0]
+    s["top"][0][0], s["top"][1][0] = other, real
+    p["tokens"][step] = other
+    if margin is not None:
+        s["margin"] = margin
+    return other, real, s["margin"]
+
+
+def subset(golden: dict, *pids: str) -> dict:
+    """A copy keeping only the named prompts (a smaller, still valid, golden file: faster to check)."""
+    g = copy.deepcopy(golden)
+    g["prompts"] = [p for p in g["prompts"] if p["id"] in pids]
+    assert [p["id"] for p in g["prompts"]] == [p for p in pids if p in {q["id"] for q in golden["prompts"]}]
+    return g
+
+
+def truncate(golden: dict, n: int) -> dict:
+    """A copy whose prompts keep their first n tokens (and steps), with settings.max_new_tokens = n."""
+    g = copy.deepcopy(golden)
+    g["settings"]["max_new_tokens"] = n
+    for p in g["prompts"]:
+        p["tokens"], p["steps"] = p["tokens"][:n], p["steps"][:n]
+    return g
+
+
+def console_script() -> list[str]:
+    exe = Path(sys.executable).parent / "mhcrun"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("mhcrun")
+    return [found] if found else [sys.executable, "-m", "mhcrun.cli"]
+
+
+def run_script(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*console_script(), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def greedy_ref() -> dict:
+    """The bundled model's greedy continuation of IDS (N tokens)."""
+    (res,) = gen_json("--prompt-ids", IDS, "-n", N)
+    return res
+
+
+@pytest.fixture(scope="module")
+def made_tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("make") / "tiny"
+    r = cli("make-tiny", out)
+    ok(r)
+    assert str(out) in r.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def made_fp8(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("make") / "tiny-fp8"
+    ok(cli("make-tiny", out, "--fp8"))
+    return out
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    """A private, editable copy of the bundled tiny checkpoint."""
+    return copy_tiny(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    return load_golden_json()
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def test_generate_default_prompt_streams_text_and_prints_stats():
+    r = cli("generate", "-n", N)
+    ok(r)
+    assert r.stdout.startswith(DEFAULT_PROMPT)
+    assert len(r.stdout.strip()) > len(DEFAULT_PROMPT)  # something was generated after the prompt
+    err_lines = r.stderr.splitlines()
+    assert len(err_lines) == 1 and STATS_LINE.match(err_lines[-1]), r.stderr
+
+
+def test_generate_prompt_ids_json(greedy_ref):
+    res = greedy_ref
+    assert set(res) >= {"tokens", "prompt_tokens", "text", "stats"}
+    assert len(res["tokens"]) == N and all(isinstance(t, int) and 0 <= t < 512 for t in res["tokens"])
+    assert res["prompt_tokens"] == 3
+    assert res["prompt_ids"] == [0, 5, 6]
+    assert isinstance(res["text"], str)
+    assert set(res["stats"]) == STATS_KEYS
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in res["stats"].values())
+    assert res["stats"]["peak_rss_mb"] > 0
+
+
+def test_generate_json_is_one_object_per_line():
+    r = cli("generate", "--prompt-ids", IDS, "-n", N, "--json")
+    ok(r)
+    assert len(r.stdout.splitlines()) == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_prompt_ids_used_as_given_without_bos():
+    (res,) = gen_json("--prompt-ids", "5, 6", "-n", 2)
+    assert res["prompt_ids"] == [5, 6] and res["prompt_tokens"] == 2
+
+
+def test_generate_text_prompt_gets_bos():
+    (res,) = gen_json("--prompt", "The mill", "-n", 1)
+    assert res["prompt_ids"][0] == 0  # config bos_token_id
+    assert res["prompt_tokens"] == len(res["prompt_ids"]) > 1
+
+
+def test_generate_prompts_file_batch(tmp_path, greedy_ref):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text('{"id": "a", "prompt": "The river"}\n\n'
+                  '{"id": "b", "prompt_ids": [0, 5, 6]}\n'
+                  '{"prompt_ids": [7, 8, 9, 10]}\n')
+    rows = gen_json("--prompts-file", pf, "-n", N)
+    assert [r["id"] for r in rows] == ["a", "b", "p2"]
+    assert all(len(r["tokens"]) == N and set(r["stats"]) == STATS_KEYS for r in rows)
+    assert rows[0]["prompt_ids"][0] == 0
+    assert rows[2]["prompt_ids"] == [7, 8, 9, 10]
+    # a sequence's tokens do not depend on what it is batched with
+    assert rows[1]["tokens"] == greedy_ref["tokens"]
+
+
+def test_generate_prompts_file_plain_output(tmp_path):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text('{"id": "first", "prompt": "The river"}\n{"id": "second", "prompt": "Rain"}\n')
+    r = cli("generate", "--prompts-file", pf, "-n", 2)
+    ok(r)
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["first", "second"]
+    assert lines[0].startswith("first: The river") and lines[1].startswith("second: Rain")
+    assert STATS_LINE.match(r.stderr.strip())
+
+
+def test_generate_greedy_is_deterministic(greedy_ref):
+    (again,) = gen_json("--prompt-ids", IDS, "-n", N)
+    assert again["tokens"] == greedy_ref["tokens"]
+    assert again["text"] == greedy_ref["text"]
+
+
+def test_generate_sampling_is_reproducible_per_seed():
+    args = ("--prompt-ids", IDS, "-n", 8, "--temperature", 0.8)
+    (a,) = gen_json(*args, "--seed", 1)
+    (b,) = gen_json(*args, "--seed", 1)
+    (c,) = gen_json(*args, "--seed", 2)
+    (greedy,) = gen_json("--prompt-ids", IDS, "-n", 8)
+    assert a["tokens"] == b["tokens"]
+    assert len(a["tokens"]) == len(c["tokens"]) == 8
+    # it really samples: 8 tokens at T=0.8 from two seeds all equal to greedy would be a broken sampler
+    assert not (a["tokens"] == c["tokens"] == greedy["tokens"])
+
+
+@pytest.mark.parametrize("flags", [("--dtype", "bf16"), ("--no-quant-sim",), ("--top-p", "0.5", "--temperature",
+                                                                              "1.0")])
+def test_generate_other_settings_run(flags):
+    (res,) = gen_json("--prompt-ids", IDS, "-n", N, *flags)
+    assert len(res["tokens"]) == N and all(0 <= t < 512 for t in res["tokens"])
+
+
+def test_generate_graph_mode_env_and_flag(greedy_ref):
+    (res,) = gen_json("--prompt-ids", IDS, "-n", N, env={"MHCRUN_GRAPH_MODE": "eager"})
+    assert res["tokens"] == greedy_ref["tokens"]
+    (res,) = gen_json("--prompt-ids", IDS, "-n", N, "--graph-mode", "eager")
+    assert res["tokens"] == greedy_ref["tokens"]
+
+
+def test_generate_zero_new_tokens():
+    (res,) = gen_json("--prompt-ids", IDS, "-n", 0)
+    assert res["tokens"] == [] and res["prompt_ids"] == [0, 5, 6]
+
+
+def test_generate_ids_without_tokenizer(ckpt, greedy_ref):
+    (ckpt / "tokenizer.json").unlink()
+    (res,) = gen_json("--model", ckpt, "--prompt-ids", IDS, "-n", N)
+    assert res["tokens"] == greedy_ref["tokens"] and res["text"] == ""
+    before = snapshot(ckpt)
+    user_error(cli("generate", "--model", ckpt, "-n", 2), "tokenizer.json", "--prompt-ids")
+    assert snapshot(ckpt) == before
+
+
+# ---------------------------------------------------------------------------------------------- info
+
+
+def test_info_json():
+    r = cli("info", "--json")
+    ok(r)
+    desc = json.loads(r.stdout)
+    assert set(desc) >= {"path", "config", "layer_kinds", "params", "bytes_by_dtype"}
+    assert Path(desc["path"]) == DEFAULT_MODEL.resolve()
+    assert desc["config"]["n_layers"] == len(desc["layer_kinds"]) == 4
+    assert desc["params"] > 0
+    assert {k["attention"] for k in desc["layer_kinds"]} == {"window", "csa", "hca"}
+    assert {k["moe"] for k in desc["layer_kinds"]} == {"hash", "routed"}
+    assert desc["bytes_by_dtype"] and all(v > 0 for v in desc["bytes_by_dtype"].values())
+    assert "bfloat16" in desc["bytes_by_dtype"]
+    # the bundled tensors are all counted: bytes on disk are at least the tensor bytes
+    shards = sum((DEFAULT_MODEL / s).stat().st_size for s in (SHARD1, SHARD2))
+    assert sum(desc["bytes_by_dtype"].values()) <= shards
+
+
+def test_info_table():
+    r = cli("info")
+    ok(r)
+    for word in ("layers", "window", "csa", "hca", "hash", "routed", "bfloat16", "parameters:"):
+        assert word in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- make-tiny
+
+
+def test_make_tiny_matches_bundled(made_tiny, greedy_ref):
+    assert {p.name for p in made_tiny.iterdir()} >= {"config.json", INDEX, SHARD1, SHARD2, "tokenizer.json"}
+    (res,) = gen_json("--model", made_tiny, "--prompt-ids", IDS, "-n", N)
+    assert res["tokens"] == greedy_ref["tokens"]
+    (res,) = gen_json("--model", made_tiny, "-n", N)
+    (ref,) = gen_json("-n", N)
+    assert res["tokens"] == ref["tokens"] and res["prompt_ids"] == ref["prompt_ids"]
+    mine, bundled = json.loads(cli("info", "--model", made_tiny, "--json").stdout), json.loads(cli("info", "--json")
+                                                                                               .stdout)
+    assert mine["config_hash"] == bundled["config_hash"] and mine["params"] == bundled["params"]
+
+
+def test_make_tiny_fp8(made_fp8):
+    r = cli("info", "--model", made_fp8, "--json")
+    ok(r)
+    by_dtype = json.loads(r.stdout)["bytes_by_dtype"]
+    assert "float8_e4m3fn" in by_dtype and "int8" in by_dtype, by_dtype
+    (res,) = gen_json("--model", made_fp8, "--prompt-ids", IDS, "-n", N)
+    assert len(res["tokens"]) == N and all(0 <= t < 512 for t in res["tokens"])
+
+
+def test_make_tiny_refuses_non_empty_dir(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    user_error(cli("make-tiny", out), str(out), "--force")
+    assert snapshot(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
+    ok(cli("make-tiny", out, "--force"))
+    assert (out / "config.json").is_file() and (out / SHARD2).is_file()
+
+
+def test_make_tiny_onto_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    user_error(cli("make-tiny", f), str(f))
+    assert f.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------------------- golden-check
+
+
+def test_golden_check_bundled_passes(golden):
+    r = cli("golden-check", GOLDEN)
+    ok(r)
+    n = len(golden["prompts"])
+    assert f"OK: {n} prompts, {n} match, 0 near-tie, 0 mismatch" in r.stdout
+    assert r.stderr == ""
+
+
+def _largest_margin_step(prompt: dict) -> int:
+    margins = [s["margin"] for s in prompt["steps"]]
+    return margins.index(max(margins))
+
+
+def test_golden_check_mismatch(tmp_path, golden):
+    g = subset(golden, golden["prompts"][0]["id"], golden["prompts"][1]["id"])
+    pid = g["prompts"][0]["id"]
+    step = _largest_margin_step(g["prompts"][0])
+    want, got, margin = swap_top1(g, pid, step)
+    assert margin >= g["tolerance"]
+    path = write_json(tmp_path / "bad.json", g)
+
+    r = cli("golden-check", path)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and r.stderr == ""
+    row = next(line for line in r.stdout.splitlines() if f" {pid} " in line)
+    assert "MISMATCH" in row
+    cells = [c.strip() for c in re.split(r"[│|]", row)]
+    assert str(step) in cells
+    assert any(c.split(" ")[0] == str(want) for c in cells) and any(c.split(" ")[0] == str(got) for c in cells)
+    assert "FAILED" in r.stdout
+
+    r = cli("golden-check", path, "--json")
+    assert r.exit_code == 1
+    rep = json.loads(r.stdout)
+    assert rep["ok"] is False and rep["counts"] == {"match": 1, "near-tie": 0, "mismatch": 1}
+    first = rep["prompts"][0]
+    assert (first["id"], first["status"], first["step"]) == (pid, "mismatch", step)
+    assert (first["expected"], first["got"], first["matched"]) == (want, got, step)
+    assert first["margin"] == pytest.approx(margin)
+    assert rep["prompts"][1]["status"] == "match"
+
+
+def test_golden_check_natural_near_tie_passes(tmp_path, golden):
+    """Change the token at the golden step with the smallest recorded margin: a near-tie, exit 0."""
+    tol = golden["tolerance"]
+    pid, step, margin = min(((p["id"], j, s["margin"]) for p in golden["prompts"] for j, s in enumerate(p["steps"])),
+                            key=lambda x: x[2])
+    assert margin < tol, "the bundled golden file has no step below its tolerance"
+    g = subset(golden, pid)
+    want, got, _ = swap_top1(g, pid, step)
+    path = write_json(tmp_path / "tie.json", g)
+    r = cli("golden-check", path, "--json")
+    ok(r)
+    rep = json.loads(r.stdout)
+    assert rep["ok"] is True and rep["counts"]["near-tie"] == 1
+    p = rep["prompts"][0]
+    assert (p["status"], p["step"], p["expected"], p["got"]) == ("near-tie", step, want, got)
+
+
+def test_golden_check_edited_margin_near_tie_passes(tmp_path, golden):
+    """A confident step turned into a near-tie by editing its margin together with its token."""
+    g = subset(golden, golden["prompts"][0]["id"])
+    pid = g["prompts"][0]["id"]
+    step = _largest_margin_step(g["prompts"][0])
+    swap_top1(g, pid, step, margin=g["tolerance"] / 2)
+    path = write_json(tmp_path / "tie.json", g)
+    r = cli("golden-check", path)
+    ok(r)
+    assert "near-tie" in r.stdout and "OK: 1 prompts, 0 match, 1 near-tie, 0 mismatch" in r.stdout
+    # the same edit at exactly the tolerance is not a near-tie
+    swap_top1(g, pid, step)  # back to the real token
+    swap_top1(g, pid, step, margin=g["tolerance"])
+    r = cli("golden-check", write_json(path, g), "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["prompts"][0]["status"] == "mismatch"
+
+
+def test_golden_check_other_model(tmp_path, golden):
+    g = subset(golden, golden["prompts"][0]["id"])
+    g["model"]["config_hash"] = "0123456789abcdef"
+    path = write_json(tmp_path / "other.json", g)
+    before = snapshot(path)
+    user_error(cli("golden-check", path), str(path), "another model", "0123456789abcdef", "--force")
+    assert snapshot(path) == before
+
+    r = cli("golden-check", path, "--force", "--json")
+    ok(r)
+    assert json.loads(r.stdout)["ok"] is True
+    assert r.stderr.startswith("warning: ") and "another model" in r.stderr
+
+    g["model"]["config_hash"] = golden["model"]["config_hash"]
+    g["model"]["weights_hash"] = "fedcba9876543210"
+    user_error(cli("golden-check", write_json(path, g)), "weights", "fedcba9876543210")
+
+
+def test_golden_check_other_model_name_only_warns(tmp_path, golden):
+    g = subset(golden, golden["prompts"][0]["id"])
+    g["model"]["name"] = "renamed"
+    r = cli("golden-check", write_json(tmp_path / "renamed.json", g))
+    ok(r)
+    assert r.stderr.startswith("warning: ") and "renamed" in r.stderr
+
+
+@pytest.mark.parametrize("case", ["not-json", "wrong-format", "missing-key", "bad-margin", "inconsistent-top1",
+                                  "missing-file", "directory"])
+def test_golden_check_bad_file(tmp_path, golden, case):
+    path = tmp_path / "g.json"
+    g = copy.deepcopy(golden)
+    needles: tuple[str, ...]
+    if case == "not-json":
+        path.write_text("{not json")
+        needles = ("not valid JSON",)
+    elif case == "wrong-format":
+        write_json(path, {"format": "something-else", "version": 1})
+        needles = ("format",)
+    elif case == "missing-key":
+        del g["tolerance"]
+        write_json(path, g)
+        needles = ("tolerance",)
+    elif case == "bad-margin":
+        g["prompts"][1]["steps"][2]["margin"] = "big"
+        write_json(path, g)
+        needles = ("prompts[1].steps[2].margin",)
+    elif case == "inconsistent-top1":
+        g["prompts"][0]["tokens"][3] = (g["prompts"][0]["tokens"][3] + 1) % 512
+        write_json(path, g)
+        needles = ("prompts[0].steps[3].top[0][0]",)
+    elif case == "missing-file":
+        needles = ("not found",)
+    else:
+        path.mkdir()
+        needles = ()
+    before = snapshot(path) if path.exists() else None
+    user_error(cli("golden-check", path), str(path), *needles)
+    user_error(cli("golden-check", path, "--json"), str(path), *needles)
+    assert (snapshot(path) if path.exists() else None) == before
+
+
+def test_golden_check_unknown_graph_mode():
+    user_error(cli("golden-check", GOLDEN, "--graph-mode", "turbo"), "turbo", "eager")
+    user_error(cli("golden-check", GOLDEN, env={"MHCRUN_GRAPH_MODE": "turbo"}), "turbo")
+
+
+# ---------------------------------------------------------------------------------------------- golden-record
+
+
+def test_golden_record_then_check_and_overwrite_rules(tmp_path):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text('{"id": "t", "prompt": "The river"}\n{"id": "i", "prompt_ids": [0, 5, 6]}\n')
+    out = tmp_path / "g.json"
+    r = cli("golden-record", "--prompts-file", pf, "--out", out, "-n", N)
+    ok(r)
+    assert str(out) in r.stdout
+    g = load_golden_json(out)
+    assert [p["id"] for p in g["prompts"]] == ["t", "i"]
+    assert all(len(p["tokens"]) == N for p in g["prompts"])
+    assert g["settings"]["max_new_tokens"] == N and g["prompts"][1]["prompt_ids"] == [0, 5, 6]
+    assert not list(tmp_path.glob(".g.json.*"))  # no temp files left behind
+
+    r = cli("golden-check", out, "--json")
+    ok(r)
+    assert json.loads(r.stdout)["counts"]["match"] == 2
+
+    before = out.read_bytes()
+    user_error(cli("golden-record", "--prompts-file", pf, "--out", out, "-n", 3), str(out), "--force")
+    assert out.read_bytes() == before
+
+    ok(cli("golden-record", "--prompts-file", pf, "--out", out, "-n", 3, "--force"))
+    g = load_golden_json(out)
+    assert g["settings"]["max_new_tokens"] == 3 and all(len(p["tokens"]) == 3 for p in g["prompts"])
+    ok(cli("golden-check", out))
+
+
+@pytest.mark.parametrize("case", ["missing-prompts", "bad-prompts-line", "n-zero", "top-k-one"])
+def test_golden_record_bad_input(tmp_path, case):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text('{"prompt_ids": [0, 5]}\n')
+    out = tmp_path / "g.json"
+    extra: tuple = ()
+    if case == "missing-prompts":
+        pf.unlink()
+        needles = (str(pf), "not found")
+    elif case == "bad-prompts-line":
+        pf.write_text('{"prompt_ids": [0, 5]}\n{"prompt_ids": [0, 9999]}\n')
+        needles = (f"{pf}:2", "9999")
+    elif case == "n-zero":
+        extra, needles = ("-n", 0), ("--max-new-tokens",)
+    else:
+        extra, needles = ("--top-k", 1), ("--top-k",)
+    user_error(cli("golden-record", "--prompts-file", pf, "--out", out, *extra), *needles)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------- bad checkpoints
+
+
+def _missing_shard(c: Path):
+    (c / SHARD2).unlink()
+    return (SHARD2, "missing")
+
+
+def _truncated_shard(c: Path):
+    data = (c / SHARD2).read_bytes()
+    (c / SHARD2).write_bytes(data[: len(data) // 2])
+    return (SHARD2, "truncated")
+
+
+def _missing_tensor(c: Path):
+    rewrite_tensor(c, LINEAR, None)
+    return (LINEAR, "missing", INDEX)
+
+
+def _tensor_absent_from_shard(c: Path):
+    shard = rewrite_tensor(c, LINEAR, None, fix_index=False)
+    return (LINEAR, shard.name)
+
+
+def _wrong_shape(c: Path):
+    shard = rewrite_tensor(c, LINEAR, torch.zeros(128, 64, dtype=torch.bfloat16))
+    return (LINEAR, shard.name, "shape", "[128, 64]", "[64, 128]")
+
+
+def _wrong_dtype(c: Path):
+    shard = rewrite_tensor(c, LINEAR, torch.zeros(64, 128, dtype=torch.int32))
+    return (LINEAR, shard.name, "int32")
+
+
+def _index_not_json(c: Path):
+    (c / INDEX).write_text("{ nope")
+    return (INDEX, "not valid JSON")
+
+
+def _config_not_json(c: Path):
+    (c / "config.json").write_text('{"vocab_size": 512,,}')
+    return ("config.json", "not valid JSON")
+
+
+def _config_missing(c: Path):
+    (c / "config.json").unlink()
+    return ("config.json", "not found")
+
+
+def _config_missing_key(c: Path):
+    edit_config(c, vocab_size=DELETE)
+    return ("config.json", "vocab_size")
+
+
+def _config_short_ratios(c: Path):
+    edit_config(c, compress_ratios=[0, 4, 16])
+    return ("config.json", "compress_ratios", "3", "4")
+
+
+def _config_head_dim(c: Path):
+    edit_config(c, head_dim=160)
+    return ("config.json", "head_dim", "96", "64")
+
+
+def _config_wrong_type(c: Path):
+    edit_config(c, hidden_size="128")
+    return ("config.json", "hidden_size", "'128'")
+
+
+BROKEN: dict[str, Callable[[Path], tuple[str, ...]]] = {
+    "missing-shard": _missing_shard,
+    "truncated-shard": _truncated_shard,
+    "missing-tensor": _missing_tensor,
+    "tensor-absent-from-shard": _tensor_absent_from_shard,
+    "wrong-shape": _wrong_shape,
+    "wrong-dtype": _wrong_dtype,
+    "index-not-json": _index_not_json,
+    "config-not-json": _config_not_json,
+    "config-missing": _config_missing,
+    "config-missing-key": _config_missing_key,
+    "config-short-compress-ratios": _config_short_ratios,
+    "config-head-dim": _config_head_dim,
+    "config-wrong-type": _config_wrong_type,
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_checkpoint(ckpt, case):
+    needles = BROKEN[case](ckpt)
+    before = snapshot(ckpt)
+    user_error(cli("generate", "--model", ckpt, "--prompt-ids", IDS, "-n", 2), *needles)
+    user_error(cli("generate", "--model", ckpt, "-n", 2, "--json"), *needles)
+    user_error(cli("info", "--model", ckpt), *needles)
+    user_error(cli("info", "--model", ckpt, "--json"), *needles)
+    user_error(cli("golden-check", GOLDEN, "--model", ckpt), *needles)
+    assert snapshot(ckpt) == before
+
+
+def test_model_not_found(tmp_path):
+    missing = tmp_path / "nope"
+    for args in (("generate", "-n", 1), ("info",), ("golden-check", GOLDEN)):
+        user_error(cli(*args, "--model", missing), str(missing), "not found")
+    assert not missing.exists()
+
+
+def test_model_is_a_file(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\0" * 16)
+    for args in (("generate", "-n", 1), ("info",)):
+        user_error(cli(*args, "--model", f), str(f), "not a directory")
+    assert f.read_bytes() == b"\0" * 16
+
+
+# ---------------------------------------------------------------------------------------------- bad flags
+
+
+LONG = ",".join(["5"] * 600)
+FITS_BUT_NOT_WITH_N = ",".join(["5"] * 510)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (("--prompt-ids", "0,9999"), ("9999", "vocabulary")),
+    (("--prompt-ids", "0,-3"), ("-3",)),
+    (("--prompt-ids", "0,,5"), ("--prompt-ids",)),
+    (("--prompt-ids", ""), ("--prompt-ids", "empty")),
+    (("--prompt-ids", LONG), ("600", "512")),
+    (("--prompt-ids", FITS_BUT_NOT_WITH_N, "-n", 4), ("510", "512")),
+    (("--prompt-ids", IDS, "-n", -1), ("--max-new-tokens", "-1")),
+    (("--max-new-tokens", -5), ("--max-new-tokens", "-5")),
+    (("--graph-mode", "turbo"), ("--graph-mode", "turbo", "eager")),
+    (("--dtype", "fp64"), ("--dtype", "fp64", "fp32")),
+    (("--device", "tpu"), ("--device", "tpu")),
+    (("--temperature", -1), ("--temperature",)),
+    (("--top-p", 0), ("--top-p",)),
+    (("--top-p", 1.5), ("--top-p",)),
+    (("--prompt", "x", "--prompt-ids", IDS), ("only one",)),
+])
+def test_generate_bad_flags(args, needles):
+    user_error(cli("generate", *args), *needles)
+
+
+def test_generate_bad_graph_mode_env():
+    user_error(cli("generate", "-n", 1, env={"MHCRUN_GRAPH_MODE": "turbo"}), "turbo")
+
+
+@pytest.mark.parametrize("content", ['{"prompt_ids": [0, 5]}\n{"prompt_ids": [0, 600]}\n', "not json\n", "\n\n",
+                                     '{"prompt": "a", "prompt_ids": [0]}\n', '{"prompt": "a", "id": "x"}\n'
+                                     '{"prompt": "b", "id": "x"}\n'])
+def test_generate_bad_prompts_file(tmp_path, content):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(content)
+    user_error(cli("generate", "--prompts-file", pf), str(pf))
+    assert pf.read_text() == content
+
+
+def test_generate_missing_prompts_file(tmp_path):
+    user_error(cli("generate", "--prompts-file", tmp_path / "none.jsonl"), "none.jsonl", "not found")
+
+
+def test_long_prompt_in_prompts_file(tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"id": "huge", "prompt_ids": [5] * 600}) + "\n")
+    user_error(cli("generate", "--prompts-file", pf, "-n", 1), "huge", "600", "512")
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_script_missing_model(tmp_path):
+    missing = tmp_path / "nope"
+    p = run_script("generate", "--model", missing, "-n", 1)
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_script_truncated_shard_and_debug(ckpt):
+    needles = _truncated_shard(ckpt)
+    before = snapshot(ckpt)
+    p = run_script("generate", "--model", ckpt, "--prompt-ids", IDS, "-n", 1)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert all(n in lines[0] for n in needles) and "Traceback" not in p.stdout + p.stderr
+
+    p = run_script("generate", "--model", ckpt, "--prompt-ids", IDS, "-n", 1, "--debug")
+    assert p.returncode != 0
+    assert "Traceback" in p.stderr and "CheckpointError" in p.stderr and SHARD2 in p.stderr
+    assert snapshot(ckpt) == before
+
+
+def test_script_golden_mismatch_exit_1(tmp_path, golden):
+    g = truncate(subset(golden, golden["prompts"][0]["id"]), 4)
+    pid = g["prompts"][0]["id"]
+    step = _largest_margin_step(g["prompts"][0])
+    swap_top1(g, pid, step)
+    p = run_script("golden-check", write_json(tmp_path / "bad.json", g), "--json")
+    assert p.returncode == 1, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["ok"] is False and rep["prompts"][0]["step"] == step
+
+
+# ---------------------------------------------------------------------------------------------- regressions
+# User errors that once surfaced as internal errors (exit 3).
+
+
+def test_generate_nan_temperature():
+    user_error(cli("generate", "--prompt-ids", IDS, "-n", 2, "--temperature", "nan"), "--temperature")
+
+
+def test_generate_seed_out_of_range():
+    user_error(cli("generate", "--prompt-ids", IDS, "-n", 2, "--temperature", "0.5", "--seed", 2 ** 64), "--seed")
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "compress_ratios"])
+def test_config_required_key_null(ckpt, key):
+    edit_config(ckpt, **{key: None})
+    user_error(cli("info", "--model", ckpt), "config.json", key)
+
+
+def test_golden_record_out_is_a_directory(tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text('{"prompt_ids": [0, 5]}\n')
+    out = tmp_path / "dir"
+    out.mkdir()
+    user_error(cli("golden-record", "--prompts-file", pf, "--out", out, "-n", 1, "--force"), str(out))
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "golden-record"])
+def test_write_below_a_file(tmp_path, command):
+    f = tmp_path / "file"
+    f.write_text("x")
+    if command == "make-tiny":
+        r = cli("make-tiny", f / "sub")
+    else:
+        pf = tmp_path / "p.jsonl"
+        pf.write_text('{"prompt_ids": [0, 5]}\n')
+        r = cli("golden-record", "--prompts-file", pf, "--out", f / "g.json", "-n", 1)
+    user_error(r, str(f))
+    assert f.read_text() == "x"
