@@ -29,6 +29,9 @@ DEFAULT_PROMPT = "The river runs past the mill"
 ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the bundled tiny model).")
 DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
+GraphModeOpt = typer.Option(None, "--graph-mode",
+                            help="eager or regions (compiled decode; env MHCRUN_GRAPH_MODE; default eager).")
+StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.")
 
 
 def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
@@ -53,9 +56,16 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
 
 
 def graph_mode_option(value: str | None) -> str:
+    """--graph-mode, else MHCRUN_GRAPH_MODE, else eager: on a CPU a short run never earns back the compile."""
     from mhcrun.runner import GRAPH_MODES, check_choice
 
     return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", "eager"), GRAPH_MODES)
+
+
+def stages_option(value: str) -> str:
+    from mhcrun.runner import STAGE_PLANS, check_choice
+
+    return check_choice("--stages", value, STAGE_PLANS)
 
 
 def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):
@@ -93,12 +103,13 @@ def generate(
     quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim",
                                    help="Simulate DeepSeek's FP8/FP4 rounding (kv, indexer, GEMM activations)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past eos."),
-    graph_mode: str = typer.Option(None, "--graph-mode", help="eager (env MHCRUN_GRAPH_MODE)."),
+    graph_mode: str = GraphModeOpt,
+    stages: str = StagesOpt,
     device: str = typer.Option("cpu", "--device"),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
-    """Generate text: eager prefill, then decode; reports tokens/s and peak memory."""
+    """Generate text: eager prefill, then decode; reports tokens/s, compile time and peak memory."""
 
     def body() -> None:
         from mhcrun.generate import SamplingOptions, check_prompts
@@ -113,7 +124,7 @@ def generate(
             raise InputError(f"--top-p must be in (0, 1], got {top_p}")
         if not 0 <= seed < 2**63:
             raise InputError(f"--seed must be in [0, 2**63), got {seed}")
-        graph_mode_option(graph_mode)
+        mode, plan = graph_mode_option(graph_mode), stages_option(stages)
         runner = load_runner(model, dtype, quant_sim, device)
         names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
         cfg = runner.ckpt.config
@@ -129,7 +140,8 @@ def generate(
                 out.print(stream.push(token), end="", markup=False)
 
         results = run_generate(runner.model, ids, max_new_tokens, eos,
-                               SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token)
+                               SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
+                               graph_mode=mode, stages=plan)
         if stream is not None:
             out.print(stream.flush(), markup=False)
         for name, text, res in zip(names, texts, results, strict=True):
@@ -198,7 +210,8 @@ def golden_record(
 def golden_check(
     golden_path: Path = typer.Argument(..., metavar="GOLDEN", help="Golden JSON file."),
     model: str = ModelOpt,
-    graph_mode: str = typer.Option(None, "--graph-mode", help="eager (env MHCRUN_GRAPH_MODE)."),
+    graph_mode: str = GraphModeOpt,
+    stages: str = StagesOpt,
     force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -211,7 +224,7 @@ def golden_check(
         from mhcrun.runner import load_runner
 
         golden = load_golden(golden_path)
-        mode = graph_mode_option(graph_mode)
+        mode, plan = graph_mode_option(graph_mode), stages_option(stages)
         s = golden["settings"]
         runner = load_runner(model, s["dtype"], s["quant_sim"])
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
@@ -219,7 +232,7 @@ def golden_check(
         ids = [p["prompt_ids"] for p in golden["prompts"]]
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.ckpt.config.eos_token_id
         results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
-                               record_topk=2)
+                               record_topk=2, graph_mode=mode, stages=plan)
         report = compare(golden, results)
         if as_json:
             print(json.dumps({"golden": str(golden_path), "graph_mode": mode, **report_to_json(report)}))
@@ -257,6 +270,50 @@ def info(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugOpt)
             dt.add_row(name, f"{n:,}")
         out.print(dt)
         out.print(f"parameters: {desc['params']:,}")
+
+    run_guarded(debug, body)
+
+
+@app.command("compile-regions")
+def compile_regions(
+    model: str = ModelOpt,
+    device: str = typer.Option("cpu", "--device"),
+    stages: str = StagesOpt,
+    batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for."),
+    context: int = typer.Option(256, "--context", help="Context (cache length) the graphs are compiled for."),
+    as_json: bool = JsonOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Compile every region kind of a model once and report the graphs (torch's compile cache makes a
+    second run faster)."""
+
+    def body() -> None:
+        from rich.progress import Progress
+
+        from mhcrun.regions.runner import compile_all
+        from mhcrun.runner import load_runner
+
+        plan = stages_option(stages)
+        if batch < 1 or context < 2:
+            raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
+        runner = load_runner(model, "fp32", True, device)
+        with Progress(console=err, transient=True, disable=as_json) as progress:
+            task = progress.add_task("compiling regions", total=None)
+
+            def tick(done: int, total: int, name: str) -> None:
+                progress.update(task, total=total, completed=done, description=f"compiling {name}")
+
+            report = compile_all(runner.model, batch, context, plan, on_progress=tick)
+        if as_json:
+            print(json.dumps(report))
+            return
+        table = Table("region kind", "layers", "stages", "compile s", "graph breaks", "cache hit")
+        for r in report["regions"]:
+            table.add_row(r["region"], ",".join(map(str, r["layers"])), r["stages"], f"{r['compile_s']:.2f}",
+                          str(r["graph_breaks"]), "yes" if r["cache_hit"] else "no")
+        out.print(table)
+        out.print(f"{report['graphs']} graphs for {report['layers']} layers in {report['total_s']:.1f} s "
+                  f"(backend {report['backend']})")
 
     run_guarded(debug, body)
 

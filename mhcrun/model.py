@@ -88,13 +88,10 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, c * head_dim, opts)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def setup(self, max_batch: int, cache: torch.Tensor, freqs: torch.Tensor) -> None:
-        c = 2 if self.overlap else 1
-        shape = (max_batch, c * self.ratio, c * self.head_dim)
-        self.kv_state = torch.zeros(shape, dtype=torch.float32)
-        self.score_state = torch.full(shape, float("-inf"), dtype=torch.float32)
-        self.cache = cache  # [B, max_seq // ratio, head_dim], a view into the owner's cache
-        self.freqs = freqs
+    def bind(self, kv_state: torch.Tensor, score_state: torch.Tensor, cache: torch.Tensor,
+             freqs: torch.Tensor) -> None:
+        """Use views of the root state buffers: kv/score state [B, c*r, c*hd], cache [B, max_seq // r, hd]."""
+        self.kv_state, self.score_state, self.cache, self.freqs = kv_state, score_state, cache, freqs
 
     def finish(self, pooled: torch.Tensor, dtype: torch.dtype, freqs: torch.Tensor) -> torch.Tensor:
         """norm -> RoPE at the group start -> FP8 (or Hadamard + FP4) simulation."""
@@ -167,9 +164,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def setup(self, max_batch: int, max_seq: int, freqs: torch.Tensor, dtype: torch.dtype) -> None:
-        self.cache = torch.zeros(max_batch, max_seq // 4, self.head_dim, dtype=dtype)
-        self.compressor.setup(max_batch, self.cache, freqs)
+    def bind(self, roots: dict[str, torch.Tensor], j: int, freqs: torch.Tensor) -> None:
+        self.cache = roots["idx_kv"][j]  # [B, max_seq // 4, index_head_dim]
+        self.compressor.bind(roots["idx_comp_kv"][j], roots["idx_comp_score"][j], self.cache, freqs)
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
@@ -230,14 +227,14 @@ class Attention(nn.Module):
         if self.ratio == 4:
             self.indexer = Indexer(cfg, opts)
 
-    def setup(self, max_batch: int, max_seq: int, freqs: torch.Tensor, dtype: torch.dtype) -> None:
-        n_comp = max_seq // self.ratio if self.ratio else 0
-        self.cache = torch.zeros(max_batch, self.window + n_comp, self.head_dim, dtype=dtype)
+    def bind(self, roots: dict[str, torch.Tensor], j: int, freqs: torch.Tensor) -> None:
+        """Use row j of this attention kind's root state buffers (see `make_state_roots`)."""
+        self.cache = roots["kv"][j]  # [B, window + max_seq // ratio, head_dim]
         self.freqs = freqs
         if self.ratio:
-            self.compressor.setup(max_batch, self.cache[:, self.window:], freqs)
+            self.compressor.bind(roots["comp_kv"][j], roots["comp_score"][j], self.cache[:, self.window:], freqs)
         if self.ratio == 4:
-            self.indexer.setup(max_batch, max_seq, freqs, dtype)
+            self.indexer.bind(roots, j, freqs)
 
     def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd]; freqs broadcast to [b or 1, s, rd/2]."""
@@ -382,6 +379,27 @@ class Block(nn.Module):
         return hc_post(h, x, post, comb)
 
 
+def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int, max_seq: int,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Root state buffers of one attention kind, stacked over its `n_layers` layers:
+    kv [L, B, window + max_seq // ratio, hd] (ring window then compressed entries); for compressed kinds the
+    compressor's open-group state (fp32; scores start at -inf); for CSA the indexer's keys and state."""
+    hd, B = cfg.head_dim, max_batch
+    roots = {"kv": torch.zeros(n_layers, B, cfg.window_size + (max_seq // ratio if ratio else 0), hd, dtype=dtype)}
+
+    def compressor_state(prefix: str, r: int, d: int) -> None:
+        c = 2 if r == 4 else 1
+        roots[f"{prefix}_kv"] = torch.zeros(n_layers, B, c * r, c * d, dtype=torch.float32)
+        roots[f"{prefix}_score"] = torch.full((n_layers, B, c * r, c * d), float("-inf"), dtype=torch.float32)
+
+    if ratio:
+        compressor_state("comp", ratio, hd)
+    if ratio == 4:
+        roots["idx_kv"] = torch.zeros(n_layers, B, max_seq // 4, cfg.index_head_dim, dtype=dtype)
+        compressor_state("idx_comp", 4, cfg.index_head_dim)
+    return roots
+
+
 class Transformer(nn.Module):
     """embed -> mHC expand -> blocks -> mHC head -> logits of the last position (fp32)."""
 
@@ -402,16 +420,32 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
-        """Allocate KV caches and compressor state for `max_batch` sequences of up to `max_seq` tokens."""
+        """Allocate KV caches and compressor state for `max_batch` sequences of up to `max_seq` tokens.
+
+        State lives in one set of root buffers per attention kind (by compress ratio), stacked over the
+        layers of that kind; each layer works on views of its row, so a compiled region can take the roots
+        and a layer index instead.
+        """
         c = self.cfg
-        window_freqs = precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor,
-                                            c.beta_fast, c.beta_slow)
-        compress_freqs = precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len,
-                                              c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow)
-        for layer in self.layers:
-            freqs = compress_freqs if layer.attn.ratio else window_freqs
-            layer.attn.setup(max_batch, max_seq, freqs, self.dtype)
+        self.freqs = {
+            0: precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor, c.beta_fast,
+                                    c.beta_slow),
+            "compressed": precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len,
+                                               c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow),
+        }
+        self.roots: dict[int, dict[str, torch.Tensor]] = {}
+        for ratio, layer_ids in self.layers_by_ratio().items():
+            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype)
+            self.roots[ratio] = roots
+            for j, i in enumerate(layer_ids):
+                self.layers[i].attn.bind(roots, j, self.freqs["compressed" if ratio else 0])
         self.max_batch, self.max_seq = max_batch, max_seq
+
+    def layers_by_ratio(self) -> dict[int, list[int]]:
+        kinds: dict[int, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            kinds.setdefault(layer.attn.ratio, []).append(i)
+        return kinds
 
     def forward(self, tokens: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, vocab] of the last position.

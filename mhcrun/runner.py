@@ -14,7 +14,8 @@ from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GRAPH_MODES = ("eager",)
+GRAPH_MODES = ("eager", "regions")
+STAGE_PLANS = ("whole", "split")
 DEVICES = ("cpu",)
 
 

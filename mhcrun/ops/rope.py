@@ -38,3 +38,19 @@ def apply_rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse
     """Rotate only the last `rope_dim` channels of x (DeepSeek puts RoPE at the end of each head)."""
     nope, pe = x.split([x.size(-1) - rope_dim, rope_dim], dim=-1)
     return torch.cat([nope, apply_rope(pe, freqs, inverse)], dim=-1)
+
+
+def apply_rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` without complex tensors (for compilers that lack them): pairs (2i, 2i+1) rotate by
+    (cos, sin) [..., rd // 2] broadcastable to x's pairs."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    if inverse:
+        sin = -sin
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def apply_rope_tail_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+                         inverse: bool = False) -> torch.Tensor:
+    nope, pe = x.split([x.size(-1) - rope_dim, rope_dim], dim=-1)
+    return torch.cat([nope, apply_rope_real(pe, cos, sin, inverse)], dim=-1)

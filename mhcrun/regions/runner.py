@@ -1,0 +1,337 @@
+"""Compiled decode by regions: one graph per region kind (and stage), reused by every layer of that kind.
+
+Region kinds: `attn:window`, `attn:csa`, `attn:hca` (by compress ratio), `moe:hash`, `moe:routed`, `head`.
+A layer's weights, its root state buffers and its row index are graph inputs, never constants, so the
+43 layers of V4-Flash compile the same handful of graphs that 4 layers do. A stage whose compile fails runs
+eagerly, with a warning naming it; the tokens do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mhcrun.errors import InputError
+from mhcrun.model import Block, Transformer
+from mhcrun.ops.hc import hc_expand
+from mhcrun.ops.quant import hadamard
+from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
+
+# how the stages of each region are grouped into compiled graphs
+STAGE_PLANS = {
+    "whole": {"attn": [["mix", "core", "post"]], "moe": [["mix", "core", "post"]], "head": [["head"]]},
+    "split": {"attn": [["mix"], ["core"], ["post"]], "moe": [["mix"], ["core"], ["post"]], "head": [["head"]]},
+}
+ATTN_KINDS = {0: "window", 4: "csa"}
+
+
+@dataclass
+class GraphStats:
+    """What one compiled graph (a region kind's stage group) did."""
+
+    region: str
+    stages: str
+    layers: list[int] = field(default_factory=list)
+    graphs: int = 0  # times the backend compiled a graph for it (1 = no recompiles)
+    compile_s: float = 0.0
+    cache_hits: int = 0
+    fallback: str | None = None  # the compile error, when it runs eagerly
+
+
+def default_backend(device: str) -> str:
+    """inductor on cpu and cuda, the TorchNeuron backend on neuron (torch-neuronx imported lazily)."""
+    if device == "neuron":
+        try:
+            import torch_neuronx  # noqa: F401
+        except ImportError as e:
+            raise InputError("--device neuron needs torch-neuronx (the Neuron pip repository)") from e
+        return "neuron"
+    return "inductor"
+
+
+def clone_function(fn: Callable, name: str) -> Callable:
+    """A copy of fn with its own code object, so torch's compile cache keeps it apart from other kinds."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def run_stages(stages: list[Callable], spec, carry: dict, inp: dict) -> dict:
+    for stage in stages:
+        carry = stage(spec, carry, inp)
+    return carry
+
+
+def region_function(stages: list[Callable], spec, name: str) -> Callable:
+    """`run_stages` bound to one region kind, as a function with a code object of its own: torch's compile
+    cache lives on the code object, so kinds never evict or recompile each other."""
+
+    def region(carry: dict, inp: dict) -> dict:
+        for stage in stages:
+            carry = stage(spec, carry, inp)
+        return carry
+
+    return clone_function(region, name)
+
+
+class CompiledGroup:
+    """A group of stages of one region kind: compiled once, called for every layer of the kind."""
+
+    def __init__(self, stats: GraphStats, stages: list[Callable], spec, backend: str | None, mode: str | None):
+        self.stats, self.spec = stats, spec
+        name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
+        self.eager = functools.partial(run_stages, stages, spec)
+        if backend is None:
+            self.fn = self.eager
+            return
+        self.fn = torch.compile(region_function(stages, spec, name), backend=counting_backend(backend, stats),
+                                mode=mode, dynamic=False, fullgraph=True)
+
+    def __call__(self, carry: dict, inp: dict) -> dict:
+        if self.fn is self.eager:
+            return self.eager(carry, inp)
+        try:
+            return self.fn(carry, inp)
+        except Exception as e:  # a failed compile: this group runs eagerly from now on
+            if self.stats.graphs and self.stats.fallback is None and not is_compile_error(e):
+                raise
+            self.stats.fallback = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"region {self.stats.region} stage {self.stats.stages}: compile failed "
+                          f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=2)
+            self.fn = self.eager
+            return self.eager(carry, inp)
+
+
+def counting_backend(backend: str, stats: GraphStats) -> Callable:
+    """Wrap a torch.compile backend to count the graphs it compiles, their compile time and cache hits."""
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def count(gm, example_inputs):
+        stats.graphs += 1
+        hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        t0 = time.perf_counter()
+        out = inner(gm, example_inputs)
+        stats.compile_s += time.perf_counter() - t0
+        stats.cache_hits += torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - hits
+        return out
+
+    return count
+
+
+def is_compile_error(e: Exception) -> bool:
+    return isinstance(e, (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
+                          torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.UserError))
+
+
+def hc_spec(model: Transformer) -> HcSpec:
+    c = model.cfg
+    return HcSpec(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+
+def attn_kind(model: Transformer, ratio: int) -> str:
+    hca = sorted({layer.attn.ratio for layer in model.layers} - {0, 4})
+    return "attn:" + ATTN_KINDS.get(ratio, "hca" if len(hca) == 1 else f"hca{ratio}")
+
+
+def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """A layer's attention-half weights by region name, and those whose GEMM quantises its activation."""
+    a = block.attn
+    w = {"hc_attn_fn": block.hc_attn_fn, "hc_attn_base": block.hc_attn_base, "hc_attn_scale": block.hc_attn_scale,
+         "attn_norm": block.attn_norm.weight, "wq_a": a.wq_a.weight, "q_norm": a.q_norm.weight,
+         "wq_b": a.wq_b.weight, "wkv": a.wkv.weight, "kv_norm": a.kv_norm.weight, "wo_a": a.wo_a.weight,
+         "wo_b": a.wo_b.weight, "attn_sink": a.attn_sink}
+    quant = {n for n, m in (("wq_a", a.wq_a), ("wq_b", a.wq_b), ("wkv", a.wkv), ("wo_b", a.wo_b)) if m.quantized}
+    if a.ratio:
+        w |= compressor_inputs("comp", a.compressor)
+    if a.ratio == 4:
+        ix = a.indexer
+        w |= {"idx_wq_b": ix.wq_b.weight, "idx_weights_proj": ix.weights_proj.weight}
+        w |= compressor_inputs("idx_comp", ix.compressor)
+        if ix.wq_b.quantized:
+            quant.add("idx_wq_b")
+    return w, frozenset(quant)
+
+
+def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
+    return {f"{prefix}_ape": comp.ape, f"{prefix}_wkv": comp.wkv.weight, f"{prefix}_wgate": comp.wgate.weight,
+            f"{prefix}_norm": comp.norm.weight}
+
+
+def stack_experts(block: Block) -> dict[str, torch.Tensor]:
+    """Stack the routed experts' weights [E, out, in] once; the experts keep views of the stack."""
+    experts = block.ffn.experts
+    out = {}
+    for name in ("w1", "w2", "w3"):
+        first = getattr(experts[0], name).weight
+        if first._base is not None and first._base.dim() == 3:  # already stacked
+            out[name] = first._base
+            continue
+        stack = torch.stack([getattr(e, name).weight for e in experts])
+        for i, e in enumerate(experts):
+            getattr(e, name).weight = torch.nn.Parameter(stack[i], requires_grad=False)
+        out[name] = stack
+    return out
+
+
+def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    f = block.ffn
+    w = {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_base": block.hc_ffn_base, "hc_ffn_scale": block.hc_ffn_scale,
+         "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
+    w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
+    w |= stack_experts(block)
+    s = f.shared_experts
+    w |= {"shared_w1": s.w1.weight, "shared_w2": s.w2.weight, "shared_w3": s.w3.weight}
+    quant = {f"shared_{n}" for n in ("w1", "w2", "w3") if getattr(s, n).quantized}
+    if f.experts[0].w1.quantized:
+        quant.add("experts")
+    return w, frozenset(quant)
+
+
+class RegionDecoder:
+    """Decode steps of a model whose caches are set up, as compiled regions (or eager stages).
+
+    mode: "regions" (a graph per region kind and stage group), "step" (the whole step as one graph: the
+    baseline regions are measured against) or "eager" (the same stage functions, uncompiled).
+    """
+
+    def __init__(self, model: Transformer, mode: str = "regions", backend: str | None = "inductor",
+                 stages: str = "whole", cuda_graphs: bool = False):
+        if stages not in STAGE_PLANS:
+            raise InputError(f"unknown stage plan {stages!r} (choose from: {', '.join(STAGE_PLANS)})")
+        self.model, self.mode = model, mode
+        c = model.cfg
+        hadamard(torch.zeros(1, c.index_head_dim))  # fill its matrix cache now, not inside a traced graph
+        hc = hc_spec(model)
+        quant_sim = model.opts.quant_sim
+        pow2 = c.scale_fmt is not None
+        freqs = model.freqs
+        self.cos = {k: f.real.contiguous() for k, f in freqs.items()}
+        self.sin = {k: f.imag.contiguous() for k, f in freqs.items()}
+        self.layer_inputs: list[tuple[str, dict, str, dict]] = []  # (attn kind, attn inp, moe kind, moe inp)
+        specs: dict[str, object] = {}
+        layers_of: dict[str, list[int]] = {}
+        row = {ratio: 0 for ratio in model.roots}
+        for i, block in enumerate(model.layers):
+            ratio = block.attn.ratio
+            akind = attn_kind(model, ratio)
+            aw, aq = attn_inputs(block)
+            specs[akind] = AttnSpec(ratio, c.window_size, c.n_heads, c.head_dim, c.rope_head_dim, c.o_groups,
+                                    c.o_lora_rank, c.norm_eps, pow2, quant_sim, aq, c.index_n_heads,
+                                    c.index_head_dim, c.index_topk, hc)
+            freq_key = "compressed" if ratio else 0
+            ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]]),
+                    "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
+            row[ratio] += 1
+            mkind = "moe:" + block.ffn.gate.hash * "hash" + (not block.ffn.gate.hash) * "routed"
+            mw, mq = moe_inputs(block)
+            specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
+                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, hc)
+            self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
+            layers_of.setdefault(akind, []).append(i)
+            layers_of.setdefault(mkind, []).append(i)
+        specs["head"] = HeadSpec(hc)
+        layers_of["head"] = [len(model.layers)]
+        self.head_inp = {"w": {"hc_head_fn": model.hc_head_fn, "hc_head_scale": model.hc_head_scale,
+                               "hc_head_base": model.hc_head_base, "norm": model.norm.weight,
+                               "head": model.head.weight}}
+        self.specs = specs
+        compile_backend = None if mode == "eager" else backend
+        cg_mode = "reduce-overhead" if cuda_graphs else None
+        self.groups: dict[str, list[CompiledGroup]] = {}
+        self.stats: list[GraphStats] = []
+        if mode == "step":
+            self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
+            self.stats.append(self.step_stats)
+            fn = functools.partial(self.run_layers, self.eager_groups())
+            self.step_fn = torch.compile(fn, backend=counting_backend(backend, self.step_stats), dynamic=False,
+                                         fullgraph=True)
+            return
+        for kind, spec in specs.items():
+            family = kind.split(":")[0]
+            groups = []
+            for names in STAGE_PLANS[stages][family]:
+                fns = [dict(STAGES[family])[n] for n in names]
+                stats = GraphStats(kind, "+".join(names), layers_of[kind])
+                self.stats.append(stats)
+                groups.append(CompiledGroup(stats, fns, spec, compile_backend, cg_mode))
+            self.groups[kind] = groups
+
+    def eager_groups(self) -> dict[str, list[Callable]]:
+        out = {}
+        for kind, spec in self.specs.items():
+            family = kind.split(":")[0]
+            out[kind] = [functools.partial(run_stages, [f for _, f in STAGES[family]], spec)]
+        return out
+
+    def inputs(self, tokens: torch.Tensor, pos: torch.Tensor) -> list[tuple[str, dict, str, dict]]:
+        return [(ak, ai | {"pos": pos, "tokens": tokens}, mk, mi | {"tokens": tokens})
+                for ak, ai, mk, mi in self.layer_inputs]
+
+    def run_layers(self, groups: dict[str, list[Callable]], x: torch.Tensor, layer_inputs: list,
+                   head_inp: dict) -> torch.Tensor:
+        for akind, ainp, mkind, minp in layer_inputs:
+            carry = {"x": x}
+            for g in groups[akind]:
+                carry = g(carry, ainp)
+            for g in groups[mkind]:
+                carry = g(carry, minp)
+            x = carry["x"]
+        for g in groups["head"]:
+            x = g({"x": x}, head_inp)
+        return x["logits"]
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]."""
+        model = self.model
+        x = hc_expand(model.embed(tokens.view(-1, 1)), model.cfg.hc_mult)
+        layer_inputs = self.inputs(tokens, pos)
+        if self.mode == "step":
+            return self.step_fn(x, layer_inputs, self.head_inp)
+        return self.run_layers(self.groups, x, layer_inputs, self.head_inp)
+
+    def graph_count(self) -> int:
+        return sum(s.graphs for s in self.stats)
+
+
+def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str = "inductor",
+                on_progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Compile every region kind of `model` for a decode batch and context, by running one decode step on
+    fresh caches; report each graph (its first call's wall time: trace, compile and run)."""
+    model.setup_caches(batch, context)
+    dec = RegionDecoder(model, "regions", backend, stages)
+    tokens = torch.zeros(batch, dtype=torch.long)
+    pos = torch.zeros(batch, dtype=torch.long)
+    first_call: dict[int, float] = {}
+    total = len(dec.stats)
+
+    def timed(group: CompiledGroup) -> Callable:
+        def call(carry: dict, inp: dict) -> dict:
+            t0 = time.perf_counter()
+            out = group(carry, inp)
+            key = id(group.stats)
+            if key not in first_call:
+                first_call[key] = time.perf_counter() - t0
+                if on_progress:
+                    on_progress(len(first_call), total, f"{group.stats.region} [{group.stats.stages}]")
+            return out
+
+        return call
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        x = hc_expand(model.embed(tokens.view(-1, 1)), model.cfg.hc_mult)
+        groups = {kind: [timed(g) for g in gs] for kind, gs in dec.groups.items()}
+        dec.run_layers(groups, x, dec.inputs(tokens, pos), dec.head_inp)
+    total_s = time.perf_counter() - t0
+    regions = [{"region": s.region, "layers": s.layers, "stages": s.stages,
+                "compile_s": first_call.get(id(s), 0.0), "backend_compile_s": s.compile_s,
+                "graph_breaks": 0 if s.fallback is None else None, "cache_hit": s.cache_hits > 0,
+                "graphs": s.graphs, "fallback": s.fallback} for s in dec.stats]
+    return {"backend": backend, "stages": stages, "graphs": dec.graph_count(), "layers": len(model.layers),
+            "batch": batch, "context": context, "total_s": total_s, "regions": regions}
