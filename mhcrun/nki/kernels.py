@@ -1,0 +1,448 @@
+import nki
+import nki.language as nl
+import nki.isa as nisa
+
+# NKI 0.3+ kernels of mhcrun: the mHC steps (expand, mixes + Sinkhorn, collapse, post, head), RMSNorm, SwiGLU.
+#
+# This file is kernel source for the real ``nki`` package and imports nothing else: on a Neuron device it is
+# imported as is, on CPU mhcrun's simulator executes it unchanged (``mhcrun.nki.sim.load_kernel_module``).
+# The math follows ``mhcrun/ops/hc.py`` (see shared/spec/deepseek-v4.md section 1).
+#
+# Layout: every kernel works on 2-D HBM tensors with tokens on the rows; token rows go onto the partition axis
+# in tiles of 128 (plus one partial tile), features lie along the free axis in chunks. Activations are bf16 or
+# fp32 (tiles take the input's dtype), coefficients fp32, all engine math fp32.
+#
+# The three imports above stay exactly as the NKI docs write them (nki, nki.language, nki.isa):
+# ruff: noqa: I001
+
+# ------------------------------------------------------------------------------------------ baked constants
+
+HC_MULT = 4  # n: parallel residual streams
+MIX = (2 + HC_MULT) * HC_MULT  # 24 mixes per token: n pre, n post, n*n comb
+SINKHORN_ITERS = 20
+HC_EPS = 1e-6
+POST_MULT = 2.0
+NORM_EPS_V4 = 1e-6  # rms_norm_eps of V4 (also used inside the mixes)
+NORM_EPS_V41 = 1e-20  # rms_norm_eps of V4.1
+
+PMAX = 128  # partitions per tile (nl.tile_size.pmax)
+K_TILE = 128  # contraction rows per nc_matmul
+K_CHUNK = 512  # columns of x loaded at once by the mixes GEMM (a multiple of K_TILE)
+FREE_CHUNK = 1024  # columns per elementwise tile (fp32: 4 KiB of a partition's 192 KiB)
+
+
+def mixes_supported(hc_mult, sinkhorn_iters, hc_eps, norm_eps) -> bool:
+    """True when a layer's mHC constants are the ones baked into ``hc_mixes_*`` / ``hc_head_*``."""
+    return (
+        hc_mult == HC_MULT
+        and sinkhorn_iters == SINKHORN_ITERS
+        and hc_eps == HC_EPS
+        and norm_eps in (NORM_EPS_V4, NORM_EPS_V41)
+    )
+
+
+# ------------------------------------------------------------------------------------------ plain helpers
+
+
+def _chunks(total, size):
+    """[(start, width), ...] covering ``range(total)`` in pieces of ``size`` (the last one may be shorter)."""
+    return [(c0, min(size, total - c0)) for c0 in range(0, total, size)]
+
+
+def _row_broadcast(vec, lo, hi, tp):
+    """SBUF fp32 [tp, hi - lo]: HBM vector ``vec[lo:hi]`` (shape [F] or [1, F]) repeated on every partition."""
+    flat = vec.reshape((1, vec.size))
+    return nl.load(flat[0:1, lo:hi].broadcast(0, tp))
+
+
+def _transpose(dst, src):
+    """dst [F, P] (SBUF, any float dtype) = src [P, F] (SBUF, F <= 128) through the Tensor Engine."""
+    p, f = src.shape
+    if src.dtype != nl.float32:  # PSUM holds fp32: widen first (exact)
+        wide = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=wide, src=src)
+        src = wide
+    ps = nl.ndarray((f, p), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=ps, data=src)
+    nisa.tensor_copy(dst=dst, src=ps)
+
+
+def _add_sum_of_squares(acc, xc):
+    """acc [tp, 1] fp32 += sum(xc^2) over the free axis (Scalar Engine square with a row reduction)."""
+    tp, w = xc.shape
+    sq = nl.ndarray((tp, w), dtype=nl.float32, buffer=nl.sbuf)
+    part = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=sq, op=nl.square, data=xc, reduce_op=nl.add, reduce_res=part)
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+
+
+def _rsqrt_mean(sumsq, count, eps):
+    """[tp, 1] fp32: rsqrt(sumsq / count + eps)."""
+    tp = sumsq.shape[0]
+    m = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=m, data=sumsq, op0=nl.multiply, operand0=1.0 / count, op1=nl.add, operand1=eps)
+    r = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=r, op=nl.rsqrt, data=m)
+    return r
+
+
+# ------------------------------------------------------------------------------------------ mHC steps
+
+
+def _load_fn_transposed(fn, mm_dtype):
+    """SBUF [128, K/128, mix] in the GEMM dtype: fn [mix, K] with its K axis moved onto the partitions."""
+    mix, k = fn.shape
+    nk = k // K_TILE
+    fn_t = nl.ndarray((K_TILE, nk, mix), dtype=mm_dtype, buffer=nl.sbuf)
+    for kc in nl.affine_range(nk):
+        blk = nl.load(fn[:, kc * K_TILE:(kc + 1) * K_TILE])
+        _transpose(fn_t[:, kc, :], blk)
+    return fn_t
+
+
+def _norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps):
+    """SBUF fp32 [tp, mix]: (x @ (hi + lo)^T) * rsqrt(mean(x^2) + eps) for token rows t0 .. t0 + tp.
+
+    x is read once, in K_CHUNK column pieces: each piece feeds the sum of squares and, transposed onto the
+    partition axis 128 columns at a time, two matmuls (hi and lo) accumulating in one fp32 PSUM tile.
+    """
+    k = x.shape[1]
+    mix = fn_hi_t.shape[2]
+    sumsq = nl.zeros((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    acc = nl.ndarray((tp, mix), dtype=nl.float32, buffer=nl.psum)
+    for c0, cw in _chunks(k, K_CHUNK):
+        xc = nl.load(x[t0:t0 + tp, c0:c0 + cw])
+        _add_sum_of_squares(sumsq, xc)
+        for j in range(cw // K_TILE):
+            kc = c0 // K_TILE + j
+            x_t = nl.ndarray((K_TILE, tp), dtype=fn_hi_t.dtype, buffer=nl.sbuf)
+            _transpose(x_t, xc[:, j * K_TILE:(j + 1) * K_TILE])
+            nisa.nc_matmul(dst=acc, stationary=x_t, moving=fn_hi_t[:, kc, :])
+            nisa.nc_matmul(dst=acc, stationary=x_t, moving=fn_lo_t[:, kc, :])
+    r = _rsqrt_mean(sumsq, k, norm_eps)
+    mixes = nl.ndarray((tp, mix), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mixes, data=acc, op0=nl.multiply, operand0=r)
+    return mixes
+
+
+def _affine(mixes, lo, hi, scale_col, base):
+    """SBUF fp32 [tp, hi - lo]: mixes[:, lo:hi] * scale + base[:, lo:hi] (scale a [tp, 1] column)."""
+    tp = mixes.shape[0]
+    z = nl.ndarray((tp, hi - lo), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=z, data=mixes[:, lo:hi], op0=nl.multiply, operand0=scale_col, op1=nl.add,
+                              operand1=base[:, lo:hi])
+    return z
+
+
+def _sigmoid_weights(z, mult, add):
+    """SBUF fp32 like z: sigmoid(z) * mult + add."""
+    w = nl.ndarray(z.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=w, op=nl.sigmoid, data=z)
+    nisa.tensor_scalar(dst=w, data=w, op0=nl.multiply, operand0=mult, op1=nl.add, operand1=add)
+    return w
+
+
+def _normalise_rows(c, eps):
+    """Each row of the n x n block (per token): row / (row sum + eps), as a multiply by the reciprocal."""
+    n = HC_MULT
+    tp = c.shape[0]
+    inv = nl.ndarray((tp, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=inv, op=nl.add, data=c.reshape((tp, n, n)), axis=2)
+    if eps != 0.0:
+        nisa.tensor_scalar(dst=inv, data=inv, op0=nl.add, operand0=eps)
+    nisa.reciprocal(dst=inv, data=inv)
+    for i in range(n):
+        row = c[:, i * n:(i + 1) * n]
+        nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=inv[:, i:i + 1])
+
+
+def _normalise_cols(c, eps):
+    """Each column of the n x n block (per token): column / (column sum + eps)."""
+    n = HC_MULT
+    tp = c.shape[0]
+    inv = nl.ndarray((tp, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=inv, data1=c[:, 0:n], data2=c[:, n:2 * n], op=nl.add)
+    for i in range(2, n):
+        nisa.tensor_tensor(dst=inv, data1=inv, data2=c[:, i * n:(i + 1) * n], op=nl.add)
+    nisa.tensor_scalar(dst=inv, data=inv, op0=nl.add, operand0=eps)
+    nisa.reciprocal(dst=inv, data=inv)
+    for i in range(n):
+        row = c[:, i * n:(i + 1) * n]
+        nisa.tensor_tensor(dst=row, data1=row, data2=inv, op=nl.multiply)
+
+
+def _sinkhorn(c):
+    """In place on SBUF fp32 [tp, n*n] (row-major n x n per token; rows = input streams).
+
+    softmax over each row + eps, a column normalisation, then (SINKHORN_ITERS - 1) rounds of row and column
+    normalisation: the same sequence as mhcrun/ops/hc.py's sinkhorn.
+    """
+    n = HC_MULT
+    tp = c.shape[0]
+    neg_max = nl.ndarray((tp, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=c.reshape((tp, n, n)), axis=2, negate=True)
+    for i in range(n):
+        row = c[:, i * n:(i + 1) * n]
+        nisa.activation(dst=row, op=nl.exp, data=row, bias=neg_max[:, i:i + 1])
+    _normalise_rows(c, 0.0)
+    nisa.tensor_scalar(dst=c, data=c, op0=nl.add, operand0=HC_EPS)
+    _normalise_cols(c, HC_EPS)
+    for _ in nl.sequential_range(SINKHORN_ITERS - 1):
+        _normalise_rows(c, HC_EPS)
+        _normalise_cols(c, HC_EPS)
+
+
+def _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, t0, tp, norm_eps):
+    n = HC_MULT
+    mixes = _norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps)
+    sc = _row_broadcast(scale, 0, 3, tp)
+    bs = _row_broadcast(base, 0, MIX, tp)
+    pre_w = _sigmoid_weights(_affine(mixes, 0, n, sc[:, 0:1], bs), 1.0, HC_EPS)
+    post_w = _sigmoid_weights(_affine(mixes, n, 2 * n, sc[:, 1:2], bs), POST_MULT, 0.0)
+    c = _affine(mixes, 2 * n, MIX, sc[:, 2:3], bs)
+    _sinkhorn(c)
+    nl.store(pre[t0:t0 + tp, :], value=pre_w)
+    nl.store(post[t0:t0 + tp, :], value=post_w)
+    nl.store(comb[t0:t0 + tp, :], value=c)
+
+
+def _gemm_dtype(x):
+    return nl.float32 if x.dtype == nl.float32 else nl.bfloat16
+
+
+def _hc_mixes(x, fn_hi, fn_lo, scale, base, norm_eps):
+    """x [T, n*d]; fn_hi / fn_lo [mix, n*d] bf16; scale [3]; base [mix] -> pre [T, n], post [T, n], comb [T, n*n]."""
+    t, k = x.shape
+    n = HC_MULT
+    assert k % K_TILE == 0, "hc_mixes: n*d must be a multiple of 128"
+    assert fn_hi.shape[0] == MIX and fn_lo.shape[0] == MIX, "hc_mixes: fn must have (2+n)*n rows"
+    pre = nl.ndarray((t, n), dtype=nl.float32, buffer=nl.shared_hbm)
+    post = nl.ndarray((t, n), dtype=nl.float32, buffer=nl.shared_hbm)
+    comb = nl.ndarray((t, n * n), dtype=nl.float32, buffer=nl.shared_hbm)
+    fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
+    fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, i * PMAX, PMAX, norm_eps)
+    if rest > 0:
+        _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, full * PMAX, rest, norm_eps)
+    return pre, post, comb
+
+
+@nki.jit
+def hc_mixes_v4(x, fn_hi, fn_lo, scale, base):
+    """hc_mixes with V4's norm epsilon (1e-6)."""
+    return _hc_mixes(x, fn_hi, fn_lo, scale, base, NORM_EPS_V4)
+
+
+@nki.jit
+def hc_mixes_v41(x, fn_hi, fn_lo, scale, base):
+    """hc_mixes with V4.1's norm epsilon (1e-20)."""
+    return _hc_mixes(x, fn_hi, fn_lo, scale, base, NORM_EPS_V41)
+
+
+hc_mixes = hc_mixes_v4
+
+
+def _collapse_tile(x, pre_w, out, t0, tp):
+    """out[t0:t0+tp] = sum_m pre_w[:, m] * x[t0:t0+tp, m*d:(m+1)*d] in fp32, stored in out's dtype."""
+    n = HC_MULT
+    d = out.shape[1]
+    for c0, cw in _chunks(d, FREE_CHUNK):
+        acc = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+        xm = nl.load(x[t0:t0 + tp, c0:c0 + cw])
+        nisa.tensor_scalar(dst=acc, data=xm, op0=nl.multiply, operand0=pre_w[:, 0:1])
+        res = nl.ndarray((tp, cw), dtype=out.dtype, buffer=nl.sbuf)
+        for m in range(1, n):
+            xm = nl.load(x[t0:t0 + tp, m * d + c0:m * d + c0 + cw])
+            dst = res if m == n - 1 else acc
+            nisa.scalar_tensor_tensor(dst=dst, data=xm, op0=nl.multiply, operand0=pre_w[:, m:m + 1], op1=nl.add,
+                                      operand1=acc)
+        nl.store(out[t0:t0 + tp, c0:c0 + cw], value=res)
+
+
+def _collapse_from_hbm_tile(x, pre, out, t0, tp):
+    pre_w = nl.load(pre[t0:t0 + tp, :])
+    _collapse_tile(x, pre_w, out, t0, tp)
+
+
+@nki.jit
+def hc_collapse(x, pre):
+    """x [T, n*d] (bf16/fp32), pre [T, n] fp32 -> [T, d] in x's dtype: sum_m pre[m] * x[m], fp32 accumulation."""
+    t, k = x.shape
+    d = k // HC_MULT
+    out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _collapse_from_hbm_tile(x, pre, out, i * PMAX, PMAX)
+    if rest > 0:
+        _collapse_from_hbm_tile(x, pre, out, full * PMAX, rest)
+    return out
+
+
+def _expand_tile(e, out, t0, tp):
+    d = e.shape[1]
+    for c0, cw in _chunks(d, FREE_CHUNK):
+        tile = nl.load(e[t0:t0 + tp, c0:c0 + cw])
+        for m in range(HC_MULT):
+            nl.store(out[t0:t0 + tp, m * d + c0:m * d + c0 + cw], value=tile)
+
+
+@nki.jit
+def hc_expand(e):
+    """e [T, d] -> [T, n*d]: n copies of each row, stream-major (out[:, m*d:(m+1)*d] = e)."""
+    t, d = e.shape
+    out = nl.ndarray((t, HC_MULT * d), dtype=e.dtype, buffer=nl.shared_hbm)
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _expand_tile(e, out, i * PMAX, PMAX)
+    if rest > 0:
+        _expand_tile(e, out, full * PMAX, rest)
+    return out
+
+
+def _attn_out_tile(y, residual, post, comb, out, t0, tp):
+    """out[o] = post[o] * y + sum_i comb[i, o] * residual[i] for token rows t0 .. t0 + tp."""
+    n = HC_MULT
+    d = y.shape[1]
+    post_w = nl.load(post[t0:t0 + tp, :])
+    comb_w = nl.load(comb[t0:t0 + tp, :])
+    for c0, cw in _chunks(d, FREE_CHUNK):
+        yc = nl.load(y[t0:t0 + tp, c0:c0 + cw])
+        res = []
+        for i in range(n):
+            res.append(nl.load(residual[t0:t0 + tp, i * d + c0:i * d + c0 + cw]))
+        for o in range(n):
+            mixed = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=mixed, data=res[0], op0=nl.multiply, operand0=comb_w[:, o:o + 1])
+            for i in range(1, n):
+                nisa.scalar_tensor_tensor(dst=mixed, data=res[i], op0=nl.multiply,
+                                          operand0=comb_w[:, i * n + o:i * n + o + 1], op1=nl.add, operand1=mixed)
+            oc = nl.ndarray((tp, cw), dtype=y.dtype, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=oc, data=yc, op0=nl.multiply, operand0=post_w[:, o:o + 1], op1=nl.add,
+                                      operand1=mixed)
+            nl.store(out[t0:t0 + tp, o * d + c0:o * d + c0 + cw], value=oc)
+
+
+@nki.jit
+def hc_attn_out(y, residual, post, comb):
+    """y [T, d], residual [T, n*d], post [T, n], comb [T, n*n] (row-major, first index = input stream)
+    -> [T, n*d] in y's dtype: out[o] = post[o] * y + sum_i comb[i, o] * residual[i], fp32 math."""
+    t, d = y.shape
+    out = nl.ndarray((t, HC_MULT * d), dtype=y.dtype, buffer=nl.shared_hbm)
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _attn_out_tile(y, residual, post, comb, out, i * PMAX, PMAX)
+    if rest > 0:
+        _attn_out_tile(y, residual, post, comb, out, full * PMAX, rest)
+    return out
+
+
+def _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, t0, tp, norm_eps):
+    mixes = _norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps)
+    sc = _row_broadcast(scale, 0, 1, tp)
+    bs = _row_broadcast(base, 0, HC_MULT, tp)
+    pre_w = _sigmoid_weights(_affine(mixes, 0, HC_MULT, sc[:, 0:1], bs), 1.0, HC_EPS)
+    _collapse_tile(x, pre_w, out, t0, tp)
+
+
+def _hc_head(x, fn_hi, fn_lo, scale, base, norm_eps):
+    """x [T, n*d]; fn_hi / fn_lo [n, n*d] bf16; scale [1]; base [n] -> [T, d] in x's dtype."""
+    t, k = x.shape
+    assert k % K_TILE == 0, "hc_head: n*d must be a multiple of 128"
+    assert fn_hi.shape[0] == HC_MULT and fn_lo.shape[0] == HC_MULT, "hc_head: fn must have n rows"
+    out = nl.ndarray((t, k // HC_MULT), dtype=x.dtype, buffer=nl.shared_hbm)
+    fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
+    fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, i * PMAX, PMAX, norm_eps)
+    if rest > 0:
+        _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, full * PMAX, rest, norm_eps)
+    return out
+
+
+@nki.jit
+def hc_head_v4(x, fn_hi, fn_lo, scale, base):
+    """V4's final collapse: pre = sigmoid(norm-applied mixes * scale + base) + eps (no Sinkhorn), then collapse."""
+    return _hc_head(x, fn_hi, fn_lo, scale, base, NORM_EPS_V4)
+
+
+@nki.jit
+def hc_head_v41(x, fn_hi, fn_lo, scale, base):
+    """hc_head with V4.1's norm epsilon (1e-20)."""
+    return _hc_head(x, fn_hi, fn_lo, scale, base, NORM_EPS_V41)
+
+
+hc_head = hc_head_v4
+
+MIXES_KERNELS = {NORM_EPS_V4: "hc_mixes_v4", NORM_EPS_V41: "hc_mixes_v41"}
+HEAD_KERNELS = {NORM_EPS_V4: "hc_head_v4", NORM_EPS_V41: "hc_head_v41"}
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm, SwiGLU
+
+
+def _rmsnorm_tile(x, w, out, t0, tp, eps):
+    d = x.shape[1]
+    sumsq = nl.zeros((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    for c0, cw in _chunks(d, FREE_CHUNK):
+        _add_sum_of_squares(sumsq, nl.load(x[t0:t0 + tp, c0:c0 + cw]))
+    r = _rsqrt_mean(sumsq, d, eps)
+    for c0, cw in _chunks(d, FREE_CHUNK):
+        xc = nl.load(x[t0:t0 + tp, c0:c0 + cw])
+        wc = _row_broadcast(w, c0, c0 + cw, tp)
+        yc = nl.ndarray((tp, cw), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=yc, data=xc, op0=nl.multiply, operand0=r, op1=nl.multiply, operand1=wc)
+        nl.store(out[t0:t0 + tp, c0:c0 + cw], value=yc)
+
+
+@nki.jit
+def rmsnorm(x, w, eps):
+    """x [T, d] (bf16/fp32), w [d] fp32 -> [T, d] in x's dtype: w * x * rsqrt(mean(x^2) + eps), fp32 math."""
+    t, d = x.shape
+    out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _rmsnorm_tile(x, w, out, i * PMAX, PMAX, eps)
+    if rest > 0:
+        _rmsnorm_tile(x, w, out, full * PMAX, rest, eps)
+    return out
+
+
+def _swiglu_tile(g, u, out, t0, tp, limit):
+    f = g.shape[1]
+    for c0, cw in _chunks(f, FREE_CHUNK):
+        gc = nl.load(g[t0:t0 + tp, c0:c0 + cw])
+        uc = nl.load(u[t0:t0 + tp, c0:c0 + cw])
+        if limit > 0:
+            gl = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=gl, data=gc, op0=nl.minimum, operand0=limit)
+            ul = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=ul, data=uc, op0=nl.minimum, operand0=limit, op1=nl.maximum, operand1=-limit)
+            gc, uc = gl, ul
+        act = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=act, op=nl.silu, data=gc)
+        yc = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=yc, data1=act, data2=uc, op=nl.multiply)
+        nl.store(out[t0:t0 + tp, c0:c0 + cw], value=yc)
+
+
+@nki.jit
+def swiglu(g, u, limit):
+    """g, u [T, f] (bf16/fp32) -> [T, f] fp32: silu(min(g, L)) * clamp(u, -L, L) (no clamp when L <= 0)."""
+    t, f = g.shape
+    out = nl.ndarray((t, f), dtype=nl.float32, buffer=nl.shared_hbm)
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            _swiglu_tile(g, u, out, i * PMAX, PMAX, limit)
+    if rest > 0:
+        _swiglu_tile(g, u, out, full * PMAX, rest, limit)
+    return out

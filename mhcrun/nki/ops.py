@@ -1,0 +1,443 @@
+"""The mHC steps, RMSNorm and SwiGLU as torch custom ops backed by mhcrun's NKI kernels.
+
+Each step is a ``torch.library.custom_op`` (``mhcrun::hc_expand``, ``mhcrun::hc_mixes``, ``mhcrun::hc_collapse``,
+``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``) with a fake kernel, so it sits
+in a ``torch.compile`` graph as one node. The public functions below pick a backend per call:
+
+- ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
+- a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
+  ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
+- otherwise the custom op; its implementation runs the kernel on mhcrun's NKI simulator when
+  ``MHCRUN_NKI_SIM=1``, else the torch reference.
+
+Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)
+always take the torch reference. Environment variables are read at call time (inside a compiled graph: when
+the graph is traced for the backend choice, when it runs for the simulator switch). ``kernel_stats()`` counts
+real executions per kernel and backend: the custom ops count inside their implementation, so calls from
+compiled graphs are counted when the graph runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mhcrun.ops import hc as _ref
+from mhcrun.ops.moe import swiglu as _ref_swiglu
+from mhcrun.ops.norm import rms_norm as _ref_rms_norm
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
+KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu")
+BACKENDS = ("torch", "nki-sim", "nki")
+_ACT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _load_sim_kernels():
+    from mhcrun.nki.sim import load_kernel_module
+
+    return load_kernel_module(KERNEL_SOURCE)
+
+
+# kernels.py executed once on the simulator: its kernels (the nki-sim backend) and its baked constants, copied
+# into plain values here so that torch.compile traces the backend choice without entering the kernel module.
+_SIM = _load_sim_kernels()
+HC_MULT: int = _SIM.HC_MULT
+SINKHORN_ITERS: int = _SIM.SINKHORN_ITERS
+HC_EPS: float = _SIM.HC_EPS
+MIXES_KERNELS: dict[float, str] = dict(_SIM.MIXES_KERNELS)  # norm_eps -> kernel name
+HEAD_KERNELS: dict[float, str] = dict(_SIM.HEAD_KERNELS)
+
+
+def mixes_supported(hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> bool:
+    """kernels.mixes_supported: True only for the constants baked into the hc_mixes / hc_head kernels."""
+    return (hc_mult == HC_MULT and sinkhorn_iters == SINKHORN_ITERS and hc_eps == HC_EPS
+            and norm_eps in MIXES_KERNELS)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ stats, backend choice
+
+_STATS: dict[str, dict[str, int]] = {k: dict.fromkeys(BACKENDS, 0) for k in KERNEL_NAMES}
+
+
+def _count(kernel: str, backend: str) -> None:
+    _STATS[kernel][backend] += 1
+
+
+def kernel_stats() -> dict[str, dict[str, int]]:
+    """Executions per kernel ("hc_expand", ..., "swiglu") per backend ("torch", "nki-sim", "nki")."""
+    return {k: dict(v) for k, v in _STATS.items()}
+
+
+def reset_kernel_stats() -> None:
+    for v in _STATS.values():
+        for b in v:
+            v[b] = 0
+
+
+def _hc_disabled() -> bool:
+    return os.environ.get("MHCRUN_NKI_HC", "1") == "0"
+
+
+def _sim_enabled() -> bool:
+    return os.environ.get("MHCRUN_NKI_SIM", "0") == "1"
+
+
+def hc_backend(device_type: str) -> str:
+    """The backend a kernel call on a tensor of ``device_type`` takes now: "torch", "nki-sim" or "nki"."""
+    if _hc_disabled():
+        return "torch"
+    if device_type == "neuron":
+        return "nki"
+    return "nki-sim" if _sim_enabled() else "torch"
+
+
+_NEURON_CALLERS: dict = {}
+
+
+def _neuron_kernel(name: str):
+    """The real kernel ``name`` of kernels.py wrapped for torch-neuronx (a higher-order op usable under compile)."""
+    if name not in _NEURON_CALLERS:
+        from torch_neuronx.nki_hop import wrap_nki
+
+        _NEURON_CALLERS[name] = wrap_nki(getattr(importlib.import_module("mhcrun.nki.kernels"), name))
+    return _NEURON_CALLERS[name]
+
+
+def _sim_kernel(name: str):
+    return getattr(_SIM, name)
+
+
+def split_hi_lo(fn: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ``fn`` as bf16 ``hi`` plus bf16 ``lo = fn - hi`` (|error| ~ 2^-17 |fn|); done once, eagerly, at load."""
+    fn = fn.detach().float()
+    hi = fn.to(torch.bfloat16)
+    return hi, (fn - hi.float()).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ what the kernels cover
+
+
+def _act(*ts: Tensor) -> bool:
+    return all(t.dtype in _ACT_DTYPES for t in ts) and all(t.dtype == ts[0].dtype for t in ts)
+
+
+def _fp32(*ts: Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in ts)
+
+
+def _expand_ok(e: Tensor, n: int) -> bool:
+    return n == HC_MULT and e.numel() > 0 and _act(e)
+
+
+def _gemm_ok(x: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, mix: int) -> bool:
+    """x [..., n, d] and the split fn [mix, n*d] in the layout the mixes GEMM of the kernels takes."""
+    if x.dim() < 2 or x.shape[-2] != HC_MULT or x.numel() == 0 or not _act(x):
+        return False
+    k = HC_MULT * x.shape[-1]
+    return (
+        k % 128 == 0
+        and tuple(fn_hi.shape) == (mix, k) and tuple(fn_lo.shape) == (mix, k)
+        and fn_hi.dtype == torch.bfloat16 and fn_lo.dtype == torch.bfloat16
+        and _fp32(scale, base) and base.numel() == mix
+    )  # fmt: skip
+
+
+def _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps) -> bool:
+    return (mixes_supported(n, iters, eps, norm_eps) and scale.numel() == 3
+            and _gemm_ok(x, fn_hi, fn_lo, scale, base, (2 + n) * n))  # fmt: skip
+
+
+def _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps) -> bool:
+    return (mixes_supported(HC_MULT, SINKHORN_ITERS, eps, norm_eps) and scale.numel() == 1
+            and _gemm_ok(x, fn_hi, fn_lo, scale, base, HC_MULT))  # fmt: skip
+
+
+def _collapse_ok(x: Tensor, pre: Tensor) -> bool:
+    return x.dim() >= 2 and x.shape[-2] == HC_MULT and x.numel() > 0 and _act(x) and _fp32(pre)
+
+
+def _post_ok(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> bool:
+    return residual.dim() >= 2 and residual.shape[-2] == HC_MULT and y.numel() > 0 and _act(y, residual) \
+        and _fp32(post, comb)
+
+
+def _rmsnorm_ok(x: Tensor, weight: Tensor) -> bool:
+    return x.numel() > 0 and _act(x) and _fp32(weight) and weight.shape == x.shape[-1:]
+
+
+def _swiglu_ok(gate: Tensor, up: Tensor) -> bool:
+    return gate.numel() > 0 and _act(gate) and _act(up) and gate.shape == up.shape
+
+
+# ------------------------------------------------------------------------------------------ kernel calls (2-D views)
+
+
+def _run_expand(get, e: Tensor, n: int) -> Tensor:
+    d = e.shape[-1]
+    out = get("hc_expand")(e.reshape(-1, d).contiguous())
+    return out.view(*e.shape[:-1], n, d)
+
+
+def _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps):
+    *lead, n, d = x.shape
+    kernel = get(MIXES_KERNELS[norm_eps])
+    pre, post, comb = kernel(x.reshape(-1, n * d).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(),
+                             scale.reshape(1, -1).contiguous(), base.contiguous())  # fmt: skip
+    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def _run_collapse(get, x: Tensor, pre: Tensor) -> Tensor:
+    *lead, n, d = x.shape
+    out = get("hc_collapse")(x.reshape(-1, n * d).contiguous(), pre.reshape(-1, n).contiguous())
+    return out.view(*lead, d)
+
+
+def _run_post(get, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    *lead, n, d = residual.shape
+    out = get("hc_attn_out")(y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(),
+                             post.reshape(-1, n).contiguous(), comb.reshape(-1, n * n).contiguous())  # fmt: skip
+    return out.view(*lead, n, d)
+
+
+def _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps) -> Tensor:
+    *lead, n, d = x.shape
+    kernel = get(HEAD_KERNELS[norm_eps])
+    out = kernel(x.reshape(-1, n * d).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(),
+                 scale.reshape(1, -1).contiguous(), base.contiguous())  # fmt: skip
+    return out.view(*lead, d)
+
+
+def _run_rmsnorm(get, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    d = x.shape[-1]
+    return get("rmsnorm")(x.reshape(-1, d).contiguous(), weight.contiguous(), float(eps)).view(x.shape)
+
+
+def _run_swiglu(get, gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    f = gate.shape[-1]
+    out = get("swiglu")(gate.reshape(-1, f).contiguous(), up.reshape(-1, f).contiguous(), float(limit))
+    return out.view(gate.shape)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+
+
+@torch.library.custom_op("mhcrun::hc_expand", mutates_args=())
+def _hc_expand_op(e: Tensor, n: int) -> Tensor:
+    if _sim_enabled() and _expand_ok(e, n):
+        _count("hc_expand", "nki-sim")
+        return _run_expand(_sim_kernel, e, n)
+    _count("hc_expand", "torch")
+    return _ref.hc_expand(e, n).contiguous()
+
+
+@_hc_expand_op.register_fake
+def _(e: Tensor, n: int) -> Tensor:
+    return e.new_empty((*e.shape[:-1], n, e.shape[-1]))
+
+
+@torch.library.custom_op("mhcrun::hc_mixes", mutates_args=())
+def _hc_mixes_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
+                 eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    if _sim_enabled() and _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
+        _count("hc_mixes", "nki-sim")
+        return _run_mixes(_sim_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
+    _count("hc_mixes", "torch")
+    pre, post, comb = _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+    return pre.contiguous(), post.contiguous(), comb.contiguous()
+
+
+@_hc_mixes_op.register_fake
+def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
+    lead = x.shape[:-2]
+    f32 = torch.float32
+    return x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n, n), dtype=f32)
+
+
+@torch.library.custom_op("mhcrun::hc_collapse", mutates_args=())
+def _hc_collapse_op(x: Tensor, pre: Tensor) -> Tensor:
+    if _sim_enabled() and _collapse_ok(x, pre):
+        _count("hc_collapse", "nki-sim")
+        return _run_collapse(_sim_kernel, x, pre)
+    _count("hc_collapse", "torch")
+    return _ref.hc_collapse(x, pre).contiguous()
+
+
+@_hc_collapse_op.register_fake
+def _(x: Tensor, pre: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-2], x.shape[-1]))
+
+
+@torch.library.custom_op("mhcrun::hc_post", mutates_args=())
+def _hc_post_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    if _sim_enabled() and _post_ok(y, residual, post, comb):
+        _count("hc_post", "nki-sim")
+        return _run_post(_sim_kernel, y, residual, post, comb)
+    _count("hc_post", "torch")
+    return _ref.hc_post(y, residual, post, comb).contiguous()
+
+
+@_hc_post_op.register_fake
+def _(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    return residual.new_empty(residual.shape, dtype=y.dtype)
+
+
+@torch.library.custom_op("mhcrun::hc_head", mutates_args=())
+def _hc_head_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, eps: float,
+                norm_eps: float) -> Tensor:
+    if _sim_enabled() and _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
+        _count("hc_head", "nki-sim")
+        return _run_head(_sim_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
+    _count("hc_head", "torch")
+    return _ref.hc_head(x, fn, scale, base, eps, norm_eps).contiguous()
+
+
+@_hc_head_op.register_fake
+def _(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps):
+    return x.new_empty((*x.shape[:-2], x.shape[-1]))
+
+
+@torch.library.custom_op("mhcrun::rmsnorm", mutates_args=())
+def _rmsnorm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if _sim_enabled() and _rmsnorm_ok(x, weight):
+        _count("rmsnorm", "nki-sim")
+        return _run_rmsnorm(_sim_kernel, x, weight, eps)
+    _count("rmsnorm", "torch")
+    return _ref_rms_norm(x, weight, eps).contiguous()
+
+
+@_rmsnorm_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mhcrun::swiglu", mutates_args=())
+def _swiglu_op(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    if _sim_enabled() and _swiglu_ok(gate, up):
+        _count("swiglu", "nki-sim")
+        return _run_swiglu(_sim_kernel, gate, up, limit)
+    _count("swiglu", "torch")
+    return _ref_swiglu(gate, up, limit).contiguous()
+
+
+@_swiglu_op.register_fake
+def _(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    return gate.new_empty(gate.shape, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def _on_neuron(t: Tensor) -> bool:
+    return t.device.type == "neuron"
+
+
+def hc_expand(e: Tensor, n: int) -> Tensor:
+    """[b, s, d] -> [b, s, n, d]: n identical copies (mhcrun.ops.hc.hc_expand)."""
+    if _hc_disabled():
+        _count("hc_expand", "torch")
+        return _ref.hc_expand(e, n)
+    if _on_neuron(e) and _expand_ok(e, n):
+        _count("hc_expand", "nki")
+        return _run_expand(_neuron_kernel, e, n)
+    if _on_neuron(e):
+        _count("hc_expand", "torch")
+        return _ref.hc_expand(e, n)
+    return torch.ops.mhcrun.hc_expand(e, n)
+
+
+def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor, n: int,
+             iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x [b, s, n, d] -> pre [b, s, n], post [b, s, n], comb [b, s, n, n] (fp32), as mhcrun.ops.hc.hc_mixes.
+
+    ``fn`` is the fp32 weight (torch path); ``fn_hi`` / ``fn_lo`` its ``split_hi_lo`` (kernel paths; split here
+    when None).
+    """
+    if _hc_disabled() or not mixes_supported(n, iters, eps, norm_eps):
+        _count("hc_mixes", "torch")
+        return _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    if _on_neuron(x):
+        if _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
+            _count("hc_mixes", "nki")
+            return _run_mixes(_neuron_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
+        _count("hc_mixes", "torch")
+        return _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+    return torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps)
+
+
+def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
+    """sum_m pre[m] * x[m] in fp32, in x's dtype: x [b, s, n, d], pre [b, s, n] -> [b, s, d]."""
+    if _hc_disabled():
+        _count("hc_collapse", "torch")
+        return _ref.hc_collapse(x, pre)
+    if _on_neuron(x):
+        if _collapse_ok(x, pre):
+            _count("hc_collapse", "nki")
+            return _run_collapse(_neuron_kernel, x, pre)
+        _count("hc_collapse", "torch")
+        return _ref.hc_collapse(x, pre)
+    return torch.ops.mhcrun.hc_collapse(x, pre)
+
+
+def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """X'[o] = post[o] * y + sum_i comb[i, o] * R[i]: y [b, s, d], residual [b, s, n, d] -> [b, s, n, d]."""
+    if _hc_disabled():
+        _count("hc_post", "torch")
+        return _ref.hc_post(y, residual, post, comb)
+    if _on_neuron(y):
+        if _post_ok(y, residual, post, comb):
+            _count("hc_post", "nki")
+            return _run_post(_neuron_kernel, y, residual, post, comb)
+        _count("hc_post", "torch")
+        return _ref.hc_post(y, residual, post, comb)
+    return torch.ops.mhcrun.hc_post(y, residual, post, comb)
+
+
+def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
+            eps: float, norm_eps: float) -> Tensor:
+    """V4's final collapse (mhcrun.ops.hc.hc_head): x [b, s, n, d] -> [b, s, d]."""
+    if _hc_disabled() or not mixes_supported(HC_MULT, SINKHORN_ITERS, eps, norm_eps):
+        _count("hc_head", "torch")
+        return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    if _on_neuron(x):
+        if _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
+            _count("hc_head", "nki")
+            return _run_head(_neuron_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
+        _count("hc_head", "torch")
+        return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
+    return torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32, cast back to x's dtype (mhcrun.ops.norm.rms_norm)."""
+    if _hc_disabled():
+        _count("rmsnorm", "torch")
+        return _ref_rms_norm(x, weight, eps)
+    if _on_neuron(x):
+        if _rmsnorm_ok(x, weight):
+            _count("rmsnorm", "nki")
+            return _run_rmsnorm(_neuron_kernel, x, weight, eps)
+        _count("rmsnorm", "torch")
+        return _ref_rms_norm(x, weight, eps)
+    return torch.ops.mhcrun.rmsnorm(x, weight, eps)
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """silu(min(g, L)) * clamp(u, -L, L) in fp32 (mhcrun.ops.moe.swiglu)."""
+    if _hc_disabled():
+        _count("swiglu", "torch")
+        return _ref_swiglu(gate, up, limit)
+    if _on_neuron(gate):
+        if _swiglu_ok(gate, up):
+            _count("swiglu", "nki")
+            return _run_swiglu(_neuron_kernel, gate, up, limit)
+        _count("swiglu", "torch")
+        return _ref_swiglu(gate, up, limit)
+    return torch.ops.mhcrun.swiglu(gate, up, limit)

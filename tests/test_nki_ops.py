@@ -1,0 +1,292 @@
+"""mhcrun.nki.ops: the custom ops, the backend choice (torch / nki-sim / nki) and the execution counts.
+
+Tolerances of the simulator path against the torch reference (see tests/test_nki_kernels.py for the per-kernel
+sweeps): pre / post / comb 2e-5 absolute (the bf16 hi/lo split of fn), collapsed / post-mixed / normed
+activations 1e-5 relative in fp32, swiglu 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from mhcrun.ops import hc as ref
+from mhcrun.ops.moe import swiglu as ref_swiglu
+from mhcrun.ops.norm import rms_norm as ref_rms_norm
+
+pytest.importorskip("mhcrun.nki.sim", reason="mhcrun's NKI simulator (mhcrun/nki/sim) is not present")
+
+from mhcrun.nki import ops  # noqa: E402
+
+N = 4
+B, S, D = 2, 3, 128
+EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
+HC_OPS = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("MHCRUN_NKI_HC", raising=False)
+    monkeypatch.delenv("MHCRUN_NKI_SIM", raising=False)
+    ops.reset_kernel_stats()
+    yield
+    ops.reset_kernel_stats()
+
+
+@pytest.fixture
+def case():
+    """Inputs of one V4 block's mHC sites plus the head, on the tiny model's sizes (fp32 activations)."""
+    g = torch.Generator().manual_seed(0)
+    c = {
+        "e": torch.randn(B, S, D, generator=g),
+        "x": torch.randn(B, S, N, D, generator=g),
+        "y": torch.randn(B, S, D, generator=g),
+        "fn": torch.randn((2 + N) * N, N * D, generator=g) * (N * D) ** -0.5,
+        "scale": torch.rand(3, generator=g) + 0.5,
+        "base": torch.randn((2 + N) * N, generator=g) * 0.5,
+        "head_fn": torch.randn(N, N * D, generator=g) * (N * D) ** -0.5,
+        "head_scale": torch.rand(1, generator=g) + 0.5,
+        "head_base": torch.randn(N, generator=g) * 0.5,
+        "w": torch.randn(D, generator=g),
+        "gate": torch.randn(B, S, 64, generator=g) * 8,
+        "up": torch.randn(B, S, 64, generator=g) * 8,
+    }
+    c["hi"], c["lo"] = ops.split_hi_lo(c["fn"])
+    c["head_hi"], c["head_lo"] = ops.split_hi_lo(c["head_fn"])
+    return c
+
+
+def run_all(c):
+    """Every public op once, in a block's order; returns the outputs by op name."""
+    pre, post, comb = ops.hc_mixes(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+    return {
+        "hc_expand": ops.hc_expand(c["e"], N),
+        "hc_mixes": (pre, post, comb),
+        "hc_collapse": ops.hc_collapse(c["x"], pre),
+        "hc_post": ops.hc_post(c["y"], c["x"], post, comb),
+        "hc_head": ops.hc_head(c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"],
+                               EPS, NORM_EPS),  # fmt: skip
+        "rmsnorm": ops.rms_norm(c["y"], c["w"], NORM_EPS),
+        "swiglu": ops.swiglu(c["gate"], c["up"], 10.0),
+    }
+
+
+def reference_all(c):
+    pre, post, comb = ref.hc_mixes(c["x"], c["fn"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+    return {
+        "hc_expand": ref.hc_expand(c["e"], N),
+        "hc_mixes": (pre, post, comb),
+        "hc_collapse": ref.hc_collapse(c["x"], pre),
+        "hc_post": ref.hc_post(c["y"], c["x"], post, comb),
+        "hc_head": ref.hc_head(c["x"], c["head_fn"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
+        "rmsnorm": ref_rms_norm(c["y"], c["w"], NORM_EPS),
+        "swiglu": ref_swiglu(c["gate"], c["up"], 10.0),
+    }
+
+
+def _flat(v):
+    return list(v) if isinstance(v, tuple) else [v]
+
+
+def assert_counts(backend: str, times: int = 1, kernels=ops.KERNEL_NAMES):
+    stats = ops.kernel_stats()
+    for k in kernels:
+        want = {b: (times if b == backend else 0) for b in ops.BACKENDS}
+        assert stats[k] == want, f"{k}: {stats[k]} != {want}"
+
+
+# ------------------------------------------------------------------------------------------ backends
+
+
+def test_hc_backend_follows_env_at_call_time(monkeypatch):
+    assert ops.hc_backend("cpu") == "torch" and ops.hc_backend("neuron") == "nki"
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    assert ops.hc_backend("cpu") == "nki-sim" and ops.hc_backend("neuron") == "nki"
+    monkeypatch.setenv("MHCRUN_NKI_HC", "0")
+    assert ops.hc_backend("cpu") == "torch" and ops.hc_backend("neuron") == "torch"
+
+
+def test_torch_path_equals_reference_exactly(case):
+    got, want = run_all(case), reference_all(case)
+    for k in want:
+        for a, b in zip(_flat(got[k]), _flat(want[k]), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), k
+    assert_counts("torch")
+
+
+def test_hc_disabled_calls_reference_and_counts_torch(case, monkeypatch):
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    monkeypatch.setenv("MHCRUN_NKI_HC", "0")
+    got, want = run_all(case), reference_all(case)
+    for k in want:
+        for a, b in zip(_flat(got[k]), _flat(want[k]), strict=True):
+            assert torch.equal(a, b), k
+    assert_counts("torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    for k in ("e", "x", "y", "gate", "up"):
+        case[k] = case[k].to(dtype)
+    got, want = run_all(case), reference_all(case)
+    assert_counts("nki-sim")
+    for a, b in zip(got["hc_mixes"], want["hc_mixes"], strict=True):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    assert torch.equal(got["hc_expand"], want["hc_expand"])
+    bf16_tol = {"rtol": 2**-7, "atol": 1e-5}  # one bf16 ulp
+    for k in ("hc_collapse", "hc_post", "hc_head", "rmsnorm"):
+        assert got[k].dtype == want[k].dtype == dtype and got[k].shape == want[k].shape, k
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else bf16_tol
+        torch.testing.assert_close(got[k], want[k], **tol)
+    torch.testing.assert_close(got["swiglu"], want["swiglu"], rtol=1e-5, atol=1e-6)
+
+
+def test_sim_path_without_precomputed_split(case, monkeypatch):
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    x, fn, scale, base = case["x"], case["fn"], case["scale"], case["base"]
+    got = ops.hc_mixes(x, fn, None, None, scale, base, N, ITERS, EPS, NORM_EPS)
+    want = ops.hc_mixes(x, fn, case["hi"], case["lo"], scale, base, N, ITERS, EPS, NORM_EPS)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert ops.kernel_stats()["hc_mixes"]["nki-sim"] == 2
+
+
+def test_unsupported_constants_and_shapes_fall_back_to_torch(case, monkeypatch):
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    x, fn, hi, lo, scale, base = (case[k] for k in ("x", "fn", "hi", "lo", "scale", "base"))
+    for iters, eps, norm_eps in ((10, EPS, NORM_EPS), (ITERS, 1e-5, NORM_EPS), (ITERS, EPS, 1e-5)):
+        got = ops.hc_mixes(x, fn, hi, lo, scale, base, N, iters, eps, norm_eps)
+        want = ref.hc_mixes(x, fn, scale, base, N, iters, eps, norm_eps)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    hf, hh, hl, hs, hb = (case[k] for k in ("head_fn", "head_hi", "head_lo", "head_scale", "head_base"))
+    assert torch.equal(ops.hc_head(x, hf, hh, hl, hs, hb, EPS, 1e-5), ref.hc_head(x, hf, hs, hb, EPS, 1e-5))
+    assert torch.equal(ops.hc_expand(case["e"], 2), ref.hc_expand(case["e"], 2))  # n != 4
+    x16, pre = x.half(), torch.rand(B, S, N)
+    assert torch.equal(ops.hc_collapse(x16, pre), ref.hc_collapse(x16, pre))  # fp16 activations
+    stats = ops.kernel_stats()
+    assert stats["hc_mixes"] == {"torch": 3, "nki-sim": 0, "nki": 0}
+    assert stats["hc_head"] == {"torch": 1, "nki-sim": 0, "nki": 0}
+    assert stats["hc_expand"] == {"torch": 1, "nki-sim": 0, "nki": 0}
+    assert stats["hc_collapse"] == {"torch": 1, "nki-sim": 0, "nki": 0}
+
+
+def test_split_hi_lo(case):
+    fn = case["fn"]
+    hi, lo = ops.split_hi_lo(fn)
+    assert hi.dtype == lo.dtype == torch.bfloat16 and hi.shape == lo.shape == fn.shape
+    assert torch.equal(hi, fn.to(torch.bfloat16))
+    err = (hi.float() + lo.float() - fn).abs()
+    assert (err <= fn.abs() * 2.0**-16).all()
+    assert err.max() < (fn - hi.float()).abs().max() / 100
+
+
+def test_kernel_stats_is_a_snapshot():
+    snap = ops.kernel_stats()
+    assert set(snap) == set(ops.KERNEL_NAMES) and all(set(v) == set(ops.BACKENDS) for v in snap.values())
+    snap["hc_expand"]["torch"] = 99
+    assert ops.kernel_stats()["hc_expand"]["torch"] == 0
+
+
+# ------------------------------------------------------------------------------------------ op registration
+
+
+def _op_samples(c):
+    hi, lo = c["hi"], c["lo"]
+    return {
+        "hc_expand": (c["e"], N),
+        "hc_mixes": (c["x"], c["fn"], hi, lo, c["scale"], c["base"], N, ITERS, EPS, NORM_EPS),
+        "hc_collapse": (c["x"], torch.rand(B, S, N)),
+        "hc_post": (c["y"], c["x"], torch.rand(B, S, N), torch.rand(B, S, N, N)),
+        "hc_head": (c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
+        "rmsnorm": (c["y"], c["w"], NORM_EPS),
+        "swiglu": (c["gate"], c["up"], 10.0),
+    }
+
+
+@pytest.mark.parametrize("sim_on", [False, True], ids=["torch", "nki-sim"])
+def test_opcheck(case, monkeypatch, sim_on):
+    if sim_on:
+        monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    for name, args in _op_samples(case).items():
+        torch.library.opcheck(getattr(torch.ops.mhcrun, name).default, args)
+    assert sum(v["nki-sim" if sim_on else "torch"] for v in ops.kernel_stats().values()) > 0
+
+
+def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def block(e, x, y, fn, hi, lo, scale, base, hfn, hhi, hlo, hscale, hbase, w, gate, up):
+        x0 = ops.hc_expand(e, N)
+        pre, post, comb = ops.hc_mixes(x, fn, hi, lo, scale, base, N, ITERS, EPS, NORM_EPS)
+        h = ops.rms_norm(ops.hc_collapse(x, pre), w, NORM_EPS)
+        x1 = ops.hc_post(h + y, x, post, comb)
+        out = ops.hc_head(x1, hfn, hhi, hlo, hscale, hbase, EPS, NORM_EPS)
+        return x0, out, ops.swiglu(gate, up, 10.0)
+
+    keys = ("e", "x", "y", "fn", "hi", "lo", "scale", "base", "head_fn", "head_hi", "head_lo", "head_scale",
+            "head_base", "w", "gate", "up")  # fmt: skip
+    args = [case[k] for k in keys]
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(block, backend=backend, fullgraph=True)
+        first = compiled(*args)
+        second = compiled(*args)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    for name in (*HC_OPS, "rmsnorm", "swiglu"):
+        packet = getattr(torch.ops.mhcrun, name)
+        assert sum(t in (packet, packet.default) for t in targets) == 1, name
+    # the custom ops count the graph's executions: twice each, on the simulator
+    assert_counts("nki-sim", times=2)
+    ops.reset_kernel_stats()
+    eager = block(*args)
+    assert_counts("nki-sim", times=1)
+    for a, b, c in zip(first, second, eager, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # through AOTAutograd too (the fake kernels trace the graph, the real ones run it)
+    ops.reset_kernel_stats()
+    torch._dynamo.reset()
+    try:
+        aot = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert_counts("nki-sim", times=1)
+    for a, c in zip(aot, eager, strict=True):
+        assert torch.equal(a, c)
+
+
+def test_mixes_supported_matches_the_kernels():
+    from mhcrun.nki.sim import load_kernel_module
+
+    kernels = load_kernel_module(ops.KERNEL_SOURCE)
+    for args in [(4, 20, 1e-6, 1e-6), (4, 20, 1e-6, 1e-20), (4, 20, 1e-6, 1e-5), (2, 20, 1e-6, 1e-6),
+                 (4, 19, 1e-6, 1e-6), (4, 20, 1e-7, 1e-6)]:  # fmt: skip
+        assert ops.mixes_supported(*args) == kernels.mixes_supported(*args), args
+
+
+def test_head_on_a_strided_last_position(case, monkeypatch):
+    """The model calls hc_head on x[:, -1:], a non-contiguous view."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    x = case["x"][:, -1:]
+    assert not x.is_contiguous()
+    hf, hh, hl, hs, hb = (case[k] for k in ("head_fn", "head_hi", "head_lo", "head_scale", "head_base"))
+    got = ops.hc_head(x, hf, hh, hl, hs, hb, EPS, NORM_EPS)
+    torch.testing.assert_close(got, ref.hc_head(x, hf, hs, hb, EPS, NORM_EPS), rtol=1e-5, atol=1e-5)
+    assert ops.kernel_stats()["hc_head"]["nki-sim"] == 1
+
+
+def test_no_neuron_import_off_device(case):
+    run_all(case)
+    assert "torch_neuronx" not in sys.modules
