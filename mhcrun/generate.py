@@ -15,6 +15,7 @@ import torch
 
 from mhcrun.errors import InputError
 from mhcrun.model import Transformer
+from mhcrun.nki import ops as hc_ops
 
 
 @dataclass
@@ -101,6 +102,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb()}
         return results
     gen = torch.Generator().manual_seed(sampling.seed)
+    hc_ops.reset_kernel_stats()
     model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
 
     def accept(row: int, logits: torch.Tensor, token: int) -> None:
@@ -162,5 +164,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
             "compile_s": compile_s,
             "peak_rss_mb": rss,
+            "kernels": hc_ops.kernel_stats(),  # calls per kernel and backend (torch, nki-sim, nki), whole batch
         }
     return results

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mhcrun.config import ModelConfig
+from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.attention import (
     compress_mask_decode,
     compress_mask_prefill,
@@ -24,7 +25,6 @@ from mhcrun.ops.attention import (
     window_mask_prefill,
 )
 from mhcrun.ops.compress import compress_groups, gather_overlap_state, pool
-from mhcrun.ops.hc import hc_collapse, hc_expand, hc_head, hc_mixes, hc_post
 from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.linear import linear
 from mhcrun.ops.moe import gate_scores, route, swiglu
@@ -364,19 +364,20 @@ class Block(nn.Module):
 
     def mixes(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return hc_ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
+                               getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), c.hc_mult,
+                               c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
                 pos: torch.Tensor | None) -> torch.Tensor:
         # x [b, s, n, d]; pos None = prefill from position 0
         pre, post, comb = self.mixes(x, "attn")
-        h = self.attn_norm(hc_collapse(x, pre))
+        h = self.attn_norm(hc_ops.hc_collapse(x, pre))
         h = self.attn.prefill(h, rows) if pos is None else self.attn.decode(h, pos, rows)
-        x = hc_post(h, x, post, comb)
+        x = hc_ops.hc_post(h, x, post, comb)
         pre, post, comb = self.mixes(x, "ffn")
-        h = self.ffn(self.ffn_norm(hc_collapse(x, pre)), token_ids)
-        return hc_post(h, x, post, comb)
+        h = self.ffn(self.ffn_norm(hc_ops.hc_collapse(x, pre)), token_ids)
+        return hc_ops.hc_post(h, x, post, comb)
 
 
 def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int, max_seq: int,
@@ -454,10 +455,11 @@ class Transformer(nn.Module):
         pos [b]: decode, s == 1, token i sits at position pos[i] of cache row rows[i].
         """
         c = self.cfg
-        x = hc_expand(self.embed(tokens), c.hc_mult)
+        x = hc_ops.hc_expand(self.embed(tokens), c.hc_mult)
         for layer in self.layers:
             x = layer(x, tokens, rows, pos)
-        h = hc_head(x[:, -1:], self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.norm_eps)
+        h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
+                           c.hc_eps, c.norm_eps)
         return torch.nn.functional.linear(self.norm(h)[:, -1].float(), self.head.weight.float())
 
 
@@ -489,4 +491,8 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
     for name, m in model.named_modules():
         if isinstance(m, Linear):
             m.quantized = f"{name}.weight" in quantized
+    # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)
+    for block in model.layers:
+        block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn")) for site in ("attn", "ffn")}
+    model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn)
     return model.eval()

@@ -7,8 +7,8 @@ in a ``torch.compile`` graph as one node. The public functions below pick a back
 - ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
 - a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
   ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
-- otherwise the custom op; its implementation runs the kernel on mhcrun's NKI simulator when
-  ``MHCRUN_NKI_SIM=1``, else the torch reference.
+- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator.
+- otherwise (a CPU or CUDA tensor): the torch reference, as plain torch that a compiled region can fuse.
 
 Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)
 always take the torch reference. Environment variables are read at call time (inside a compiled graph: when
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -331,22 +332,25 @@ def _(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def _on_neuron(t: Tensor) -> bool:
-    return t.device.type == "neuron"
+def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: Callable[[], object],
+              op: Callable[[], object]):
+    """One call of kernel `name` on tensors like `t`: the real kernel on a neuron device (when it covers the
+    shapes), the custom op with MHCRUN_NKI_SIM=1 (its CPU implementation runs the kernel in the simulator and
+    counts), else the torch reference: plain torch that a compiled region can fuse."""
+    path = hc_backend(t.device.type)
+    if path == "nki" and ok():
+        _count(name, "nki")
+        return run(_neuron_kernel)
+    if path == "nki-sim":
+        return op()
+    _count(name, "torch")
+    return ref()
 
 
 def hc_expand(e: Tensor, n: int) -> Tensor:
     """[b, s, d] -> [b, s, n, d]: n identical copies (mhcrun.ops.hc.hc_expand)."""
-    if _hc_disabled():
-        _count("hc_expand", "torch")
-        return _ref.hc_expand(e, n)
-    if _on_neuron(e) and _expand_ok(e, n):
-        _count("hc_expand", "nki")
-        return _run_expand(_neuron_kernel, e, n)
-    if _on_neuron(e):
-        _count("hc_expand", "torch")
-        return _ref.hc_expand(e, n)
-    return torch.ops.mhcrun.hc_expand(e, n)
+    return _dispatch("hc_expand", e, lambda: _expand_ok(e, n), lambda get: _run_expand(get, e, n),
+                     lambda: _ref.hc_expand(e, n), lambda: torch.ops.mhcrun.hc_expand(e, n))
 
 
 def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor, n: int,
@@ -354,90 +358,58 @@ def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, 
     """x [b, s, n, d] -> pre [b, s, n], post [b, s, n], comb [b, s, n, n] (fp32), as mhcrun.ops.hc.hc_mixes.
 
     ``fn`` is the fp32 weight (torch path); ``fn_hi`` / ``fn_lo`` its ``split_hi_lo`` (kernel paths; split here
-    when None).
+    when None). Constants other than the kernels' baked ones take the torch path.
     """
-    if _hc_disabled() or not mixes_supported(n, iters, eps, norm_eps):
-        _count("hc_mixes", "torch")
+    def ref():
         return _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+
+    if not mixes_supported(n, iters, eps, norm_eps):
+        _count("hc_mixes", "torch")
+        return ref()
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
-    if _on_neuron(x):
-        if _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
-            _count("hc_mixes", "nki")
-            return _run_mixes(_neuron_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
-        _count("hc_mixes", "torch")
-        return _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
-    return torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps)
+    return _dispatch("hc_mixes", x, lambda: _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
+                     lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
+                     lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps))
 
 
 def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
     """sum_m pre[m] * x[m] in fp32, in x's dtype: x [b, s, n, d], pre [b, s, n] -> [b, s, d]."""
-    if _hc_disabled():
-        _count("hc_collapse", "torch")
-        return _ref.hc_collapse(x, pre)
-    if _on_neuron(x):
-        if _collapse_ok(x, pre):
-            _count("hc_collapse", "nki")
-            return _run_collapse(_neuron_kernel, x, pre)
-        _count("hc_collapse", "torch")
-        return _ref.hc_collapse(x, pre)
-    return torch.ops.mhcrun.hc_collapse(x, pre)
+    return _dispatch("hc_collapse", x, lambda: _collapse_ok(x, pre), lambda get: _run_collapse(get, x, pre),
+                     lambda: _ref.hc_collapse(x, pre), lambda: torch.ops.mhcrun.hc_collapse(x, pre))
 
 
 def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """X'[o] = post[o] * y + sum_i comb[i, o] * R[i]: y [b, s, d], residual [b, s, n, d] -> [b, s, n, d]."""
-    if _hc_disabled():
-        _count("hc_post", "torch")
-        return _ref.hc_post(y, residual, post, comb)
-    if _on_neuron(y):
-        if _post_ok(y, residual, post, comb):
-            _count("hc_post", "nki")
-            return _run_post(_neuron_kernel, y, residual, post, comb)
-        _count("hc_post", "torch")
-        return _ref.hc_post(y, residual, post, comb)
-    return torch.ops.mhcrun.hc_post(y, residual, post, comb)
+    return _dispatch("hc_post", y, lambda: _post_ok(y, residual, post, comb),
+                     lambda get: _run_post(get, y, residual, post, comb),
+                     lambda: _ref.hc_post(y, residual, post, comb),
+                     lambda: torch.ops.mhcrun.hc_post(y, residual, post, comb))
 
 
 def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
             eps: float, norm_eps: float) -> Tensor:
     """V4's final collapse (mhcrun.ops.hc.hc_head): x [b, s, n, d] -> [b, s, d]."""
-    if _hc_disabled() or not mixes_supported(HC_MULT, SINKHORN_ITERS, eps, norm_eps):
-        _count("hc_head", "torch")
+    def ref():
         return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
+
+    if not mixes_supported(HC_MULT, SINKHORN_ITERS, eps, norm_eps):
+        _count("hc_head", "torch")
+        return ref()
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
-    if _on_neuron(x):
-        if _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
-            _count("hc_head", "nki")
-            return _run_head(_neuron_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
-        _count("hc_head", "torch")
-        return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
-    return torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps)
+    return _dispatch("hc_head", x, lambda: _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps),
+                     lambda get: _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
+                     lambda: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm in fp32, cast back to x's dtype (mhcrun.ops.norm.rms_norm)."""
-    if _hc_disabled():
-        _count("rmsnorm", "torch")
-        return _ref_rms_norm(x, weight, eps)
-    if _on_neuron(x):
-        if _rmsnorm_ok(x, weight):
-            _count("rmsnorm", "nki")
-            return _run_rmsnorm(_neuron_kernel, x, weight, eps)
-        _count("rmsnorm", "torch")
-        return _ref_rms_norm(x, weight, eps)
-    return torch.ops.mhcrun.rmsnorm(x, weight, eps)
+    return _dispatch("rmsnorm", x, lambda: _rmsnorm_ok(x, weight), lambda get: _run_rmsnorm(get, x, weight, eps),
+                     lambda: _ref_rms_norm(x, weight, eps), lambda: torch.ops.mhcrun.rmsnorm(x, weight, eps))
 
 
 def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) in fp32 (mhcrun.ops.moe.swiglu)."""
-    if _hc_disabled():
-        _count("swiglu", "torch")
-        return _ref_swiglu(gate, up, limit)
-    if _on_neuron(gate):
-        if _swiglu_ok(gate, up):
-            _count("swiglu", "nki")
-            return _run_swiglu(_neuron_kernel, gate, up, limit)
-        _count("swiglu", "torch")
-        return _ref_swiglu(gate, up, limit)
-    return torch.ops.mhcrun.swiglu(gate, up, limit)
+    return _dispatch("swiglu", gate, lambda: _swiglu_ok(gate, up), lambda get: _run_swiglu(get, gate, up, limit),
+                     lambda: _ref_swiglu(gate, up, limit), lambda: torch.ops.mhcrun.swiglu(gate, up, limit))

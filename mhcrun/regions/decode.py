@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.attention import compress_mask_decode, sparse_attn, window_mask_decode
 from mhcrun.ops.compress import gather_overlap_state, pool
-from mhcrun.ops.hc import hc_collapse, hc_head, hc_mixes, hc_post
 from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.linear import linear
 from mhcrun.ops.moe import gate_scores, route, swiglu
@@ -85,8 +85,8 @@ def lin(spec: AttnSpec | MoeSpec, w: dict[str, torch.Tensor], name: str, x: torc
 
 
 def mixes(hc: HcSpec, x: torch.Tensor, w: dict[str, torch.Tensor], site: str):
-    return hc_mixes(x, w[f"hc_{site}_fn"], w[f"hc_{site}_scale"], w[f"hc_{site}_base"], hc.n, hc.iters, hc.eps,
-                    hc.norm_eps)
+    return hc_ops.hc_mixes(x, w[f"hc_{site}_fn"], w[f"hc_{site}_fn_hi"], w[f"hc_{site}_fn_lo"],
+                           w[f"hc_{site}_scale"], w[f"hc_{site}_base"], hc.n, hc.iters, hc.eps, hc.norm_eps)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -96,7 +96,7 @@ def attn_mix(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     """mHC mixes of the attention site, collapse, attn_norm."""
     w = inp["w"]
     pre, post, comb = mixes(spec.hc, c["x"], w, "attn")
-    h = rms_norm(hc_collapse(c["x"], pre), w["attn_norm"], spec.norm_eps)
+    h = rms_norm(hc_ops.hc_collapse(c["x"], pre), w["attn_norm"], spec.norm_eps)
     return {"x": c["x"], "h": h, "post": post, "comb": comb}
 
 
@@ -137,7 +137,7 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
 
 
 def attn_post(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
-    return {"x": hc_post(c["y"], c["x"], c["post"], c["comb"])}
+    return {"x": hc_ops.hc_post(c["y"], c["x"], c["post"], c["comb"])}
 
 
 def simulate_kv_fp8(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
@@ -212,7 +212,7 @@ def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs)
 def moe_mix(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     w = inp["w"]
     pre, post, comb = mixes(spec.hc, c["x"], w, "ffn")
-    h = rms_norm(hc_collapse(c["x"], pre), w["ffn_norm"], spec.norm_eps)
+    h = rms_norm(hc_ops.hc_collapse(c["x"], pre), w["ffn_norm"], spec.norm_eps)
     return {"x": c["x"], "h": h, "post": post, "comb": comb}
 
 
@@ -244,7 +244,7 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
 
 
 def moe_post(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
-    return {"x": hc_post(c["y"], c["x"], c["post"], c["comb"])}
+    return {"x": hc_ops.hc_post(c["y"], c["x"], c["post"], c["comb"])}
 
 
 # ---------------------------------------------------------------------------------------------- head
@@ -253,7 +253,8 @@ def moe_post(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
 def head(spec: HeadSpec, c: Carry, inp: Inputs) -> Carry:
     """V4's head collapse, final norm, logits (fp32)."""
     w, hc = inp["w"], spec.hc
-    h = hc_head(c["x"], w["hc_head_fn"], w["hc_head_scale"], w["hc_head_base"], hc.eps, hc.norm_eps)
+    h = hc_ops.hc_head(c["x"], w["hc_head_fn"], w["hc_head_fn_hi"], w["hc_head_fn_lo"], w["hc_head_scale"],
+                       w["hc_head_base"], hc.eps, hc.norm_eps)
     h = rms_norm(h, w["norm"], hc.norm_eps)[:, -1]
     return {"logits": torch.nn.functional.linear(h.float(), w["head"].float())}
 

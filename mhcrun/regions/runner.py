@@ -19,7 +19,7 @@ import torch
 
 from mhcrun.errors import InputError
 from mhcrun.model import Block, Transformer
-from mhcrun.ops.hc import hc_expand
+from mhcrun.nki.ops import hc_expand
 from mhcrun.ops.quant import hadamard
 from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
 
@@ -141,7 +141,9 @@ def attn_kind(model: Transformer, ratio: int) -> str:
 def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
     """A layer's attention-half weights by region name, and those whose GEMM quantises its activation."""
     a = block.attn
-    w = {"hc_attn_fn": block.hc_attn_fn, "hc_attn_base": block.hc_attn_base, "hc_attn_scale": block.hc_attn_scale,
+    w = {"hc_attn_fn": block.hc_attn_fn, "hc_attn_fn_hi": block.fn_split["attn"][0],
+         "hc_attn_fn_lo": block.fn_split["attn"][1], "hc_attn_base": block.hc_attn_base,
+         "hc_attn_scale": block.hc_attn_scale,
          "attn_norm": block.attn_norm.weight, "wq_a": a.wq_a.weight, "q_norm": a.q_norm.weight,
          "wq_b": a.wq_b.weight, "wkv": a.wkv.weight, "kv_norm": a.kv_norm.weight, "wo_a": a.wo_a.weight,
          "wo_b": a.wo_b.weight, "attn_sink": a.attn_sink}
@@ -180,7 +182,8 @@ def stack_experts(block: Block) -> dict[str, torch.Tensor]:
 
 def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
     f = block.ffn
-    w = {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_base": block.hc_ffn_base, "hc_ffn_scale": block.hc_ffn_scale,
+    w = {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_fn_hi": block.fn_split["ffn"][0],
+         "hc_ffn_fn_lo": block.fn_split["ffn"][1], "hc_ffn_base": block.hc_ffn_base, "hc_ffn_scale": block.hc_ffn_scale,
          "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
     w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
     w |= stack_experts(block)
@@ -236,7 +239,8 @@ class RegionDecoder:
             layers_of.setdefault(mkind, []).append(i)
         specs["head"] = HeadSpec(hc)
         layers_of["head"] = [len(model.layers)]
-        self.head_inp = {"w": {"hc_head_fn": model.hc_head_fn, "hc_head_scale": model.hc_head_scale,
+        self.head_inp = {"w": {"hc_head_fn": model.hc_head_fn, "hc_head_fn_hi": model.fn_split[0],
+                               "hc_head_fn_lo": model.fn_split[1], "hc_head_scale": model.hc_head_scale,
                                "hc_head_base": model.hc_head_base, "norm": model.norm.weight,
                                "head": model.head.weight}}
         self.specs = specs
