@@ -351,7 +351,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     finally:
         reader.close()
 
-    weights_hash = checkpoint_weights_hash(plan.root, [s.path for s in plan.shards.values()])
+    weights_hash = checkpoint_weights_hash(plan.root, [Path(name) for name in plan.shards])
     return LoadedCheckpoint(plan.root, cfg, tensors, quantized, plan.bytes_by_dtype, plan.unused, weights_hash)
 
 

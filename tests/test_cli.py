@@ -34,7 +34,7 @@ SHARD2 = "model-00002-of-00002.safetensors"
 LINEAR = "layers.0.attn.wq_a.weight"  # a bf16 [64, 128] linear of the tiny model
 IDS = "0,5,6"
 N = 4
-STATS_KEYS = {"prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb"}
+STATS_KEYS = {"prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb", "kernels"}
 STATS_LINE = re.compile(r"^prompt tokens \d+ \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| compile [\d.]+ s "
                         r"\| peak RSS \d+ MB$")
 
@@ -237,8 +237,11 @@ def test_generate_prompt_ids_json(greedy_ref):
     assert res["prompt_ids"] == [0, 5, 6]
     assert isinstance(res["text"], str)
     assert set(res["stats"]) == STATS_KEYS
-    assert all(isinstance(v, (int, float)) and v >= 0 for v in res["stats"].values())
+    assert all(isinstance(v, (int, float)) and v >= 0 for k, v in res["stats"].items() if k != "kernels")
     assert res["stats"]["peak_rss_mb"] > 0
+    kernels = res["stats"]["kernels"]  # without the simulator every hc step ran on the torch path
+    assert {"hc_mixes", "hc_collapse", "hc_post", "hc_expand", "hc_head"} <= set(kernels)
+    assert kernels["hc_mixes"]["torch"] > 0 and kernels["hc_mixes"]["nki-sim"] == 0
 
 
 def test_generate_json_is_one_object_per_line():
@@ -835,3 +838,10 @@ def test_write_below_a_file(tmp_path, command):
         r = cli("golden-record", "--prompts-file", pf, "--out", f / "g.json", "-n", 1)
     user_error(r, str(f))
     assert f.read_text() == "x"
+
+
+def test_model_given_as_a_relative_path(monkeypatch):
+    """A relative --model path once had its shards joined onto it twice when hashing the weights."""
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    r = cli("generate", "--model", "mhcrun/data/tiny", "--prompt-ids", "0,5,6", "-n", 2, "--json")
+    assert r.exit_code == 0, r.stderr

@@ -1,0 +1,38 @@
+"""The bundled model's golden tokens with the hc steps run by the NKI kernels in mhcrun's simulator
+(eager and compiled regions), and with the NKI path switched off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mhcrun.cli import app
+
+GOLDEN = "tests/golden/tiny.json"
+HC_KERNELS = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head")
+
+
+def run(*args: str, env: dict[str, str]):
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_generate_reports_the_hc_kernels_running_in_the_simulator():
+    r = run("generate", "--prompt-ids", "0,5,6,7", "-n", "3", "--json", env={"MHCRUN_NKI_SIM": "1"})
+    assert r.exit_code == 0, r.stderr
+    kernels = json.loads(r.stdout)["stats"]["kernels"]
+    for name in HC_KERNELS:
+        assert kernels[name]["nki-sim"] > 0 and kernels[name]["torch"] == 0, (name, kernels[name])
+    plain = run("generate", "--prompt-ids", "0,5,6,7", "-n", "3", "--json", env={"MHCRUN_NKI_SIM": "0"})
+    assert json.loads(plain.stdout)["tokens"] == json.loads(r.stdout)["tokens"]
+
+
+@pytest.mark.parametrize("env, mode", [({"MHCRUN_NKI_SIM": "1"}, "eager"), ({"MHCRUN_NKI_SIM": "1"}, "regions"),
+                                       ({"MHCRUN_NKI_HC": "0"}, "eager")],
+                         ids=["nki-sim-eager", "nki-sim-regions", "nki-off"])
+def test_golden_check_passes(env, mode):
+    r = run("golden-check", GOLDEN, "--graph-mode", mode, "--json", env=env)
+    assert r.exit_code == 0, r.stdout[-2000:] + r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["counts"]["mismatch"] == 0
