@@ -65,7 +65,14 @@ _STATS: dict[str, dict[str, int]] = {k: dict.fromkeys(BACKENDS, 0) for k in KERN
 
 
 def _count(kernel: str, backend: str) -> None:
+    if torch.compiler.is_compiling():  # a traced count would be a guard on the counter: a recompile per call
+        return
     _STATS[kernel][backend] += 1
+
+
+def record_calls(kernel: str, backend: str, n: int) -> None:
+    """Count n executions that happened inside a compiled graph, where `_count` cannot (see RegionDecoder)."""
+    _STATS[kernel][backend] += n
 
 
 def kernel_stats() -> dict[str, dict[str, int]]:

@@ -19,6 +19,7 @@ import torch
 
 from mhcrun.errors import InputError
 from mhcrun.model import Block, Transformer
+from mhcrun.nki import ops as hc_ops
 from mhcrun.nki.ops import hc_expand
 from mhcrun.ops.quant import hadamard
 from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
@@ -296,8 +297,21 @@ class RegionDecoder:
         x = hc_expand(model.embed(tokens.view(-1, 1)), model.cfg.hc_mult)
         layer_inputs = self.inputs(tokens, pos)
         if self.mode == "step":
-            return self.step_fn(x, layer_inputs, self.head_inp)
-        return self.run_layers(self.groups, x, layer_inputs, self.head_inp)
+            logits = self.step_fn(x, layer_inputs, self.head_inp)
+        else:
+            logits = self.run_layers(self.groups, x, layer_inputs, self.head_inp)
+        self.count_torch_hc_calls(tokens.device.type)
+        return logits
+
+    def count_torch_hc_calls(self, device_type: str) -> None:
+        """hc steps on the torch path inside compiled graphs are not counted as they run (a counter in a
+        graph would recompile it): count this step's here. The custom ops (simulator) count themselves."""
+        if self.mode == "eager" or hc_ops.hc_backend(device_type) != "torch":
+            return
+        n = len(self.model.layers)
+        for kernel, calls in (("hc_expand", 0), ("hc_mixes", 2 * n), ("hc_collapse", 2 * n), ("hc_post", 2 * n),
+                              ("hc_head", 1)):
+            hc_ops.record_calls(kernel, "torch", calls)
 
     def graph_count(self) -> int:
         return sum(s.graphs for s in self.stats)
