@@ -88,7 +88,7 @@ def record_step(logits: torch.Tensor, k: int) -> tuple[list[tuple[int, float]], 
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
              sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
-             backend: str = "inductor", stages: str = "whole") -> list[GenerationResult]:
+             backend: str | None = None, stages: str = "whole") -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams.
 
     graph_mode "eager" decodes with the model's eager code; "regions" with compiled region graphs
@@ -101,7 +101,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         for res in results:
             res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb()}
         return results
-    gen = torch.Generator().manual_seed(sampling.seed)
+    dev = model.device
+    gen = torch.Generator(device=dev).manual_seed(sampling.seed)
     hc_ops.reset_kernel_stats()
     model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
 
@@ -122,28 +123,30 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prefill_s = []
     for row, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        logits = model(torch.tensor([ids]), torch.tensor([row]))
+        logits = model(torch.tensor([ids], device=dev), torch.tensor([row], device=dev))
         prefill_s.append(time.perf_counter() - t0)
         accept(row, logits[0], int(sample(logits, sampling, gen)[0]))
 
     decoder = None
     if graph_mode == "regions":
-        from mhcrun.regions.runner import RegionDecoder
+        from mhcrun.regions.runner import RegionDecoder, default_backend
 
-        decoder = RegionDecoder(model, "regions", backend, stages)
+        decoder = RegionDecoder(model, "regions", backend or default_backend(dev.type), stages,
+                                cuda_graphs=dev.type == "cuda")
     step_s: list[float] = []
     decode_tokens = 0
     active = [r for r in range(len(prompts)) if not finished(r)]
     while active:
         t0 = time.perf_counter()
         if decoder is None:  # eager: only the unfinished rows
-            tokens = torch.tensor([[results[r].tokens[-1]] for r in active])
-            pos = torch.tensor([len(prompts[r]) + len(results[r].tokens) - 1 for r in active])
-            logits = model(tokens, torch.tensor(active), pos)
+            tokens = torch.tensor([[results[r].tokens[-1]] for r in active], device=dev)
+            pos = torch.tensor([len(prompts[r]) + len(results[r].tokens) - 1 for r in active], device=dev)
+            logits = model(tokens, torch.tensor(active, device=dev), pos)
         else:  # compiled: every row, static shapes; a finished row repeats its last step
-            tokens = torch.tensor([res.tokens[-1] for res in results])
-            pos = torch.tensor([len(p) + len(res.tokens) - 1 for p, res in zip(prompts, results, strict=True)])
-            logits = decoder(tokens, pos)[active]
+            tokens = torch.tensor([res.tokens[-1] for res in results], device=dev)
+            pos = torch.tensor([len(p) + len(res.tokens) - 1 for p, res in zip(prompts, results, strict=True)],
+                               device=dev)
+            logits = decoder(tokens, pos)[torch.tensor(active, device=dev)]
         next_ids = sample(logits, sampling, gen).tolist()
         step_s.append(time.perf_counter() - t0)
         decode_tokens += len(active)

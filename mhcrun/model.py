@@ -261,7 +261,7 @@ class Attention(nn.Module):
         win = self.window
         freqs = self.freqs[:s].unsqueeze(0)
         qr, q, kv = self.project(x, freqs)
-        t = torch.arange(max(0, s - win), s)
+        t = torch.arange(max(0, s - win), s, device=x.device)
         self.cache[rows.unsqueeze(1), (t % win).unsqueeze(0)] = kv[:, t]
         keys, mask = kv, window_mask_prefill(s, win, x.device).expand(b, s, s)
         if self.ratio:
@@ -381,22 +381,24 @@ class Block(nn.Module):
 
 
 def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int, max_seq: int,
-                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Root state buffers of one attention kind, stacked over its `n_layers` layers:
     kv [L, B, window + max_seq // ratio, hd] (ring window then compressed entries); for compressed kinds the
     compressor's open-group state (fp32; scores start at -inf); for CSA the indexer's keys and state."""
     hd, B = cfg.head_dim, max_batch
-    roots = {"kv": torch.zeros(n_layers, B, cfg.window_size + (max_seq // ratio if ratio else 0), hd, dtype=dtype)}
+    n_kv = cfg.window_size + (max_seq // ratio if ratio else 0)
+    roots = {"kv": torch.zeros(n_layers, B, n_kv, hd, dtype=dtype, device=device)}
 
     def compressor_state(prefix: str, r: int, d: int) -> None:
         c = 2 if r == 4 else 1
-        roots[f"{prefix}_kv"] = torch.zeros(n_layers, B, c * r, c * d, dtype=torch.float32)
-        roots[f"{prefix}_score"] = torch.full((n_layers, B, c * r, c * d), float("-inf"), dtype=torch.float32)
+        roots[f"{prefix}_kv"] = torch.zeros(n_layers, B, c * r, c * d, dtype=torch.float32, device=device)
+        roots[f"{prefix}_score"] = torch.full((n_layers, B, c * r, c * d), float("-inf"), dtype=torch.float32,
+                                              device=device)
 
     if ratio:
         compressor_state("comp", ratio, hd)
     if ratio == 4:
-        roots["idx_kv"] = torch.zeros(n_layers, B, max_seq // 4, cfg.index_head_dim, dtype=dtype)
+        roots["idx_kv"] = torch.zeros(n_layers, B, max_seq // 4, cfg.index_head_dim, dtype=dtype, device=device)
         compressor_state("idx_comp", 4, cfg.index_head_dim)
     return roots
 
@@ -430,17 +432,21 @@ class Transformer(nn.Module):
         c = self.cfg
         self.freqs = {
             0: precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor, c.beta_fast,
-                                    c.beta_slow),
-            "compressed": precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len,
-                                               c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow),
+                                    c.beta_slow).to(self.device),
+            "compressed": precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len, c.compress_rope_theta,
+                                               c.rope_factor, c.beta_fast, c.beta_slow).to(self.device),
         }
         self.roots: dict[int, dict[str, torch.Tensor]] = {}
         for ratio, layer_ids in self.layers_by_ratio().items():
-            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype)
+            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype, self.device)
             self.roots[ratio] = roots
             for j, i in enumerate(layer_ids):
                 self.layers[i].attn.bind(roots, j, self.freqs["compressed" if ratio else 0])
         self.max_batch, self.max_seq = max_batch, max_seq
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
 
     def layers_by_ratio(self) -> dict[int, list[int]]:
         kinds: dict[int, list[int]] = {}
@@ -472,7 +478,8 @@ def fp32_param(name: str) -> bool:
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],
-                dtype: torch.dtype = torch.float32, n_layers: int | None = None) -> Transformer:
+                dtype: torch.dtype = torch.float32, n_layers: int | None = None,
+                device: torch.device | str = "cpu") -> Transformer:
     """Make a Transformer and place the checkpoint's tensors in it (cast to their run-time dtypes)."""
     model = Transformer(cfg, n_layers)
     model.dtype = dtype
@@ -486,7 +493,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
             want = dtype
         # a fresh, aligned copy: CPU GEMV results depend on the operand's alignment, and a tensor read
         # from a shard may sit at any offset
-        state[name] = torch.empty(p.shape, dtype=want).copy_(tensors[name])
+        state[name] = torch.empty(p.shape, dtype=want, device=device).copy_(tensors[name])
     model.load_state_dict(state, assign=True, strict=True)
     for name, m in model.named_modules():
         if isinstance(m, Linear):

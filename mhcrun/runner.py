@@ -16,7 +16,7 @@ DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRAPH_MODES = ("eager", "regions")
 STAGE_PLANS = ("whole", "split")
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda", "neuron")
 
 
 @dataclass
@@ -61,12 +61,25 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_device(device: str) -> None:
+    """A device that cannot be used here is a one-line error, before anything loads."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available on this machine")
+    if device == "neuron":
+        try:
+            import torch_neuronx  # noqa: F401  (registers the neuron device; only on this path)
+        except ImportError:
+            raise InputError("--device neuron needs torch-neuronx from AWS's Neuron pip repository "
+                             "(PyPI has placeholder packages only)") from None
+
+
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu") -> Runner:
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
+    check_device(device)
     path = resolve_model_path(model)
     ckpt = load_checkpoint(path)
-    net = build_model(ckpt.config, ckpt.tensors, ckpt.quantized, DTYPES[dtype])
+    net = build_model(ckpt.config, ckpt.tensors, ckpt.quantized, DTYPES[dtype], device=device)
     net.opts.quant_sim = quant_sim
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None

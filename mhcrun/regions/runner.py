@@ -209,7 +209,7 @@ class RegionDecoder:
             raise InputError(f"unknown stage plan {stages!r} (choose from: {', '.join(STAGE_PLANS)})")
         self.model, self.mode = model, mode
         c = model.cfg
-        hadamard(torch.zeros(1, c.index_head_dim))  # fill its matrix cache now, not inside a traced graph
+        hadamard(torch.zeros(1, c.index_head_dim, device=model.device))  # fill its cache now, not while tracing
         hc = hc_spec(model)
         quant_sim = model.opts.quant_sim
         pow2 = c.scale_fmt is not None
@@ -228,7 +228,7 @@ class RegionDecoder:
                                     c.o_lora_rank, c.norm_eps, pow2, quant_sim, aq, c.index_n_heads,
                                     c.index_head_dim, c.index_topk, hc)
             freq_key = "compressed" if ratio else 0
-            ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]]),
+            ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
                     "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
             row[ratio] += 1
             mkind = "moe:" + block.ffn.gate.hash * "hash" + (not block.ffn.gate.hash) * "routed"
@@ -317,14 +317,15 @@ class RegionDecoder:
         return sum(s.graphs for s in self.stats)
 
 
-def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str = "inductor",
+def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str | None = None,
                 on_progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Compile every region kind of `model` for a decode batch and context, by running one decode step on
     fresh caches; report each graph (its first call's wall time: trace, compile and run)."""
     model.setup_caches(batch, context)
-    dec = RegionDecoder(model, "regions", backend, stages)
-    tokens = torch.zeros(batch, dtype=torch.long)
-    pos = torch.zeros(batch, dtype=torch.long)
+    backend = backend or default_backend(model.device.type)
+    dec = RegionDecoder(model, "regions", backend, stages, cuda_graphs=model.device.type == "cuda")
+    tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
+    pos = torch.zeros(batch, dtype=torch.long, device=model.device)
     first_call: dict[int, float] = {}
     total = len(dec.stats)
 
