@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.checkpoint import LoadedCheckpoint
-from mhcrun.config import ModelConfig
+from mhcrun.config import HF_KEYS, ModelConfig
 from mhcrun.errors import MhcrunError
 from mhcrun.generate import SamplingOptions, check_prompts
 from mhcrun.generate import generate as mhc_generate
@@ -57,40 +57,10 @@ DEFAULT_PROMPT_LENGTHS = (1, 5, 16, 29, 40)
 # config.json -> DeepseekV4Config
 # ---------------------------------------------------------------------------------------------------------------
 
-# config.json keys the transformers config takes under the same name (values from mhcrun's validated ModelConfig)
-SAME_NAME_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "head_dim": "head_dim",
-    "q_lora_rank": "q_lora_rank",
-    "o_groups": "o_groups",
-    "o_lora_rank": "o_lora_rank",
-    "sliding_window": "window_size",
-    "n_routed_experts": "n_routed_experts",
-    "num_experts_per_tok": "n_activated_experts",
-    "n_shared_experts": "n_shared_experts",
-    "moe_intermediate_size": "moe_inter_dim",
-    "scoring_func": "score_func",
-    "routed_scaling_factor": "route_scale",
-    "swiglu_limit": "swiglu_limit",
-    "rms_norm_eps": "norm_eps",
-    "rope_theta": "rope_theta",
-    "compress_rope_theta": "compress_rope_theta",
-    "index_n_heads": "index_n_heads",
-    "index_head_dim": "index_head_dim",
-    "index_topk": "index_topk",
-    "hc_mult": "hc_mult",
-    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
-    "hc_eps": "hc_eps",
-    "num_nextn_predict_layers": "n_mtp_layers",
-    "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id",
-    "max_position_embeddings": "max_position_embeddings",
-}
 # config.json keys translated into another transformers form (see hf_config)
 TRANSLATED_KEYS = {"qk_rope_head_dim", "compress_ratios", "num_hash_layers", "rope_scaling"}
+# config.json keys the transformers config takes under the same name (values from mhcrun's validated ModelConfig)
+SAME_NAME_KEYS = {k: v for k, v in HF_KEYS.items() if k not in TRANSLATED_KEYS and k != "expert_dtype"}
 # config.json keys with no effect here: identification, storage dtype, and quantisation (the tensors arrive
 # dequantised to fp32 from load_checkpoint, so transformers must not see a quantization_config)
 IGNORED_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "quantization_config", "expert_dtype",

@@ -86,7 +86,7 @@ class ModelConfig:
 
 
 # released config.json key -> ModelConfig field
-_HF_KEYS = {
+HF_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "dim",
     "num_hidden_layers": "n_layers",
@@ -138,7 +138,7 @@ def hf_key(field_name: str) -> str:
         return "rope_scaling.original_max_position_embeddings"
     if field_name == "weight_block_size":
         return "quantization_config.weight_block_size"
-    return next((k for k, v in _HF_KEYS.items() if v == field_name), field_name)
+    return next((k for k, v in HF_KEYS.items() if v == field_name), field_name)
 
 
 def _check_type(where: str, key: str, value: Any, kind: type) -> Any:
@@ -162,7 +162,7 @@ def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConf
     if missing:
         raise ConfigError(f"{where}: missing required key(s): {', '.join(missing)}")
     kw: dict[str, Any] = {}
-    for key, name in _HF_KEYS.items():
+    for key, name in HF_KEYS.items():
         if key not in raw or (raw[key] is None and name != "expert_dtype"):
             continue
         value = raw[key]

@@ -92,12 +92,21 @@ def mixes(hc: HcSpec, x: torch.Tensor, w: dict[str, torch.Tensor], site: str):
 # ---------------------------------------------------------------------------------------------- attention
 
 
-def attn_mix(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
-    """mHC mixes of the attention site, collapse, attn_norm."""
+def mix_and_collapse(spec: AttnSpec | MoeSpec, c: Carry, inp: Inputs, site: str) -> Carry:
+    """mHC mixes of a site ("attn" or "ffn"), collapse, then the sublayer's norm."""
     w = inp["w"]
-    pre, post, comb = mixes(spec.hc, c["x"], w, "attn")
-    h = rms_norm(hc_ops.hc_collapse(c["x"], pre), w["attn_norm"], spec.norm_eps)
+    pre, post, comb = mixes(spec.hc, c["x"], w, site)
+    h = rms_norm(hc_ops.hc_collapse(c["x"], pre), w[f"{site}_norm"], spec.norm_eps)
     return {"x": c["x"], "h": h, "post": post, "comb": comb}
+
+
+def post_step(spec: AttnSpec | MoeSpec, c: Carry, inp: Inputs) -> Carry:
+    """mHC post: the sublayer output y back into the streams."""
+    return {"x": hc_ops.hc_post(c["y"], c["x"], c["post"], c["comb"])}
+
+
+def attn_mix(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
+    return mix_and_collapse(spec, c, inp, "attn")
 
 
 def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
@@ -134,10 +143,6 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     o = o.reshape(B, 1, spec.n_groups, -1)
     o = torch.einsum("bsgd,grd->bsgr", o, w["wo_a"].view(spec.n_groups, spec.o_lora_rank, -1))
     return {"x": c["x"], "y": lin(spec, w, "wo_b", o.flatten(2)), "post": c["post"], "comb": c["comb"]}
-
-
-def attn_post(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
-    return {"x": hc_ops.hc_post(c["y"], c["x"], c["post"], c["comb"])}
 
 
 def simulate_kv_fp8(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
@@ -210,10 +215,7 @@ def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs)
 
 
 def moe_mix(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
-    w = inp["w"]
-    pre, post, comb = mixes(spec.hc, c["x"], w, "ffn")
-    h = rms_norm(hc_ops.hc_collapse(c["x"], pre), w["ffn_norm"], spec.norm_eps)
-    return {"x": c["x"], "h": h, "post": post, "comb": comb}
+    return mix_and_collapse(spec, c, inp, "ffn")
 
 
 def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
@@ -243,10 +245,6 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     return {"x": c["x"], "y": y, "post": c["post"], "comb": c["comb"]}
 
 
-def moe_post(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
-    return {"x": hc_ops.hc_post(c["y"], c["x"], c["post"], c["comb"])}
-
-
 # ---------------------------------------------------------------------------------------------- head
 
 
@@ -260,7 +258,7 @@ def head(spec: HeadSpec, c: Carry, inp: Inputs) -> Carry:
 
 
 STAGES = {
-    "attn": [("mix", attn_mix), ("core", attn_core), ("post", attn_post)],
-    "moe": [("mix", moe_mix), ("core", moe_core), ("post", moe_post)],
+    "attn": [("mix", attn_mix), ("core", attn_core), ("post", post_step)],
+    "moe": [("mix", moe_mix), ("core", moe_core), ("post", post_step)],
     "head": [("head", head)],
 }
