@@ -101,7 +101,7 @@ class CompiledGroup:
         except Exception as e:  # a failed compile: this group runs eagerly from now on
             if self.stats.graphs and self.stats.fallback is None and not is_compile_error(e):
                 raise
-            self.stats.fallback = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.stats.fallback = describe_error(e)
             warnings.warn(f"region {self.stats.region} stage {self.stats.stages}: compile failed "
                           f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=2)
             self.fn = self.eager
@@ -122,6 +122,14 @@ def counting_backend(backend: str, stats: GraphStats) -> Callable:
         return out
 
     return count
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming a compile failure by its root cause (a backend error wraps the real one)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def is_compile_error(e: Exception) -> bool:

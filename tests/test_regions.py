@@ -1,0 +1,385 @@
+"""Compiled decode by regions (`mhcrun.regions`): the stages equal the eager model, a region kind compiles one
+graph whatever the layer count and never recompiles, a failed region compile falls back to eager alone, and the
+inductor-compiled path gives the eager path's tokens (generate, golden-check, compile-regions, the CLI switches).
+
+Structural tests compile with the cheap "aot_eager" backend (same ATen graphs, no code generation); the real
+inductor tests share one shape set (batch 3, INDUCTOR_PROMPTS, INDUCTOR_NEW tokens) so that torch's compile
+cache serves the later compiles of identical graphs, and run in one xdist group.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from typer.testing import CliRunner
+
+from mhcrun.cli import app
+from mhcrun.config import config_from_hf
+from mhcrun.errors import InputError
+from mhcrun.generate import generate
+from mhcrun.model import build_model
+from mhcrun.regions import runner as regions_runner
+from mhcrun.regions.runner import RegionDecoder
+from mhcrun.tiny import init_tensors, tiny_config_raw
+
+ALL_KINDS = {"attn:window", "attn:csa", "attn:hca", "moe:hash", "moe:routed", "head"}
+MIXED = [0, 4, 16, 4]  # every attention kind; layer 0 is the hash-MoE layer (num_hash_layers 1)
+PROMPT_LENGTHS = (1, 6, 37)
+STRUCT_BACKEND = "aot_eager"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny.json"
+
+try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps result.stderr apart
+    CLI = CliRunner(mix_stderr=False)
+except TypeError:
+    CLI = CliRunner()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def make_model(ratios: list[int], quant_sim: bool = True, seed: int = 0):
+    raw = dict(tiny_config_raw(), compress_ratios=ratios, num_hidden_layers=len(ratios))
+    cfg = config_from_hf(raw)
+    model = build_model(cfg, init_tensors(cfg, seed), set())
+    model.opts.quant_sim = quant_sim
+    return model
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[0] + torch.randint(3, 512, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def prefill(model, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh caches for the batch, each prompt prefilled eagerly into its row -> (first tokens [B], pos [B])."""
+    model.setup_caches(len(prompts), max(map(len, prompts)) + steps + 1)
+    first = [int(model(torch.tensor([p]), torch.tensor([r]))[0].argmax()) for r, p in enumerate(prompts)]
+    return torch.tensor(first), torch.tensor([len(p) for p in prompts])
+
+
+def snapshot(model) -> dict:
+    return {ratio: {k: v.clone() for k, v in roots.items()} for ratio, roots in model.roots.items()}
+
+
+@torch.inference_mode()
+def restore(model, snap: dict) -> None:
+    """In place: the layers and a RegionDecoder hold views of / references to these very buffers."""
+    for ratio, roots in snap.items():
+        for k, v in roots.items():
+            model.roots[ratio][k].copy_(v)
+
+
+@torch.inference_mode()
+def greedy_steps(step, tokens: torch.Tensor, pos: torch.Tensor, steps: int, after_first=None):
+    """Run `steps` greedy decode steps of every row through step(tokens, pos) -> logits [B, V];
+    -> (logits per step, tokens fed per step)."""
+    logits, fed = [], []
+    for i in range(steps):
+        fed.append(tokens.clone())
+        out = step(tokens, pos + i).clone()
+        logits.append(out)
+        tokens = out.argmax(-1)
+        if i == 0 and after_first is not None:
+            after_first()
+    return logits, fed
+
+
+def dynamo_counts() -> dict[str, int]:
+    """What grows when dynamo traces a frame (a first compile or a recompile) or breaks a graph."""
+    return {"calls_captured": counters["stats"]["calls_captured"], "unique_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def region_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning) and "region" in str(w.message)]
+
+
+def cli(*args: object, env: dict[str, str | None] | None = None):
+    return CLI.invoke(app, [str(a) for a in args], env=env)
+
+
+def ok(result) -> None:
+    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------- 1. stages == model
+
+
+@pytest.mark.parametrize("quant_sim", [False, True], ids=["no-quant-sim", "quant-sim"])
+def test_uncompiled_stages_equal_eager_decode_every_step(quant_sim):
+    """RegionDecoder(mode="eager") runs the region stages uncompiled; from the same cache state and the same
+    tokens it gives the eager model's decode logits at every step, and leaves the same cache state."""
+    model = make_model(MIXED, quant_sim)
+    steps = 24  # row 0 crosses the window (16) and an HCA group (16); row 2 closes CSA and HCA groups
+    tokens, pos = prefill(model, make_prompts(), steps)
+    start = snapshot(model)
+    rows = torch.arange(len(pos))
+    ref, fed = greedy_steps(lambda t, p: model(t.view(-1, 1), rows, p), tokens, pos, steps)
+    ref_state = snapshot(model)
+
+    restore(model, start)
+    dec = RegionDecoder(model, "eager", None)
+    assert set(dec.groups) == ALL_KINDS
+    bound = 1e-2 if quant_sim else 1e-4  # as tests/test_model.py: FP8/FP4 rounding boundaries with the simulation
+    with torch.inference_mode():
+        for i in range(steps):
+            got = dec(fed[i], pos + i)
+            assert got.shape == ref[i].shape
+            worst = (got - ref[i]).abs().max().item()
+            assert worst < bound, f"step {i}: region stages differ from the eager decode by {worst}"
+    for ratio, roots in ref_state.items():
+        for name, want in roots.items():  # -inf score slots compare equal
+            torch.testing.assert_close(model.roots[ratio][name], want, atol=bound, rtol=0,
+                                       msg=lambda m, r=ratio, n=name: f"roots[{r}][{n!r}]: {m}")
+    assert all(s.graphs == 0 for s in dec.stats)  # nothing was compiled
+
+
+# ---------------------------------------------------------------------------------------------- 2. graph structure
+
+
+def compiled_run(ratios: list[int], stages: str, steps: int):
+    """Compile `ratios` by regions with aot_eager and decode `steps` greedy steps, watching dynamo's counters."""
+    model = make_model(ratios)
+    tokens, pos = prefill(model, make_prompts(), steps)
+    start = snapshot(model)
+    dec = RegionDecoder(model, "regions", STRUCT_BACKEND, stages)
+    marks = {}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        marks["before"] = dynamo_counts()
+        logits, fed = greedy_steps(dec, tokens, pos, steps, lambda: marks.update(first=dynamo_counts()))
+        marks["last"] = dynamo_counts()
+    return {"model": model, "dec": dec, "logits": logits, "fed": fed, "pos": pos, "start": start,
+            "marks": marks, "warnings": region_warnings(record)}
+
+
+@pytest.fixture(scope="module")
+def whole3():
+    return compiled_run([0, 4, 16], "whole", 20)
+
+
+@pytest.fixture(scope="module")
+def split3():
+    return compiled_run([0, 4, 16], "split", 20)
+
+
+def assert_no_recompiles(run) -> None:
+    dec, marks = run["dec"], run["marks"]
+    assert not run["warnings"], run["warnings"]
+    for s in dec.stats:
+        assert s.fallback is None, f"{s.region} [{s.stages}] fell back to eager: {s.fallback}"
+        assert s.graphs == 1, f"{s.region} [{s.stages}] compiled {s.graphs} graphs over {len(run['logits'])} steps"
+    first, last = marks["first"], marks["last"]
+    assert first["unique_graphs"] > marks["before"]["unique_graphs"]  # the counters do see the first compiles
+    assert last == first, f"dynamo traced again after the first step: {first} -> {last}"
+    assert last["graph_breaks"] == marks["before"]["graph_breaks"]
+
+
+def test_whole_regions_compile_once_and_never_recompile(whole3):
+    dec = whole3["dec"]
+    assert len(whole3["logits"]) >= 20
+    assert {s.region for s in dec.stats} == ALL_KINDS
+    assert all(s.stages == "mix+core+post" for s in dec.stats if s.region != "head")
+    assert dec.graph_count() == len(ALL_KINDS)
+    assert_no_recompiles(whole3)
+    # dynamo saw exactly one graph per region kind: no graph breaks split a region
+    marks = whole3["marks"]
+    assert marks["first"]["unique_graphs"] - marks["before"]["unique_graphs"] == len(ALL_KINDS)
+
+
+def test_aot_eager_regions_equal_uncompiled_stages(whole3):
+    """The compiled graphs compute what the stages compute (same ATen ops: near bit-equal)."""
+    model, pos = whole3["model"], whole3["pos"]
+    restore(model, whole3["start"])
+    dec = RegionDecoder(model, "eager", None)
+    with torch.inference_mode():
+        for i, (fed, want) in enumerate(zip(whole3["fed"], whole3["logits"], strict=True)):
+            worst = (dec(fed, pos + i) - want).abs().max().item()
+            assert worst < 1e-4, f"step {i}: compiled regions differ from the stages by {worst}"
+
+
+def test_graph_count_does_not_grow_with_layers(whole3):
+    nine = [0, 4, 16, 4, 16, 4, 16, 4, 16]
+    run = compiled_run(nine, "whole", 3)
+    dec = run["dec"]
+    assert dec.graph_count() == whole3["dec"].graph_count() == len(ALL_KINDS)
+    assert_no_recompiles(run)
+    layers = {s.region: s.layers for s in dec.stats}
+    assert layers == {"attn:window": [0], "attn:csa": [1, 3, 5, 7], "attn:hca": [2, 4, 6, 8], "moe:hash": [0],
+                      "moe:routed": list(range(1, 9)), "head": [9]}
+
+
+def test_split_plan_compiles_three_graphs_per_kind_without_recompiles(split3):
+    dec = split3["dec"]
+    by_kind: dict[str, list[str]] = {}
+    for s in dec.stats:
+        by_kind.setdefault(s.region, []).append(s.stages)
+    assert set(by_kind) == ALL_KINDS
+    for kind, stages in by_kind.items():
+        assert stages == (["head"] if kind == "head" else ["mix", "core", "post"]), kind
+    assert dec.graph_count() == 3 * (len(ALL_KINDS) - 1) + 1
+    assert_no_recompiles(split3)
+
+
+def test_split_plan_computes_what_whole_computes(whole3, split3):
+    for i, (a, b) in enumerate(zip(whole3["logits"], split3["logits"], strict=True)):
+        assert (a - b).abs().max().item() < 1e-4, f"step {i}"
+
+
+def test_unknown_stage_plan_is_an_input_error():
+    model = make_model([0])
+    model.setup_caches(1, 8)
+    with pytest.raises(InputError, match="bogus"):
+        RegionDecoder(model, "regions", STRUCT_BACKEND, "bogus")
+
+
+# ---------------------------------------------------------------------------------------------- 3. fallback
+
+
+def failing_backend(monkeypatch, region: str, stages: str | None = None) -> list:
+    """Make the compile of `region` (optionally only its stage group `stages`) fail; -> the GraphStats made."""
+    real = regions_runner.counting_backend
+    made = []
+
+    def counting_backend(backend, stats):
+        made.append(stats)
+        inner = real(backend, stats)
+
+        def compile_fn(gm, example_inputs):
+            if stats.region == region and stages in (None, stats.stages):
+                raise RuntimeError(f"simulated compile failure in {stats.region}")
+            return inner(gm, example_inputs)
+
+        return compile_fn
+
+    monkeypatch.setattr(regions_runner, "counting_backend", counting_backend)
+    return made
+
+
+@pytest.mark.parametrize("ratios,stages,failing", [(MIXED, "whole", None), ([4], "split", "core")],
+                         ids=["whole", "split-core"])
+def test_failed_region_compile_falls_back_to_eager_for_that_region_alone(monkeypatch, ratios, stages, failing):
+    made = failing_backend(monkeypatch, "attn:csa", failing)
+    model = make_model(ratios)
+    prompts = make_prompts()
+    want = [r.tokens for r in generate(model, prompts, 12, eos_id=1, ignore_eos=True)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = generate(model, prompts, 12, eos_id=1, ignore_eos=True, graph_mode="regions",
+                       backend=STRUCT_BACKEND, stages=stages)
+    assert [r.tokens for r in got] == want
+    assert "attn:csa" in {s.region for s in made}
+    msgs = region_warnings(record)
+    assert len(msgs) == 1, msgs  # once for the group, though it runs for every CSA layer (1 and 3 of MIXED)
+    assert "attn:csa" in msgs[0] and "compile failed" in msgs[0]
+    if failing:
+        assert f"stage {failing}" in msgs[0]
+    for s in made:
+        if s.region == "attn:csa" and failing in (None, s.stages):
+            assert s.fallback, f"{s.region} [{s.stages}] has no fallback recorded"
+        else:
+            assert s.fallback is None, f"{s.region} [{s.stages}] fell back too: {s.fallback}"
+            assert s.graphs == 1, f"{s.region} [{s.stages}] compiled {s.graphs} graphs"
+
+
+# ---------------------------------------------------------------------------------------------- 4, 5. inductor
+
+INDUCTOR_PROMPTS = [[0], [0, 17, 99, 3, 250, 41], [0] + list(range(5, 41))]  # 1, 6, 37 tokens
+INDUCTOR_NEW = 20
+# every inductor compile here but golden-check's sees these shapes (batch 3, this context): identical graphs,
+# which torch's FX graph cache compiles once
+INDUCTOR_CONTEXT = max(map(len, INDUCTOR_PROMPTS)) + INDUCTOR_NEW
+inductor = pytest.mark.xdist_group("regions-inductor")
+
+
+@pytest.fixture(scope="module")
+def tiny_runner():
+    from mhcrun.runner import load_runner
+
+    return load_runner(None)
+
+
+@inductor
+def test_inductor_regions_generate_equals_eager(tiny_runner):
+    kw = {"eos_id": 1, "ignore_eos": True}
+    eager = generate(tiny_runner.model, INDUCTOR_PROMPTS, INDUCTOR_NEW, **kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        regions = generate(tiny_runner.model, INDUCTOR_PROMPTS, INDUCTOR_NEW, graph_mode="regions", **kw)
+    assert not region_warnings(record), region_warnings(record)  # no region fell back to eager
+    for i, (e, r) in enumerate(zip(eager, regions, strict=True)):
+        assert r.tokens == e.tokens, f"prompt {i}"
+    assert regions[0].stats["compile_s"] > 0 and eager[0].stats["compile_s"] == 0
+
+
+@inductor
+def test_inductor_golden_check_passes_with_regions():
+    result = cli("golden-check", GOLDEN, "--graph-mode", "regions", "--json")
+    ok(result)
+    report = json.loads(result.stdout)
+    assert report["graph_mode"] == "regions"
+    assert "compile failed" not in result.stderr
+
+
+@inductor
+def test_inductor_compile_regions_reports_one_graph_per_kind():
+    result = cli("compile-regions", "--json", "--batch", len(INDUCTOR_PROMPTS), "--context", INDUCTOR_CONTEXT)
+    ok(result)
+    report = json.loads(result.stdout)
+    assert report["graphs"] == len(ALL_KINDS) == 6
+    assert report["layers"] == 4 and report["backend"] == "inductor" and report["stages"] == "whole"
+    regions = report["regions"]
+    assert {r["region"] for r in regions} == ALL_KINDS
+    for r in regions:
+        assert {"region", "layers", "stages", "compile_s", "graph_breaks", "cache_hit"} <= set(r), r
+        assert r["graph_breaks"] == 0 and r["compile_s"] > 0 and isinstance(r["cache_hit"], bool), r
+        assert r["stages"] == ("head" if r["region"] == "head" else "mix+core+post")
+    assert {r["region"]: r["layers"] for r in regions} == {
+        "attn:window": [0], "attn:csa": [1, 3], "attn:hca": [2], "moe:hash": [0], "moe:routed": [1, 2, 3],
+        "head": [4]}
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("regions") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in INDUCTOR_PROMPTS))
+    return path
+
+
+def generate_json(prompts_file, env: dict[str, str | None]) -> list[dict]:
+    result = cli("generate", "--prompts-file", prompts_file, "-n", INDUCTOR_NEW, "--ignore-eos", "--json", env=env)
+    ok(result)
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+@inductor
+def test_env_graph_mode_regions_is_honoured_by_generate(prompts_file):
+    regions = generate_json(prompts_file, {"MHCRUN_GRAPH_MODE": "regions"})
+    eager = generate_json(prompts_file, {"MHCRUN_GRAPH_MODE": None})
+    assert len(regions) == len(eager) == len(INDUCTOR_PROMPTS)
+    assert all(r["stats"]["compile_s"] > 0 for r in regions), [r["stats"] for r in regions]
+    assert all(e["stats"]["compile_s"] == 0 for e in eager)  # so compile_s > 0 does tell the modes apart
+    assert [r["tokens"] for r in regions] == [e["tokens"] for e in eager]
+
+
+def test_unknown_env_graph_mode_exits_2():
+    result = cli("generate", "--prompt-ids", "0,5,6", "-n", 3, env={"MHCRUN_GRAPH_MODE": "bogus"})
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.stdout}\n{result.stderr}"
+    assert "bogus" in result.stderr and "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "0,5,6", "-n", "3"],
+                                     ["golden-check", str(GOLDEN)], ["compile-regions"]],
+                         ids=["generate", "golden-check", "compile-regions"])
+def test_unknown_stages_value_exits_2(command):
+    result = cli(*command, "--graph-mode", "regions", "--stages", "bogus") if command[0] != "compile-regions" \
+        else cli(*command, "--stages", "bogus")
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.stdout}\n{result.stderr}"
+    assert "bogus" in result.stderr and "--stages" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
