@@ -31,6 +31,16 @@ K_CHUNK = 512  # columns of x loaded at once by the mixes GEMM (a multiple of K_
 FREE_CHUNK = 1024  # columns per elementwise tile (fp32: 4 KiB of a partition's 192 KiB)
 
 
+def over_token_tiles(t, tile):
+    """tile(t0, tp) for each tile of tokens on the partition axis: full tiles of PMAX, then the partial one."""
+    full, rest = t // PMAX, t % PMAX
+    if full > 0:
+        for i in nl.affine_range(full):
+            tile(i * PMAX, PMAX)
+    if rest > 0:
+        tile(full * PMAX, rest)
+
+
 def mixes_supported(hc_mult, sinkhorn_iters, hc_eps, norm_eps) -> bool:
     """True when a layer's mHC constants are the ones baked into ``hc_mixes_*`` / ``hc_head_*``."""
     return (
@@ -221,12 +231,7 @@ def _hc_mixes(x, fn_hi, fn_lo, scale, base, norm_eps):
     comb = nl.ndarray((t, n * n), dtype=nl.float32, buffer=nl.shared_hbm)
     fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
     fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, i * PMAX, PMAX, norm_eps)
-    if rest > 0:
-        _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, full * PMAX, rest, norm_eps)
+    over_token_tiles(t, lambda t0, tp: _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, t0, tp, norm_eps))
     return pre, post, comb
 
 
@@ -273,12 +278,7 @@ def hc_collapse(x, pre):
     t, k = x.shape
     d = k // HC_MULT
     out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _collapse_from_hbm_tile(x, pre, out, i * PMAX, PMAX)
-    if rest > 0:
-        _collapse_from_hbm_tile(x, pre, out, full * PMAX, rest)
+    over_token_tiles(t, lambda t0, tp: _collapse_from_hbm_tile(x, pre, out, t0, tp))
     return out
 
 
@@ -295,12 +295,7 @@ def hc_expand(e):
     """e [T, d] -> [T, n*d]: n copies of each row, stream-major (out[:, m*d:(m+1)*d] = e)."""
     t, d = e.shape
     out = nl.ndarray((t, HC_MULT * d), dtype=e.dtype, buffer=nl.shared_hbm)
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _expand_tile(e, out, i * PMAX, PMAX)
-    if rest > 0:
-        _expand_tile(e, out, full * PMAX, rest)
+    over_token_tiles(t, lambda t0, tp: _expand_tile(e, out, t0, tp))
     return out
 
 
@@ -333,12 +328,7 @@ def hc_attn_out(y, residual, post, comb):
     -> [T, n*d] in y's dtype: out[o] = post[o] * y + sum_i comb[i, o] * residual[i], fp32 math."""
     t, d = y.shape
     out = nl.ndarray((t, HC_MULT * d), dtype=y.dtype, buffer=nl.shared_hbm)
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _attn_out_tile(y, residual, post, comb, out, i * PMAX, PMAX)
-    if rest > 0:
-        _attn_out_tile(y, residual, post, comb, out, full * PMAX, rest)
+    over_token_tiles(t, lambda t0, tp: _attn_out_tile(y, residual, post, comb, out, t0, tp))
     return out
 
 
@@ -358,12 +348,7 @@ def _hc_head(x, fn_hi, fn_lo, scale, base, norm_eps):
     out = nl.ndarray((t, k // HC_MULT), dtype=x.dtype, buffer=nl.shared_hbm)
     fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
     fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, i * PMAX, PMAX, norm_eps)
-    if rest > 0:
-        _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, full * PMAX, rest, norm_eps)
+    over_token_tiles(t, lambda t0, tp: _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, t0, tp, norm_eps))
     return out
 
 
@@ -407,12 +392,7 @@ def rmsnorm(x, w, eps):
     """x [T, d] (bf16/fp32), w [d] fp32 -> [T, d] in x's dtype: w * x * rsqrt(mean(x^2) + eps), fp32 math."""
     t, d = x.shape
     out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _rmsnorm_tile(x, w, out, i * PMAX, PMAX, eps)
-    if rest > 0:
-        _rmsnorm_tile(x, w, out, full * PMAX, rest, eps)
+    over_token_tiles(t, lambda t0, tp: _rmsnorm_tile(x, w, out, t0, tp, eps))
     return out
 
 
@@ -439,10 +419,5 @@ def swiglu(g, u, limit):
     """g, u [T, f] (bf16/fp32) -> [T, f] fp32: silu(min(g, L)) * clamp(u, -L, L) (no clamp when L <= 0)."""
     t, f = g.shape
     out = nl.ndarray((t, f), dtype=nl.float32, buffer=nl.shared_hbm)
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            _swiglu_tile(g, u, out, i * PMAX, PMAX, limit)
-    if rest > 0:
-        _swiglu_tile(g, u, out, full * PMAX, rest, limit)
+    over_token_tiles(t, lambda t0, tp: _swiglu_tile(g, u, out, t0, tp, limit))
     return out
