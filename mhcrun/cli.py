@@ -29,8 +29,8 @@ DEFAULT_PROMPT = "The river runs past the mill"
 ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the bundled tiny model).")
 DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
-GraphModeOpt = typer.Option(None, "--graph-mode",
-                            help="eager or regions (compiled decode; env MHCRUN_GRAPH_MODE; default eager).")
+GraphModeOpt = typer.Option(None, "--graph-mode", help="eager or regions (compiled decode; env MHCRUN_GRAPH_MODE; "
+                            "default regions on cuda/neuron, eager on cpu).")
 StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.")
 
 
@@ -55,11 +55,13 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     raise typer.Exit(code)
 
 
-def graph_mode_option(value: str | None) -> str:
-    """--graph-mode, else MHCRUN_GRAPH_MODE, else eager: on a CPU a short run never earns back the compile."""
+def graph_mode_option(value: str | None, device: str = "cpu") -> str:
+    """--graph-mode, else MHCRUN_GRAPH_MODE, else regions on an accelerator (launch-bound decode) and eager on
+    a CPU (a short run there never earns back the compile)."""
     from mhcrun.runner import GRAPH_MODES, check_choice
 
-    return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", "eager"), GRAPH_MODES)
+    default = "eager" if device == "cpu" else "regions"
+    return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", default), GRAPH_MODES)
 
 
 def stages_option(value: str) -> str:
@@ -124,7 +126,7 @@ def generate(
             raise InputError(f"--top-p must be in (0, 1], got {top_p}")
         if not 0 <= seed < 2**63:
             raise InputError(f"--seed must be in [0, 2**63), got {seed}")
-        mode, plan = graph_mode_option(graph_mode), stages_option(stages)
+        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         runner = load_runner(model, dtype, quant_sim, device)
         names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
         cfg = runner.ckpt.config
