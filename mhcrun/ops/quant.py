@@ -45,7 +45,7 @@ def _blocked(x: Tensor, block: int) -> tuple[Tensor, int]:
 
 def _unblocked(x: Tensor, n: int) -> Tensor:
     """Inverse of `_blocked`: [..., nb, block] -> [..., n]."""
-    return x.reshape(*x.shape[:-2], -1)[..., :n]
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])[..., :n]
 
 
 def fp8_simulate(x: Tensor, block: int, pow2_scale: bool = True) -> Tensor:
@@ -56,13 +56,31 @@ def fp8_simulate(x: Tensor, block: int, pow2_scale: bool = True) -> Tensor:
     """
     if x.shape[-1] == 0:
         return x.clone()
+    q, scale, n = _fp8_block_quant(x, block, pow2_scale)
+    return _unblocked(q.float() * scale, n).to(x.dtype)
+
+
+def _fp8_block_quant(x: Tensor, block: int, pow2_scale: bool) -> tuple[Tensor, Tensor, int]:
+    """fp8_simulate's rounding: (e4m3 codes [..., nb, block], fp32 scales [..., nb, 1], n)."""
     xb, n = _blocked(x.float(), block)  # [..., nb, block]
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_FP8_AMAX_FLOOR)  # [..., nb, 1]
     scale = amax / FP8_MAX
     if pow2_scale:
         scale = pow2_ceil(scale)
-    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return _unblocked(q * scale, n).to(x.dtype)
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale, n
+
+
+def quantize_act_fp8(x: Tensor, block: int, pow2_scale: bool = True) -> tuple[Tensor, Tensor]:
+    """The FP8 codes and scales behind fp8_simulate: (float8_e4m3fn [..., n], fp32 [..., ceil(n/block)]).
+
+    codes.float() times the scale of each block of `block` values along the last dim equals
+    fp8_simulate(x, block, pow2_scale) computed in fp32, bitwise (the same ops).
+    """
+    if x.shape[-1] == 0:
+        return x.to(torch.float8_e4m3fn), torch.empty(*x.shape[:-1], 0, dtype=torch.float32, device=x.device)
+    q, scale, n = _fp8_block_quant(x, block, pow2_scale)
+    return _unblocked(q, n).contiguous(), scale[..., 0]
 
 
 def round_e2m1(x: Tensor) -> Tensor:

@@ -1,0 +1,626 @@
+"""Linear layers over weights that stay quantised in memory: the GEMM dequantises block by block as it goes.
+
+Weight formats (DeepSeek V4 release), `fmt`:
+- "fp8": `data` float8_e4m3fn [out, in], `scale` [ceil(out/block), ceil(in/block)]; `block` is the square tile
+  (128 released, 32 in the tiny test model).
+- "fp4": `data` int8/uint8 [out, in/2], two e2m1 codes per byte, low nibble first; `scale` [out, ceil(in/block)];
+  `block` is the scale group along `in` (32; 0 means 32).
+- "float": `data` a float weight [out, in] of any float dtype; `scale` and `block` are unused.
+Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs on CPU), or fp32.
+
+The values are exactly those of `quant.dequantize_fp8` / `quant.dequantize_fp4` (fp8 / e2m1 values times the
+block scale: one rounding, the same as the reference's), and the GEMM accumulates in fp32.
+
+CPU eager path: the output rows are taken in chunks of about `CHUNK_BYTES` of fp32; each chunk is decoded
+with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small buffer that stays in cache
+and multiplied right away (`F.linear` on the chunk), so no fp32 copy of the weight is ever made. For fp8 with
+few rows of x, a chunk inside one block row leaves its values unscaled and x takes the per-column scales
+instead (exact for power-of-two scales, see `_RowDecoder.x_fold_ok`). Under `torch.compile`
+(`torch.compiler.is_compiling()`) the whole weight is dequantised with plain tensor ops (`dequantize`) and
+multiplied once: no Python loops or data-dependent control flow in graphs; GRAPH_CUSTOM_OP = True runs the
+chunked CPU kernel as one opaque custom op there instead. On CUDA the whole-tensor path is used too, except
+fp8 with activation quantisation, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
+(`_scaled_mm_fp8`).
+
+Decoders (`decode_fp8`, `decode_fp4`, and the chunk kernels under them):
+- e4m3: the byte as int8 -> int32 (sign-extends), << 20, & 0x87F00000 is the fp32 whose value is the e4m3
+  value times 2**-120, for normals and subnormals alike (e4m3 subnormals land on fp32 subnormals). The 2**120
+  is folded into the block scale (scale * 2**120; for e8m0 scales straight from the bytes); when that would
+  overflow (scales above 2**7) the chunk is first multiplied by 2**120 (exact) and then by the scale. NaN codes
+  (0x7F / 0xFF) would decode to +-480 * scale, so chunks are checked (two int8 max reductions) and NaNs written
+  where they occur; a weight tensor found NaN-free over a whole pass is remembered (per object and version,
+  `_NAN_SEEN`) and not checked again.
+- e2m1: each byte -> an int32 holding two bf16 bit patterns (low half = low nibble): with t the byte
+  (0..255), mag = t * (2**5 + 2**17) and sign = (t & 0x88) * (2**11 + 2**23) put every field one bit below
+  its place without overlaps or overflow; ((mag | sign) & 0x40E040E0) << 1 is then the bf16 pair whose values
+  are the e2m1 values times 2**-126. Converted to fp32 (exact) and multiplied by scale * 2**126 (folded as
+  for fp8, unfolded above 2**1).
+Subnormal fp32 intermediates need the CPU's denormal support on (the default; `torch.set_flush_denormal(True)`
+would zero them): `_denormals_ok` checks this and falls back to the reference dequantisation when it is off.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mhcrun.ops.quant import e8m0_to_float, fp8_simulate, quantize_act_fp8, scale_to_float, unpack_fp4
+
+# fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
+# small chunks: on a 2-core EPYC VM (1 MiB L2 a core, 32 MiB L3) 2-4 MiB beat 1 MiB by 1.3-1.5x for GEMVs
+# (benchmarks/bench_qgemm.py --chunks); the chunk and its temporaries stay in L3.
+CHUNK_BYTES = 4 << 20
+CHUNK_SPANS_BLOCKS = False  # fp8: chunks of at most one block row (so x can take the scales) unless tiny
+ACT_BLOCK = 128  # activation quantisation block (DeepSeek's act_quant)
+FP4_BLOCK = 32  # e2m1 scale group along `in`
+FORMATS = ("fp8", "fp4", "float")
+
+_E4M3_BITS = 0x87F00000 - (1 << 32)  # sign bit + the 7 exponent/mantissa bits after << 20, as int32
+_E4M3_UNSCALE_LOG2 = 120  # (int8 << 20 & mask) as fp32 == e4m3 value * 2**-120
+_E2M1_MAG = (1 << 5) + (1 << 17)  # t * this: low nibble's magnitude bits at 5..7, high nibble's at 21..23
+_E2M1_SGN = (1 << 11) + (1 << 23)  # (t & 0x88) * this: sign bits 3 / 7 at 14 / 30
+_E2M1_KEEP = 0x40E040E0  # the fields above; << 1 then makes two bf16 patterns
+_E2M1_UNSCALE_LOG2 = 126  # those bf16 values == e2m1 value * 2**-126
+
+
+def _scale_f32(scale: Tensor) -> Tensor:
+    """A stored scale as fp32: e8m0 (float8_e8m0fnu, or its raw bytes as uint8) decoded, fp32 as is."""
+    if scale.dtype == torch.uint8:
+        return e8m0_to_float(scale)
+    return scale_to_float(scale)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def _fp4_group(block: int) -> int:
+    return block if block > 0 else FP4_BLOCK
+
+
+def _scale_grid(fmt: str, block: int) -> tuple[int, int]:
+    """(rows, cols) of weight elements that share one scale."""
+    if fmt == "fp8":
+        if block <= 0:
+            raise ValueError(f"fp8 needs a positive block, got {block}")
+        return block, block
+    return 1, _fp4_group(block)
+
+
+def _in_features(data: Tensor, fmt: str) -> int:
+    return data.shape[-1] * 2 if fmt == "fp4" else data.shape[-1]
+
+
+def _check_data(data: Tensor, fmt: str) -> None:
+    if fmt == "fp8" and data.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 weight must be float8_e4m3fn, got {data.dtype}")
+    if fmt == "fp4" and data.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"fp4 weight must be int8/uint8 (two e2m1 codes a byte), got {data.dtype}")
+    if fmt == "float" and not data.is_floating_point():
+        raise ValueError(f"float weight must have a float dtype, got {data.dtype}")
+
+
+def _check_scale(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> None:
+    if fmt == "float":
+        return
+    if scale is None:
+        raise ValueError(f"{fmt} weight needs a scale")
+    br, bc = _scale_grid(fmt, block)
+    r, c = data.shape[-2], _in_features(data, fmt)
+    want = (*data.shape[:-2], -(-r // br), -(-c // bc))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{fmt} scale shape {list(scale.shape)}, expected {list(want)} for a weight of "
+                         f"{list(data.shape[:-2])} + [{r}, {c}] (block {block})")
+
+
+# ---------------------------------------------------------------- whole-tensor dequantisation (graph-safe)
+
+
+def _tile_scale(values: Tensor, s: Tensor, br: int, bc: int) -> Tensor:
+    """values [..., R, C] fp32 * s [..., ceil(R/br), ceil(C/bc)] broadcast over tiles (static shapes only)."""
+    *lead, r, c = values.shape
+    sr, sc = s.shape[-2], s.shape[-1]
+    pr, pc = sr * br - r, sc * bc - c
+    if pr or pc:
+        values = F.pad(values, (0, pc, 0, pr))
+    tiles = values.reshape(*lead, sr, br, sc, bc) * s[..., :, None, :, None]
+    return tiles.reshape(*lead, sr * br, sc * bc)[..., :r, :c]
+
+
+def _dequantize_reference(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
+    if fmt == "float":
+        return data.float()
+    br, bc = _scale_grid(fmt, block)
+    values = data.float() if fmt == "fp8" else unpack_fp4(data)
+    return _tile_scale(values, _scale_f32(scale), br, bc)
+
+
+def dequantize(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
+    """The weight as fp32 [..., out, in], bitwise equal to quant.dequantize_fp8 / dequantize_fp4 (per matrix).
+
+    Takes leading batch dims (data [..., out, in'] with scale [..., sr, sc], e.g. gathered experts
+    [B, k, out, in/2]). Under torch.compile, or off the CPU, it is plain tensor math with static shapes (no
+    .item(), no data-dependent branches); in CPU eager mode it runs the fast decoders matrix by matrix.
+    """
+    _check_fmt(fmt)
+    _check_data(data, fmt)
+    if data.dim() < 2:
+        raise ValueError(f"dequantize: expected [..., out, in'], got shape {list(data.shape)}")
+    _check_scale(data, scale, fmt, block)
+    if fmt == "float" or torch.compiler.is_compiling() or data.device.type != "cpu" or not _denormals_ok():
+        return _dequantize_reference(data, scale, fmt, block)
+    lead = data.shape[:-2]
+    out = torch.empty(*lead, data.shape[-2], _in_features(data, fmt), dtype=torch.float32)
+    flat_d = data.reshape(-1, *data.shape[-2:])
+    flat_s = scale.reshape(-1, *scale.shape[-2:])
+    flat_o = out.view(-1, *out.shape[-2:])
+    decode = decode_fp8 if fmt == "fp8" else decode_fp4
+    for i in range(flat_d.shape[0]):
+        decode(flat_d[i], flat_s[i], block, out=flat_o[i])
+    return out
+
+
+# ---------------------------------------------------------------- fast CPU decoders (chunk kernels)
+
+
+def _denormals_ok() -> bool:
+    """Whether fp32 subnormals survive arithmetic here (not flushed by torch.set_flush_denormal(True))."""
+    tiny = torch.tensor([2.0**-140], dtype=torch.float32)
+    return bool((tiny * 2.0).item() != 0.0)
+
+
+def _folded_scales(scale: Tensor, unscale_log2: int) -> tuple[Tensor, float | None]:
+    """_fold(scale as fp32, 2**unscale_log2), for e8m0 scales straight from the bytes when no byte overflows:
+    2**(b - 127) * 2**k is the fp32 with exponent field b - 127 + k + 127 (b = 0, 2**-127, included)."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        b = scale.view(torch.uint8)
+        if b.numel() and int(b.max()) + unscale_log2 <= 254:
+            bits = b.to(torch.int32)
+            bits.add_(unscale_log2).bitwise_left_shift_(23)
+            return bits.view(torch.float32), None
+    return _fold(_scale_f32(scale), 2.0**unscale_log2)
+
+
+def _fold(s: Tensor, unscale: float) -> tuple[Tensor, float | None]:
+    """(factor, pre): chunk values v * unscale * s == (v * pre) * factor, with one rounding either way.
+
+    s * unscale is exact unless it overflows; then the chunk is multiplied by `unscale` first (exact: it gives
+    the format's plain values) and by s after. Non-finite scales stay as they are (inf and NaN propagate the same).
+    """
+    f = s * unscale
+    if bool((torch.isinf(f) & torch.isfinite(s)).any()):
+        return s, unscale
+    return f, None
+
+
+def _scale_groups_(v: Tensor, f: Tensor, bc: int) -> None:
+    """v [r, C] *= f [r, sc], each scale over a group of bc columns of its row (the last group may be partial)."""
+    r, c = v.shape
+    full = c // bc
+    if full:
+        head = v if full * bc == c else v[:, : full * bc]
+        head.view(r, full, bc).mul_(f[:, :full, None])
+    if full * bc < c:
+        v[:, full * bc:].mul_(f[:, full:full + 1])
+
+
+def _scale_tiles_(v: Tensor, fcol: Tensor, r0: int, br: int) -> None:
+    """Rows [r0, r0 + r) of a weight, decoded into v [r, C], times fcol [sr, C] (tile scales spread per column)."""
+    r, c = v.shape
+    if r0 % br == 0 and r % br == 0:
+        nb = r // br
+        v.view(nb, br, c).mul_(fcol[r0 // br: r0 // br + nb, None, :])
+        return
+    a = 0
+    while a < r:  # a chunk that starts or ends inside a row block: one segment per block row
+        j = (r0 + a) // br
+        b = min(r, (j + 1) * br - r0)
+        v[a:b].mul_(fcol[j])
+        a = b
+
+
+def _fp8_nan_codes(codes: Tensor) -> bool:
+    """Whether int8 e4m3 codes hold a NaN (0x7F or 0xFF): two max reductions, no temporaries."""
+    return bool(codes.max() == 127) or bool(codes.view(torch.uint8).max() == 255)
+
+
+def _fp8_chunk(codes: Tensor, fcol: Tensor, pre: float | None, r0: int, block: int, dst: Tensor,
+               check_nan: bool = True, scaled: bool = True) -> bool:
+    """codes int8 [r, C] (rows r0.. of an e4m3 weight) -> dst fp32 [r, C] (contiguous), dequantised.
+
+    fcol: [ceil(out/block), C] fp32, the (folded) tile scales spread per column; scaled=False leaves the values
+    at e4m3 value * 2**-120 (the caller scales x instead). Returns whether NaN codes were found (and written as
+    NaN); with check_nan=False the caller knows there are none.
+    """
+    t = dst.view(torch.int32)
+    t.copy_(codes)  # sign-extends
+    t.bitwise_left_shift_(20)
+    t.bitwise_and_(_E4M3_BITS)
+    if scaled:
+        if pre is not None:
+            dst.mul_(pre)
+        _scale_tiles_(dst, fcol, r0, block)
+    if check_nan and _fp8_nan_codes(codes):
+        dst.masked_fill_(codes.bitwise_and(0x7F) == 0x7F, math.nan)
+        return True
+    return False
+
+
+def _fp4_chunk(packed: Tensor, f: Tensor, pre: float | None, group: int, dst: Tensor, t: Tensor,
+               u: Tensor) -> None:
+    """packed int8/uint8 [r, C/2] -> dst fp32 [r, C]; f [r, ceil(C/group)] its rows' (folded) scales;
+    t, u: int32 [r, C/2] scratch."""
+    t.copy_(packed.view(torch.uint8))  # 0..255
+    torch.mul(t, _E2M1_MAG, out=u)
+    t.bitwise_and_(0x88)
+    t.mul_(_E2M1_SGN)
+    t.bitwise_or_(u)
+    t.bitwise_and_(_E2M1_KEEP)
+    t.bitwise_left_shift_(1)
+    dst.copy_(t.view(torch.bfloat16))  # [r, C/2] int32 == [r, C] bf16, low half first
+    if pre is not None:
+        dst.mul_(pre)
+    _scale_groups_(dst, f, group)
+
+
+# Whether an fp8 weight holds NaN codes, remembered per tensor object (and its version) once a full pass over
+# it has looked, so that a weight used every step is checked once. id -> (weakref, version, ptr, shape, has).
+_NAN_SEEN: dict[int, tuple] = {}
+
+
+def _nan_key(data: Tensor) -> tuple | None:
+    try:
+        return data._version, data.data_ptr(), tuple(data.shape), data.stride()
+    except RuntimeError:  # inference tensors have no version counter: not remembered
+        return None
+
+
+def _known_nan(data: Tensor) -> bool | None:
+    e = _NAN_SEEN.get(id(data))
+    if e is None or e[0]() is not data or e[1] != _nan_key(data):
+        return None
+    return e[2]
+
+
+def _remember_nan(data: Tensor, has: bool) -> None:
+    key = _nan_key(data)
+    if key is None:
+        return
+    if len(_NAN_SEEN) >= 4096:
+        for k in [k for k, e in _NAN_SEEN.items() if e[0]() is None]:
+            del _NAN_SEEN[k]
+        if len(_NAN_SEEN) >= 4096:
+            _NAN_SEEN.clear()
+    _NAN_SEEN[id(data)] = (weakref.ref(data), key, has)
+
+
+def _chunk_rows(n_out: int, n_in: int, row_block: int) -> int:
+    """Rows per chunk: about CHUNK_BYTES of fp32; a multiple of row_block, or a divisor of it when smaller."""
+    rows = max(1, CHUNK_BYTES // (4 * max(n_in, 1)))
+    if row_block > 1 and rows > row_block and 16 * row_block * n_in >= CHUNK_BYTES and not CHUNK_SPANS_BLOCKS:
+        rows = row_block  # one block row, unless that is under a quarter of CHUNK_BYTES
+    if row_block > 1:
+        if rows >= row_block:
+            rows -= rows % row_block
+        else:
+            while row_block % rows:
+                rows -= 1
+    return max(1, min(rows, n_out))
+
+
+class _RowDecoder:
+    """Decodes row ranges of one 2-D weight into fp32 (CPU eager only): `rows(r0, r1, dst)`; `done()` after a
+    pass over all rows."""
+
+    def __init__(self, data: Tensor, scale: Tensor | None, fmt: str, block: int, max_rows: int):
+        self.data, self.fmt = data, fmt
+        self.n_in = _in_features(data, fmt)
+        if fmt == "float":
+            return
+        self.group = block if fmt == "fp8" else _fp4_group(block)
+        self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if fmt == "fp8" else _E2M1_UNSCALE_LOG2)
+        if fmt == "fp8":
+            self.codes = data.view(torch.int8)
+            self.fcol = self.f.repeat_interleave(block, dim=1)[:, : self.n_in].contiguous()
+            self.known_nan = _known_nan(data)
+            self.seen_nan = False
+            fa = self.f.abs()
+            pow2 = scale.dtype in (torch.float8_e8m0fnu, torch.uint8) or bool((torch.frexp(fa)[0] == 0.5).all())
+            self.x_fold_range = (float(fa.min()), float(fa.max())) if pow2 and self.pre is None else None
+        else:
+            half = data.shape[1]
+            self.t = torch.empty(max_rows, half, dtype=torch.int32)
+            self.u = torch.empty(max_rows, half, dtype=torch.int32)
+
+    def x_fold_ok(self, x2: Tensor) -> bool:
+        """Whether y = (x * f_col) @ v^T, with v the unscaled fp8 values, is the same product as x @ (v * f)^T:
+        power-of-two (folded) scales and every x * f finite and 0 or normal, so that x * f is exact and each
+        product x * f * v is the same real number, rounded once either way."""
+        if self.fmt != "fp8" or self.x_fold_range is None:
+            return False
+        fmin, fmax = self.x_fold_range
+        ax = x2.abs()
+        xmax = float(ax.max())
+        if not math.isfinite(xmax) or xmax * fmax >= 2.0**127:
+            return False
+        nz = ax[ax > 0]
+        return nz.numel() == 0 or float(nz.min()) * fmin >= 2.0**-126
+
+    def rows(self, r0: int, r1: int, dst: Tensor, scaled: bool = True) -> Tensor:
+        r = r1 - r0
+        if self.fmt == "float":
+            dst.copy_(self.data[r0:r1])
+        elif self.fmt == "fp8":
+            found = _fp8_chunk(self.codes[r0:r1], self.fcol, self.pre, r0, self.group, dst,
+                               check_nan=self.known_nan is not False, scaled=scaled)
+            self.seen_nan |= found
+        else:
+            _fp4_chunk(self.data[r0:r1], self.f[r0:r1], self.pre, self.group, dst, self.t[:r], self.u[:r])
+        return dst
+
+    def done(self) -> None:
+        if self.fmt == "fp8" and self.known_nan is None:
+            _remember_nan(self.data, self.seen_nan)
+
+
+def _decode(data: Tensor, scale: Tensor, fmt: str, block: int, out: Tensor | None) -> Tensor:
+    _check_data(data, fmt)
+    if data.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {list(data.shape)}")
+    _check_scale(data, scale, fmt, block)
+    n_out, n_in = data.shape[0], _in_features(data, fmt)
+    if out is None:
+        out = torch.empty(n_out, n_in, dtype=torch.float32)
+    elif out.shape != (n_out, n_in) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{n_out}, {n_in}] tensor")
+    if out.numel() == 0:
+        return out
+    if data.device.type != "cpu" or not _denormals_ok():
+        out.copy_(_dequantize_reference(data, scale, fmt, block))
+        return out
+    rows = _chunk_rows(n_out, n_in, _scale_grid(fmt, block)[0])
+    dec = _RowDecoder(data, scale, fmt, block, rows)
+    for r0 in range(0, n_out, rows):
+        r1 = min(n_out, r0 + rows)
+        dec.rows(r0, r1, out[r0:r1])
+    dec.done()
+    return out
+
+
+def decode_fp8(data: Tensor, scale: Tensor, block: int, out: Tensor | None = None) -> Tensor:
+    """Fast exact CPU dequantisation: float8_e4m3fn [out, in] with block scales -> fp32 [out, in].
+
+    Bitwise equal to quant.dequantize_fp8 (NaN codes give NaN). `out`: an optional contiguous fp32 destination.
+    """
+    return _decode(data, scale, "fp8", block, out)
+
+
+def decode_fp4(data: Tensor, scale: Tensor, block: int = FP4_BLOCK, out: Tensor | None = None) -> Tensor:
+    """Fast exact CPU dequantisation: packed e2m1 int8 [out, in/2] with per-`block` scales -> fp32 [out, in].
+
+    Bitwise equal to quant.dequantize_fp4. `out`: an optional contiguous fp32 destination.
+    """
+    return _decode(data, scale, "fp4", block, out)
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+def _gemm_rows(x2: Tensor, dec: _RowDecoder, r0: int, r1: int, rows: int, buf: Tensor, y: Tensor) -> None:
+    """y [M, r1 - r0] = x2 [M, in] (fp32) @ W[r0:r1]^T, decoding `rows` weight rows at a time into buf.
+
+    fp8 with M <= rows: a chunk inside one block row has one scale per column, which is folded into x
+    (x * f, M x in values) instead of the chunk (rows x in values) when that is exact (_RowDecoder.x_fold_ok).
+    """
+    fold = x2.shape[0] <= rows and dec.x_fold_ok(x2)
+    xs, xs_row = None, -1
+    for a in range(r0, r1, rows):
+        b = min(r1, a + rows)
+        j = a // dec.group if fold else -1
+        if fold and (b - 1) // dec.group == j:
+            if xs_row != j:
+                xs, xs_row = x2 * dec.fcol[j], j
+            w = dec.rows(a, b, buf[: b - a], scaled=False)
+            y[:, a - r0: b - r0] = F.linear(xs, w)
+        else:
+            w = dec.rows(a, b, buf[: b - a])
+            y[:, a - r0: b - r0] = F.linear(x2, w)
+
+
+def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32, chunk by chunk."""
+    m, n_in = x3.shape[0], x3.shape[2]
+    r = data.shape[0] // groups
+    if not _denormals_ok():
+        w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
+        return torch.einsum("mgd,grd->mgr", x3, w)
+    y = torch.empty(groups, m, r, dtype=torch.float32)
+    if r and m:
+        rows = _chunk_rows(r, n_in, _scale_grid(fmt, block)[0] if fmt != "float" else 1)
+        dec = _RowDecoder(data, scale, fmt, block, rows)
+        buf = torch.empty(rows, n_in, dtype=torch.float32)
+        for g in range(groups):
+            _gemm_rows(x3[:, g], dec, g * r, (g + 1) * r, rows, buf, y[g])
+        dec.done()
+    return y.transpose(0, 1)
+
+
+# Inside torch.compile graphs the weight is by default dequantised whole with plain tensor ops (`dequantize`)
+# and multiplied once. GRAPH_CUSTOM_OP = True instead calls the chunked CPU kernel above as one opaque custom
+# op (torch.ops.mhcrun.qgemm: no graph break, no Python loop in the graph, and no fp32 copy of the weight); on
+# this machine's CPU that was several times faster than inductor's whole-tensor dequantisation (see
+# benchmarks/bench_qgemm.py --compiled). CUDA tensors always take the whole-tensor path.
+GRAPH_CUSTOM_OP = False
+
+
+@torch.library.custom_op("mhcrun::qgemm", mutates_args=())
+def _qgemm_op(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    """The chunked CPU GEMM as one op: x3 [M, G, in] fp32 -> [M, G, out/G] fp32."""
+    return _cpu_gemm(x3, data, scale, fmt, block, groups).contiguous()
+
+
+@_qgemm_op.register_fake
+def _(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
+
+
+def _grouped_gemm(xf: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    """xf [..., G, in] fp32 -> [..., G, r] fp32 through whichever path applies (not the _scaled_mm one)."""
+    n_in = xf.shape[-1]
+    r = data.shape[0] // groups
+    on_cpu = data.device.type == "cpu"
+    if (fmt == "float" and data.dtype == torch.float32) or not on_cpu or (
+            torch.compiler.is_compiling() and not GRAPH_CUSTOM_OP):
+        w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
+        return torch.einsum("...gd,grd->...gr", xf, w)
+    x3 = xf.reshape(-1, groups, n_in)
+    if torch.compiler.is_compiling():
+        y = torch.ops.mhcrun.qgemm(x3, data, scale, fmt, block, groups)
+    else:
+        y = _cpu_gemm(x3, data, scale, fmt, block, groups)
+    return y.reshape(*xf.shape[:-1], r)
+
+
+def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "float", block: int = 0,
+            act_quant: bool = False) -> Tensor:
+    """y [..., out] = x [..., in] @ W^T in x.dtype, W = the weight `data` in format `fmt` (module docstring).
+
+    act_quant: x is first rounded to FP8 in blocks of 128 along `in` with power-of-two scales
+    (`fp8_simulate(x, 128, pow2_scale=True)`), as DeepSeek's act_quant before an FP8/FP4 GEMM.
+    The product is computed in fp32 and cast to x.dtype, except for a "float" weight of x's dtype without
+    act_quant, which is a plain F.linear in that dtype. For fmt "float" this is ops.linear.linear(x, w, act_quant)
+    (the same calls, bitwise, when the weight needs no conversion; a weight of another dtype than x and fp32 is
+    converted chunk by chunk, which can change the fp32 summation order).
+    Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs), or fp32.
+    """
+    _check_fmt(fmt)
+    _check_data(data, fmt)
+    if data.dim() != 2:
+        raise ValueError(f"qlinear: expected a 2-D weight, got shape {list(data.shape)}")
+    _check_scale(data, scale, fmt, block)
+    n_out, n_in = data.shape[0], _in_features(data, fmt)
+    if x.shape[-1] != n_in:
+        raise ValueError(f"qlinear: x has {x.shape[-1]} features, the weight takes {n_in}")
+    if fmt == "float" and not act_quant and data.dtype == x.dtype:
+        return F.linear(x, data)
+    if x.numel() == 0:
+        return x.new_zeros(*x.shape[:-1], n_out)
+    if act_quant:
+        if fmt == "fp8" and x.is_cuda and not torch.compiler.is_compiling():
+            y = _scaled_mm_fp8(x, data, scale, block)
+            if y is not None:
+                return y
+        x = _act_quant(x)
+    xf = x.float()
+    if (fmt == "float" and data.dtype == torch.float32) or data.device.type != "cpu" or (
+            torch.compiler.is_compiling() and not GRAPH_CUSTOM_OP):
+        return F.linear(xf, _dequantize_reference(data, scale, fmt, block)).to(x.dtype)
+    y = _grouped_gemm(xf.reshape(-1, 1, n_in), data, scale, fmt, block, 1)
+    return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
+
+
+def _act_quant(x: Tensor) -> Tensor:
+    """The activation as linear(..., act_quant=True) rounds it (result in x.dtype)."""
+    return fp8_simulate(x, ACT_BLOCK, pow2_scale=True)
+
+
+def qlinear_grouped(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    """DeepSeek's grouped low-rank output (wo_a): x [..., G, d_in], the weight's rows in G groups of r.
+
+    y[..., g, :] = x[..., g, :] @ W[g*r:(g+1)*r, :]^T in fp32 (as torch.einsum("bsgd,grd->bsgr", x, W.view(G, r, -1))),
+    no activation quantisation, result in x.dtype. The weight is dequantised group by group, chunk by chunk.
+    """
+    _check_fmt(fmt)
+    _check_data(data, fmt)
+    if data.dim() != 2:
+        raise ValueError(f"qlinear_grouped: expected a 2-D weight, got shape {list(data.shape)}")
+    _check_scale(data, scale, fmt, block)
+    n_out, n_in = data.shape[0], _in_features(data, fmt)
+    if groups <= 0 or n_out % groups:
+        raise ValueError(f"qlinear_grouped: {n_out} rows do not split into {groups} groups")
+    if x.dim() < 2 or x.shape[-2] != groups or x.shape[-1] != n_in:
+        raise ValueError(f"qlinear_grouped: x shape {list(x.shape)}, expected [..., {groups}, {n_in}]")
+    if x.numel() == 0:
+        return x.new_zeros(*x.shape[:-1], n_out // groups)
+    return _grouped_gemm(x.float(), data, scale, fmt, block, groups).to(x.dtype)
+
+
+# ---------------------------------------------------------------- CUDA: FP8 x FP8 with DeepSeek block scales
+
+_SCALED_MM_BROKEN = False
+
+
+def _scaled_mm_fits(x: Tensor, data: Tensor, scale: Tensor | None, block: int) -> bool:
+    n_out, n_in = data.shape
+    return (block == 128 and n_in % 128 == 0 and n_out % 128 == 0 and scale is not None
+            and x.dtype in (torch.float32, torch.bfloat16) and data.is_cuda and scale.is_cuda and x.numel() > 0)
+
+
+def act_quant_fp8_codes(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """x2 [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, ceil(K/128)]) of DeepSeek's act_quant.
+
+    codes.float() * scale (each scale over its 128 columns) == fp8_simulate(x2, 128, pow2_scale=True) bitwise
+    (in fp32; for fp32 and bf16 x2 the cast back to x2.dtype is exact too).
+    """
+    return quantize_act_fp8(x2, ACT_BLOCK, pow2_scale=True)
+
+
+def _scaled_mm_operands(x2: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The operands of the 1x128 x 128x128 recipe, laid out as cuBLASLt wants them (see _scaled_mm_fp8)."""
+    m = x2.shape[0]
+    codes, sx = act_quant_fp8_codes(x2)
+    pad_m = -m % 4  # the activation scales are M-major: keep their column stride 16-byte aligned
+    if pad_m:
+        codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad_m)).view(torch.float8_e4m3fn)
+        sx = F.pad(sx, (0, 0, 0, pad_m), value=1.0)
+    sa = sx.t().contiguous().t()  # [Mp, K/128], strides (1, Mp)
+    sw = _scale_f32(scale).float()  # [N/128, K/128]
+    kb = sw.shape[1]
+    sw = F.pad(sw, (0, -kb % 4)).contiguous()  # K blocks padded to a multiple of 4
+    sb = sw.t()  # [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))
+    return codes, sa, data.t(), sb
+
+
+def _scaled_mm_call(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype) -> Tensor:
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        st = F.ScalingType
+        return F.scaled_mm(a, b, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=out_dtype)
+    return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)  # older torch: recipes inferred from the shapes
+
+
+def _scaled_mm_fp8(x: Tensor, data: Tensor, scale: Tensor | None, block: int) -> Tensor | None:
+    """qlinear(x, data, scale, "fp8", 128, act_quant=True) on CUDA through cuBLASLt's FP8 GEMM with DeepSeek's
+    block scales (torch._scaled_mm / F.scaled_mm, ScalingType.BlockWise1x128 for the activation and
+    BlockWise128x128 for the weight; SM90 with cuBLASLt >= 12.9). None when it does not apply or fails (then a
+    one-time warning, and the caller dequantises instead).
+
+    The activation's FP8 codes and power-of-two scales are exactly those of fp8_simulate(x, 128), and the weight
+    is used as stored, so this is the same product as the dequantise path, summed in another order (fp32
+    accumulation in the tensor cores). Layouts: activation codes [M, K] row-major with scales [M, K/128]
+    M-major (M padded to a multiple of 4); weight [N, K] row-major passed as its transpose [K, N]; weight scales
+    [N/128, K/128] padded along K/128 to a multiple of 4 and passed transposed. Output in x.dtype (fp32 or
+    bf16: cuBLASLt rounds its fp32 accumulator once, as the reference's .to(x.dtype) does).
+
+    Checked on one H200 (torch 2.11.0+cu130, via F.scaled_mm; tests/test_qlinear.py's CUDA tests and
+    benchmarks/bench_qgemm.py --cuda): |y - reference| <= 4e-5 * (|xq| @ |W|^T) on M = 1, 37, 4096; an
+    unpadded M (not a multiple of 4) was refused by cuBLASLt. Not checked on other GPUs or torch versions.
+    """
+    global _SCALED_MM_BROKEN
+    if _SCALED_MM_BROKEN or not _scaled_mm_fits(x, data, scale, block):
+        return None
+    try:
+        x2 = x.reshape(-1, x.shape[-1])
+        a, sa, b, sb = _scaled_mm_operands(x2, data, scale)
+        y = _scaled_mm_call(a, sa, b, sb, x.dtype)[: x2.shape[0]]
+        return y.reshape(*x.shape[:-1], data.shape[0]).to(x.dtype)
+    except Exception as e:  # any failure falls back to the dequantising path
+        _SCALED_MM_BROKEN = True
+        warnings.warn(f"qlinear: torch._scaled_mm FP8 block-scaled GEMM unavailable ({type(e).__name__}: {e}); "
+                      "dequantising instead", RuntimeWarning, stacklevel=3)
+        return None
