@@ -132,7 +132,8 @@ def main() -> None:
 
     print(f"decode tokens/s, batch 1, {args.steps} steps after a {len(PROMPT)}-token prompt "
           f"({torch.get_num_threads()} threads; best of {args.repeats})")
-    tiny = load_runner(None, quant_sim=False)  # transformers has no FP8/FP4 simulation: compare like with like
+    # transformers has no FP8/FP4 simulation and takes fp32 tensors: compare like with like
+    tiny = load_runner(None, quant_sim=False, dequantize=True)
     hf = transformers_model(tiny)
     for name, model, peer in (("tiny", tiny.model, hf), ("wide (d=512)", wide_model(), None)):
         r = decode_rates(model, args.steps, args.repeats, peer)

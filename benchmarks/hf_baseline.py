@@ -391,7 +391,7 @@ def run_variant(path: Path, yarn: bool, args, prompts: list[list[int]]) -> dict:
     with checkpoint_variant(path, yarn) as root:
         raw = json.loads((root / "config.json").read_text())
         has_yarn = raw.get("rope_scaling") is not None
-        runner = load_runner(str(root), args.dtype, quant_sim=False)
+        runner = load_runner(str(root), args.dtype, quant_sim=False, dequantize=True)
         ckpt = runner.ckpt
         hf_model = build_hf_model(ckpt, raw, dtype)
         for _ in range(args.warmup):  # first-call costs (allocator, lazy init) out of the timings

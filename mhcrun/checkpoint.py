@@ -3,22 +3,21 @@
 A checkpoint directory holds `config.json`, `model.safetensors.index.json` and its shards (or one
 `model.safetensors` without an index). Every shard's header is parsed and checked (length, JSON, data
 offsets against the file size) and every required tensor's dtype and shape are checked from the headers
-before any tensor data is read; then the tensors are read one by one with `safetensors.safe_open` and
-dequantised to fp32. Every problem is a one-line `CheckpointError` naming the tensor and/or the file.
+before any tensor data is read; then each shard is memory-mapped and its tensors are views of the
+mapping (see `load_checkpoint`). Every problem is a one-line `CheckpointError` naming the tensor and/or the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from mhcrun.config import ModelConfig, load_config
@@ -64,8 +63,10 @@ _INDEX_DTYPES = ("int32", "int64")
 class LoadedCheckpoint:
     path: Path
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # name -> fp32 (int64 for 'index') tensor, every spec'd name
-    quantized: set[str]  # names whose weights were stored fp8/fp4
+    tensors: dict[str, torch.Tensor]  # every spec'd name -> its tensor as stored (a view of the mapped shard;
+    # int64 for 'index'), or fp32 when loaded with dequantize
+    quantized: set[str]  # names whose weights are stored fp8/fp4
+    scales: dict[str, torch.Tensor]  # weight name -> its stored scale, for quantised weights kept quantised
     bytes_by_dtype: dict[str, int]  # on-disk bytes of the loaded tensors (scales included), by dtype
     unused: list[str]  # tensors in the checkpoint that the model does not use (mtp.* excluded)
     weights_hash: str  # 16 hex chars, see checkpoint_weights_hash
@@ -76,6 +77,7 @@ class _HeaderEntry:
     dtype: str  # torch dtype name, or the raw safetensors tag when unknown
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # of the first data byte in the file
 
 
 @dataclass
@@ -149,7 +151,7 @@ def _read_shard_header(path: Path) -> _Shard:
                 numel *= d
             if numel * itemsize != nbytes:
                 raise corrupt(f"entry {name!r}: {nbytes} data bytes for shape {shape} of {dtype_name}")
-        shard.entries[name] = _HeaderEntry(dtype_name, tuple(shape), nbytes)
+        shard.entries[name] = _HeaderEntry(dtype_name, tuple(shape), nbytes, 8 + header_len + offsets[0])
         data_end = max(data_end, offsets[1])
     need = 8 + header_len + data_end
     if size < need:
@@ -234,6 +236,8 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
                 scale_shape = (out, _ceil_div(inner, FP4_BLOCK))
             sname = scale_name(spec.name)
             scale_shard = locate(sname, f"scale of {spec.name}")
+            if fmt == "fp8":
+                _check_block_size(cfg, spec, sname, scale_shard)
             count(_check_entry(sname, scale_shard, _SCALE_DTYPES, scale_shape))
         else:  # pragma: no cover - weights.stored_format only returns the four above
             raise _fail(f"{spec.name}: unknown stored format {fmt!r}")
@@ -241,46 +245,55 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
     return plans, bytes_by_dtype
 
 
-class _Reader:
-    """Open safetensors handles on demand, one per shard, and turn read failures into CheckpointErrors."""
-
-    def __init__(self) -> None:
-        self._handles: dict[Path, Any] = {}
-        self._stack = ExitStack()
-
-    def get(self, shard: _Shard, name: str) -> torch.Tensor:
-        try:
-            h = self._handles.get(shard.path)
-            if h is None:
-                h = self._stack.enter_context(safe_open(str(shard.path), framework="pt", device="cpu"))
-                self._handles[shard.path] = h
-            return h.get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise _fail(f"{name} in {shard.path}: cannot read ({msg})") from None
-
-    def close(self) -> None:
-        self._handles.clear()
-        self._stack.close()
+def _check_block_size(cfg: ModelConfig, spec: TensorSpec, sname: str, shard: _Shard) -> None:
+    """A scale whose shape fits another FP8 block size than the config's: say so (the config is wrong)."""
+    entry = shard.entries.get(sname)
+    if entry is None or len(entry.shape) != 2:
+        return
+    out, inner = spec.shape
+    b = cfg.weight_block_size
+    if entry.shape == (_ceil_div(out, b), _ceil_div(inner, b)):
+        return
+    fits = [k for k in (16, 32, 64, 128, 256, 512) if entry.shape == (_ceil_div(out, k), _ceil_div(inner, k))]
+    if fits:
+        raise _fail(f"{sname} in {shard.path}: scale shape {list(entry.shape)} fits FP8 block size {fits[0]}, but "
+                    f"config.json's quantization_config.weight_block_size is {b}")
 
 
-def _load_one(reader: _Reader, plan: _Plan, cfg: ModelConfig) -> torch.Tensor:
-    name, shard = plan.spec.name, plan.shard
-    raw = reader.get(shard, name)
-    if plan.fmt == "float":
-        return raw.float()
-    if plan.fmt == "index":
-        t = raw.to(torch.int64)
-        if t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= cfg.n_routed_experts:
-                raise _fail(f"{name} in {shard.path}: expert ids must be in [0, {cfg.n_routed_experts}), "
-                            f"found values from {lo} to {hi}")
-        return t
-    assert plan.scale_shard is not None
-    scale = reader.get(plan.scale_shard, scale_name(name))
+def _map_shard(shard: _Shard) -> mmap.mmap | None:
+    """Map a shard copy-on-write: pages are read from the file on first touch and never written back."""
+    if shard.size == 0:
+        return None
+    try:
+        with shard.path.open("rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as e:
+        raise _fail(f"{shard.path}: cannot map shard ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _view(mapped: mmap.mmap | None, shard: _Shard, name: str) -> torch.Tensor:
+    """A tensor over the mapped bytes of `name` (no copy, unless its offset is misaligned for its dtype)."""
+    entry = shard.entries[name]
+    dtype = getattr(torch, entry.dtype)
+    if entry.nbytes == 0 or mapped is None:
+        return torch.empty(entry.shape, dtype=dtype)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+    if entry.offset % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(entry.shape)
+
+
+def _check_index(t: torch.Tensor, plan: _Plan, cfg: ModelConfig) -> torch.Tensor:
+    t = t.to(torch.int64)
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= cfg.n_routed_experts:
+            raise _fail(f"{plan.spec.name} in {plan.shard.path}: expert ids must be in [0, {cfg.n_routed_experts}), "
+                        f"found values from {lo} to {hi}")
+    return t
+
+
+def _dequantize(plan: _Plan, raw: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     if plan.fmt == "fp8":
         return dequantize_fp8(raw, scale, cfg.weight_block_size)
     return dequantize_fp4(raw, scale, FP4_BLOCK)
@@ -329,38 +342,68 @@ def plan_checkpoint(path: str | Path, n_layers: int | None = None) -> Checkpoint
 
 
 def load_checkpoint(path: str | Path, n_layers: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+                    progress: Callable[[int, int], None] | None = None, dequantize: bool = False) -> LoadedCheckpoint:
     """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
 
-    Float tensors come back as fp32, FP8/FP4 weights dequantised to fp32, `tid2eid` as int64. All headers,
-    dtypes and shapes are checked before any tensor data is read. `progress(done, total)` is called after
-    each tensor.
+    All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
+    memory-mapped in turn and its tensors become views of the mapping, in their stored dtypes: FP8/FP4
+    weights stay quantised (their scales in `scales`), float tensors stay bf16/fp32; nothing is copied but
+    `tid2eid` (int64, range-checked). With `dequantize`, every float tensor is fp32 and every FP8/FP4 weight
+    is dequantised to fp32 (the reference the quantised path is checked against).
+    `progress(done_bytes, total_bytes)` is called after each tensor.
     """
     plan = plan_checkpoint(path, n_layers)
     cfg = plan.config
+    by_shard: dict[Path, list[_Plan]] = {}
+    for p in plan.plans:
+        by_shard.setdefault(p.shard.path, []).append(p)
+    shard_of = {s.path: s for s in plan.shards.values()}
+    total = sum(plan.bytes_by_dtype.values())
     tensors: dict[str, torch.Tensor] = {}
-    quantized: set[str] = set()
-    reader = _Reader()
-    try:
-        for done, p in enumerate(plan.plans, 1):
-            tensors[p.spec.name] = _load_one(reader, p, cfg)
-            if p.fmt in ("fp8", "fp4"):
-                quantized.add(p.spec.name)
+    scales: dict[str, torch.Tensor] = {}
+    mapped: dict[Path, mmap.mmap | None] = {}
+    done = 0
+
+    def view(shard: _Shard, name: str) -> torch.Tensor:
+        if shard.path not in mapped:
+            mapped[shard.path] = _map_shard(shard)
+        return _view(mapped[shard.path], shard, name)
+
+    for shard_path in sorted(by_shard):  # shard by shard, in file order
+        for p in by_shard[shard_path]:
+            name = p.spec.name
+            t = view(shard_of[shard_path], name)
+            done += p.shard.entries[name].nbytes
+            if p.fmt == "index":
+                t = _check_index(t, p, cfg)
+            elif p.fmt in ("fp8", "fp4"):
+                assert p.scale_shard is not None
+                scale = view(p.scale_shard, scale_name(name))
+                done += p.scale_shard.entries[scale_name(name)].nbytes
+                if dequantize:
+                    t = _dequantize(p, t, scale, cfg)
+                else:
+                    scales[name] = scale
+            elif dequantize:
+                t = t.float()
+            tensors[name] = t
             if progress is not None:
-                progress(done, len(plan.plans))
-    finally:
-        reader.close()
-
+                progress(done, total)
+        if dequantize:  # nothing refers to this shard's mapping any more: unmap it now
+            mapped.pop(shard_path, None)
+    tensors = {p.spec.name: tensors[p.spec.name] for p in plan.plans}  # spec order
+    quantized = {p.spec.name for p in plan.plans if p.fmt in ("fp8", "fp4")}
     weights_hash = checkpoint_weights_hash(plan.root, [Path(name) for name in plan.shards])
-    return LoadedCheckpoint(plan.root, cfg, tensors, quantized, plan.bytes_by_dtype, plan.unused, weights_hash)
+    return LoadedCheckpoint(plan.root, cfg, tensors, quantized, scales, plan.bytes_by_dtype, plan.unused,
+                            weights_hash)
 
 
-def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+def inspect_checkpoint(path: str | Path, n_layers: int | None = None) -> dict[str, Any]:
     """What `mhcrun info` shows: path, config, layer kinds, parameters and on-disk bytes by dtype.
 
     Reads the config, the index and the shard headers only (no tensor data).
     """
-    plan = plan_checkpoint(path)
+    plan = plan_checkpoint(path, n_layers)
     cfg = plan.config
     params = 0
     for p in plan.plans:
@@ -369,7 +412,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
             n *= d
         params += n
     kinds = [{"layer": i, "attention": cfg.layer_kind(i), "ratio": cfg.compress_ratios[i], "moe": cfg.moe_kind(i)}
-             for i in range(cfg.n_layers)]
+             for i in range(n_layers or cfg.n_layers)]
     return {
         "path": str(plan.root.resolve()),
         "config": cfg.to_dict(),

@@ -31,6 +31,12 @@ DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
 GraphModeOpt = typer.Option(None, "--graph-mode", help="eager or regions (compiled decode; env MHCRUN_GRAPH_MODE; "
                             "default regions on cuda/neuron, eager on cpu).")
+LayersOpt = typer.Option(None, "--layers", help="Run only the first N layers (then the head), to bring a big "
+                         "model up piece by piece.")
+DequantizeOpt = typer.Option(False, "--dequantize", help="Dequantise FP8/FP4 weights to fp32 at load (the reference "
+                             "the quantised GEMMs are checked against) instead of keeping them quantised.")
+MemoryLimitOpt = typer.Option(None, "--memory-limit", help="Memory the plan must fit in (e.g. 24G, 512MiB); "
+                              "default: what this machine has available.")
 StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.")
 
 
@@ -70,6 +76,22 @@ def stages_option(value: str) -> str:
     return check_choice("--stages", value, STAGE_PLANS)
 
 
+def load_weights(runner, quiet: bool = False) -> None:
+    """Map the shards and build the model, with a progress bar (bytes) on stderr."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
+        task = progress.add_task(runner.path.name, total=None)
+        runner.load(lambda done, total: progress.update(task, completed=done, total=total))
+
+
+def memory_limit_option(value: str | None) -> int | None:
+    from mhcrun.memory import parse_size
+
+    return None if value is None else parse_size(value)
+
+
 def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):
     """-> (names, texts or None, token id lists) from exactly one prompt source."""
     from mhcrun.prompts import parse_prompt_ids, read_prompts_file
@@ -77,7 +99,7 @@ def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_
     given = [x is not None for x in (prompt, prompt_ids, prompts_file)]
     if sum(given) > 1:
         raise InputError("give only one of --prompt, --prompt-ids and --prompts-file")
-    vocab = runner.ckpt.config.vocab_size
+    vocab = runner.config.vocab_size
     if prompt_ids is not None:
         return ["prompt"], [None], [parse_prompt_ids(prompt_ids, vocab)]
     if prompts_file is not None:
@@ -108,6 +130,10 @@ def generate(
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
     device: str = typer.Option("cpu", "--device"),
+    layers: int = LayersOpt,
+    dequantize: bool = DequantizeOpt,
+    memory_limit: str = MemoryLimitOpt,
+    force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -116,7 +142,8 @@ def generate(
     def body() -> None:
         from mhcrun.generate import SamplingOptions, check_prompts
         from mhcrun.generate import generate as run_generate
-        from mhcrun.runner import load_runner
+        from mhcrun.memory import check_fits
+        from mhcrun.runner import open_runner
 
         if max_new_tokens < 0:
             raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
@@ -127,10 +154,15 @@ def generate(
         if not 0 <= seed < 2**63:
             raise InputError(f"--seed must be in [0, 2**63), got {seed}")
         mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
-        runner = load_runner(model, dtype, quant_sim, device)
+        limit = memory_limit_option(memory_limit)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
         names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
-        cfg = runner.ckpt.config
+        cfg = runner.config
         check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
+        longest = max(len(i) for i in ids)
+        if not force:
+            check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit), str(runner.path))
+        load_weights(runner, quiet=as_json)
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream() if tok and len(ids) == 1 and not as_json else None
@@ -183,19 +215,20 @@ def golden_record(
         from mhcrun.fileio import check_writable
         from mhcrun.generate import generate as run_generate
         from mhcrun.golden import golden_from_results, write_golden
-        from mhcrun.runner import load_runner
+        from mhcrun.runner import open_runner
 
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if top_k < 2:
             raise InputError(f"--top-k must be >= 2, got {top_k}")
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
-        runner = load_runner(model, dtype, quant_sim)
+        runner = open_runner(model, dtype, quant_sim)
         from mhcrun.prompts import read_prompts_file
 
-        items = read_prompts_file(prompts_file, runner.ckpt.config.vocab_size)
+        items = read_prompts_file(prompts_file, runner.config.vocab_size)
         ids = [p.ids if p.ids is not None else runner.require_tokenizer().encode(p.text) for p in items]
-        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.ckpt.config.eos_token_id
+        load_weights(runner)
+        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k)
         settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
                     "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
@@ -223,16 +256,17 @@ def golden_check(
     def body() -> int:
         from mhcrun.generate import generate as run_generate
         from mhcrun.golden import check_model_identity, compare, load_golden, render_report, report_to_json
-        from mhcrun.runner import load_runner
+        from mhcrun.runner import open_runner
 
         golden = load_golden(golden_path)
         mode, plan = graph_mode_option(graph_mode), stages_option(stages)
         s = golden["settings"]
-        runner = load_runner(model, s["dtype"], s["quant_sim"])
+        runner = open_runner(model, s["dtype"], s["quant_sim"])
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
         ids = [p["prompt_ids"] for p in golden["prompts"]]
-        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.ckpt.config.eos_token_id
+        load_weights(runner, quiet=as_json)
+        eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
                                record_topk=2, graph_mode=mode, stages=plan)
         report = compare(golden, results)
@@ -247,14 +281,31 @@ def golden_check(
 
 
 @app.command()
-def info(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
-    """Describe a checkpoint: config, layer kinds, parameters and bytes by dtype (reads headers only)."""
+def info(
+    model: str = ModelOpt,
+    layers: int = LayersOpt,
+    context: int = typer.Option(4096, "--context", help="Context (tokens per sequence) the memory plan is for."),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
+    dequantize: bool = DequantizeOpt,
+    memory_limit: str = MemoryLimitOpt,
+    as_json: bool = JsonOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Describe a checkpoint and plan its memory: config, layer kinds, parameters, bytes by dtype, and the
+    weights, KV and state bytes for a context and batch (reads headers only)."""
 
     def body() -> None:
         from mhcrun.checkpoint import inspect_checkpoint
-        from mhcrun.runner import resolve_model_path
+        from mhcrun.memory import format_bytes
+        from mhcrun.runner import open_runner
 
-        desc = inspect_checkpoint(resolve_model_path(model))
+        if batch < 1 or context < 1:
+            raise InputError(f"--batch and --context must be >= 1, got {batch} and {context}")
+        runner = open_runner(model, dtype, layers=layers, dequantize=dequantize)
+        desc = inspect_checkpoint(runner.path, layers)
+        mp = runner.memory_plan(batch, context, available=memory_limit_option(memory_limit))
+        desc["memory_plan"] = mp.to_dict()
         if as_json:
             print(json.dumps(desc))
             return
@@ -267,11 +318,19 @@ def info(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugOpt)
         for k in desc["layer_kinds"]:
             kinds.add_row(str(k["layer"]), k["attention"], str(k["ratio"]), k["moe"])
         out.print(kinds)
-        dt = Table("dtype", "bytes")
-        for name, n in desc["bytes_by_dtype"].items():
-            dt.add_row(name, f"{n:,}")
-        out.print(dt)
         out.print(f"parameters: {desc['params']:,}")
+        plan = Table("memory plan", "bytes", "", title=f"{mp.layers} layers, batch {mp.batch}, context {mp.context}, "
+                     f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}")
+        for name, n in mp.disk_by_dtype.items():
+            plan.add_row(f"on disk: {name}", f"{n:,}", format_bytes(n))
+        rows = [("weights in memory", mp.weights)] + [(k.replace("_", " "), v) for k, v in mp.state.items()]
+        rows += [("activations (prefill of the whole context)", mp.activations), ("runtime", mp.runtime),
+                 ("total", mp.total), ("available", mp.available)]
+        for name, n in rows:
+            plan.add_row(name, "" if n is None else f"{n:,}", format_bytes(n))
+        out.print(plan)
+        verdict = "fits" if mp.fits else "does NOT fit"
+        out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
 
     run_guarded(debug, body)
 
@@ -293,12 +352,13 @@ def compile_regions(
         from rich.progress import Progress
 
         from mhcrun.regions.runner import compile_all
-        from mhcrun.runner import load_runner
+        from mhcrun.runner import open_runner
 
         plan = stages_option(stages)
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
-        runner = load_runner(model, "fp32", True, device)
+        runner = open_runner(model, "fp32", True, device)
+        load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)
 
@@ -335,6 +395,39 @@ def make_tiny_cmd(
 
         path = make_tiny(out_dir, seed, fp8, force)
         out.print(f"wrote {path}")
+
+    run_guarded(debug, body)
+
+
+@app.command("make-synthetic")
+def make_synthetic_cmd(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="A config.json (e.g. configs/v4-flash.json) or a "
+                                  "directory holding one."),
+    out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to write."),
+    layers: int = typer.Option(..., "--layers", help="Layers to write (the first N; the config keeps its count, "
+                               "so run the result with --layers N)."),
+    seed: int = typer.Option(0, "--seed"),
+    shard_size: str = typer.Option("4GiB", "--shard-size", help="Largest shard (e.g. 4GiB, 512MB)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty directory."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Write a synthetic checkpoint at full width in the released layout (FP8 linears with e8m0 block scales,
+    FP4 experts), truncated to the first N layers: random weights, real shapes and bytes."""
+
+    def body() -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from mhcrun.memory import format_bytes, parse_size
+        from mhcrun.synthetic import make_synthetic
+
+        shard_bytes = parse_size(shard_size, "--shard-size")
+        columns = (TextColumn("writing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+            task = progress.add_task("", total=None)
+            path = make_synthetic(config, out_dir, layers, seed, force, shard_bytes,
+                                  lambda done, total: progress.update(task, completed=done, total=total))
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        out.print(f"wrote {path}: {layers} layers, {format_bytes(size)} of shards")
 
     run_guarded(debug, body)
 

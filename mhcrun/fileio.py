@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from mhcrun.errors import InputError, MhcrunError
 
@@ -34,18 +36,19 @@ def make_dirs(path: Path) -> None:
         raise InputError(f"{path}: cannot create directory ({e.strerror or e})") from None
 
 
-def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Path:
-    """Write to a temp file beside `path`, fsync, then rename over it."""
+@contextlib.contextmanager
+def open_atomic(path: str | Path, force: bool = False) -> Iterator[BinaryIO]:
+    """A binary file handle on a temp file beside `path`; on a clean exit it is fsynced and renamed over
+    `path`, on any error removed (so `path` is never half written)."""
     p = check_writable(path, force)
     make_dirs(p.parent)
-    blob = data.encode() if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     except OSError as e:
         raise InputError(f"{p}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -58,7 +61,13 @@ def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Pa
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return p
+
+
+def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Path:
+    """Write to a temp file beside `path`, fsync, then rename over it."""
+    with open_atomic(path, force) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
 
 
 def read_json(path: str | Path, error: type[MhcrunError]) -> Any:

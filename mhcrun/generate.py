@@ -10,6 +10,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,14 @@ class SamplingOptions:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident set (MiB): VmHWM of /proc/self/status where there is one (getrusage's
+    ru_maxrss also counts the parent's peak at exec when started by a big process), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 

@@ -26,9 +26,9 @@ from mhcrun.ops.attention import (
 )
 from mhcrun.ops.compress import compress_groups, gather_overlap_state, pool
 from mhcrun.ops.index import index_scores, select_topk
-from mhcrun.ops.linear import linear
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
+from mhcrun.ops.qlinear import qlinear, qlinear_grouped
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 
@@ -48,18 +48,25 @@ def empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """A weight [out, in]. `quantized`: stored FP8/FP4 in the checkpoint (kept dequantised in fp32);
-    `act_quant`: the reference rounds the activation to FP8 before this GEMM when it is quantized."""
+    """A weight [out, in]. `quantized`: stored FP8/FP4 in the checkpoint; `act_quant`: the reference rounds
+    the activation to FP8 before this GEMM when it is quantized.
+
+    `fmt` says how `weight` holds the values: "float", or kept quantised as "fp8" (float8_e4m3fn [out, in],
+    `scale` [out/block, in/block]) or "fp4" (int8 [out, in/2], `scale` [out, in/32]); the GEMM dequantises
+    block by block as it goes (`mhcrun.ops.qlinear`)."""
 
     def __init__(self, in_features: int, out_features: int, opts: RunOptions, act_quant: bool = True):
         super().__init__()
         self.weight = empty(out_features, in_features)
+        self.register_buffer("scale", None, persistent=False)
+        self.fmt, self.block = "float", 0
         self.opts = opts
         self.act_quant = act_quant
         self.quantized = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.act_quant and self.quantized and self.opts.quant_sim)
+        return qlinear(x, self.weight, self.scale, self.fmt, self.block,
+                       self.act_quant and self.quantized and self.opts.quant_sim)
 
 
 class RMSNorm(nn.Module):
@@ -252,8 +259,8 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = apply_rope_tail(o, freqs.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # bf16/fp32, never act-quantised
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        wo_a = self.wo_a  # never act-quantised
+        o = grouped_output(o, wo_a.weight, wo_a.scale, wo_a.fmt, wo_a.block, self.n_groups)
         return self.wo_b(o.flatten(2))
 
     def prefill(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -289,6 +296,14 @@ class Attention(nn.Module):
             mask = torch.cat([mask, chosen], dim=-1)
         o = sparse_attn(q, self.cache[rows], self.attn_sink, mask.unsqueeze(1), self.scale)
         return self.output(o, freqs)
+
+
+def grouped_output(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: int,
+                   groups: int) -> torch.Tensor:
+    """o [b, s, G, d] -> [b, s, G, r]: group g through rows [g*r, (g+1)*r) of wo_a (float, or kept quantised)."""
+    if fmt == "float":
+        return torch.einsum("bsgd,grd->bsgr", o, weight.view(groups, -1, o.size(-1)))
+    return qlinear_grouped(o, weight, scale, fmt, block, groups)
 
 
 class Expert(nn.Module):
@@ -461,12 +476,12 @@ class Transformer(nn.Module):
         pos [b]: decode, s == 1, token i sits at position pos[i] of cache row rows[i].
         """
         c = self.cfg
-        x = hc_ops.hc_expand(self.embed(tokens), c.hc_mult)
+        x = hc_ops.hc_expand(self.embed(tokens).to(self.dtype), c.hc_mult)
         for layer in self.layers:
             x = layer(x, tokens, rows, pos)
         h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
                            c.hc_eps, c.norm_eps)
-        return torch.nn.functional.linear(self.norm(h)[:, -1].float(), self.head.weight.float())
+        return qlinear(self.norm(h)[:, -1].float(), self.head.weight, None, "float", 0)
 
 
 def fp32_param(name: str) -> bool:
@@ -477,29 +492,67 @@ def fp32_param(name: str) -> bool:
             or name == "head.weight")
 
 
+# vocabulary-sized tensors stay in their stored dtype (bf16 in the release): the embedding is exact after a
+# cast, and the head's GEMM converts it chunk by chunk, so no fp32 copy of either is ever made
+STORED_DTYPE = ("embed.weight", "head.weight")
+FP4_BLOCK = 32
+
+
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],
                 dtype: torch.dtype = torch.float32, n_layers: int | None = None,
-                device: torch.device | str = "cpu") -> Transformer:
-    """Make a Transformer and place the checkpoint's tensors in it (cast to their run-time dtypes)."""
+                device: torch.device | str = "cpu", scales: dict[str, torch.Tensor] | None = None) -> Transformer:
+    """Make a Transformer and place the checkpoint's tensors in it.
+
+    A weight named in `scales` stays quantised: its stored bytes (a view of the mapped shard on cpu) and
+    its scale go into its Linear as they are. The vocabulary-sized tensors keep their stored dtype; every
+    other tensor is copied, cast to its run-time dtype.
+    """
+    scales = scales or {}
     model = Transformer(cfg, n_layers)
     model.dtype = dtype
     state = {}
     for name, p in model.state_dict(keep_vars=True).items():
+        t = tensors[name]
+        if name in scales:
+            continue
+        if name in STORED_DTYPE and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            state[name] = t.to(device)
+            continue
         if p.dtype == torch.int64:
             want = torch.int64
         elif (name in quantized and not name.endswith("wo_a.weight")) or fp32_param(name):
             want = torch.float32
         else:
             want = dtype
-        # a fresh, aligned copy: CPU GEMV results depend on the operand's alignment, and a tensor read
-        # from a shard may sit at any offset
-        state[name] = torch.empty(p.shape, dtype=want, device=device).copy_(tensors[name])
-    model.load_state_dict(state, assign=True, strict=True)
+        state[name] = placed(t, want, device)
+    missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
+    assert set(missing) == set(scales) & set(model.state_dict()) and not unexpected, (missing, unexpected)
     for name, m in model.named_modules():
         if isinstance(m, Linear):
             m.quantized = f"{name}.weight" in quantized
+            if f"{name}.weight" in scales:
+                keep_quantized(m, tensors[f"{name}.weight"], scales[f"{name}.weight"], cfg, device)
     # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)
     for block in model.layers:
         block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn")) for site in ("attn", "ffn")}
     model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn)
     return model.eval()
+
+
+def placed(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """t itself when it already is a torch allocation of that dtype and device (a dequantised tensor), else a
+    fresh copy: CPU GEMV results depend on the operand's alignment, and a mapped tensor sits at its offset
+    in the shard."""
+    own = t.untyped_storage().resizable() and t.storage_offset() == 0 and t.is_contiguous()
+    if own and t.dtype == dtype and t.device == torch.device(device):
+        return t
+    return torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
+
+
+def keep_quantized(m: Linear, data: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig,
+                   device: torch.device | str) -> None:
+    """Put a stored FP8 (float8_e4m3fn) or FP4 (packed int8) weight and its scale into `m` as they are."""
+    m.fmt = "fp4" if data.dtype in (torch.int8, torch.uint8) else "fp8"
+    m.block = FP4_BLOCK if m.fmt == "fp4" else cfg.weight_block_size
+    m.weight = nn.Parameter(data.to(device), requires_grad=False)
+    m.scale = scale.to(device)

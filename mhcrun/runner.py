@@ -1,14 +1,25 @@
-"""Load a model for running: resolve the path, read and check the checkpoint, build the model."""
+"""Load a model for running: resolve the path, check the checkpoint from its headers, plan its memory, then
+map the weights and build the model."""
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mhcrun.checkpoint import LoadedCheckpoint, load_checkpoint
+from mhcrun.checkpoint import (
+    CheckpointPlan,
+    LoadedCheckpoint,
+    checkpoint_weights_hash,
+    load_checkpoint,
+    plan_checkpoint,
+)
+from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
+from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.tokenizer import Tokenizer
 
@@ -21,24 +32,72 @@ DEVICES = ("cpu", "cuda", "neuron")
 
 @dataclass
 class Runner:
+    """A checked checkpoint and its tokenizer; `load` maps the weights and builds `model`."""
+
     path: Path
-    ckpt: LoadedCheckpoint
-    model: Transformer
+    plan: CheckpointPlan
     tokenizer: Tokenizer | None
     dtype: str
     quant_sim: bool
+    device: str = "cpu"
+    layers: int | None = None  # run the first N layers (then the head); None = all
+    dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
+    ckpt: LoadedCheckpoint | None = None
+    model: Transformer | None = None
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.plan.config
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers or self.config.n_layers
 
     @property
     def identity(self) -> dict:
         """What a golden file records to name the model it was made with."""
         name = "tiny" if self.path.resolve() == DEFAULT_MODEL.resolve() else self.path.name
-        return {"name": name, "config_hash": self.ckpt.config.fingerprint(), "weights_hash": self.ckpt.weights_hash}
+        shards = [Path(name) for name in self.plan.shards]
+        return {"name": name, "config_hash": self.config.fingerprint(),
+                "weights_hash": checkpoint_weights_hash(self.plan.root, shards)}
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InputError(f"{self.path}: no tokenizer.json, so text prompts cannot be encoded "
                              f"(use --prompt-ids)")
         return self.tokenizer
+
+    def memory_plan(self, batch: int, context: int, prompt_len: int | None = None,
+                    available: int | None = None) -> MemoryPlan:
+        return plan_memory(self.plan, self.n_layers, batch, context, prompt_len, DTYPES[self.dtype],
+                           self.dequantize, available)
+
+    def load(self, progress: Callable[[int, int], None] | None = None) -> Transformer:
+        """Map the shards (or dequantise them) and build the model."""
+        if self.device == "cpu":
+            keep_freed_memory()
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize)
+        c = self.ckpt
+        self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
+                                 c.scales)
+        self.model.opts.quant_sim = self.quant_sim
+        return self.model
+
+
+def keep_freed_memory() -> None:
+    """Have glibc keep freed blocks below 32 MB in the process instead of returning them to the OS.
+
+    A decode step allocates and frees the same megabyte-sized buffers (dequantised weight chunks,
+    activations) over and over; by default glibc serves each from a fresh mmap, and every fresh page costs
+    a page fault (slow on virtual machines). `benchmarks/bench_quantized.py` measures the difference.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks below 32 MB come from the heap
+    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MB free at the top of the heap
+    libc.mallopt(-2, 16 << 20)  # M_TOP_PAD: grow the heap 16 MB at a time
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -73,14 +132,31 @@ def check_device(device: str) -> None:
                              "(PyPI has placeholder packages only)") from None
 
 
-def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu") -> Runner:
+def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
+    if layers is not None and not 1 <= layers <= cfg.n_layers:
+        raise InputError(f"--layers {layers}: {path} has {cfg.n_layers} layers (give 1 to {cfg.n_layers})")
+
+
+def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
+                layers: int | None = None, dequantize: bool = False) -> Runner:
+    """Check everything that can be checked before loading: options, config, index, shard headers."""
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
     check_device(device)
     path = resolve_model_path(model)
-    ckpt = load_checkpoint(path)
-    net = build_model(ckpt.config, ckpt.tensors, ckpt.quantized, DTYPES[dtype], device=device)
-    net.opts.quant_sim = quant_sim
+    if layers is not None:
+        from mhcrun.config import load_config
+
+        check_layers(layers, load_config(path), path)
+    plan = plan_checkpoint(path, layers)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, ckpt, net, tokenizer, dtype, quant_sim)
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize)
+
+
+def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
+                layers: int | None = None, dequantize: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
+    runner.load(progress)
+    return runner

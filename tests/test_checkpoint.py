@@ -111,15 +111,17 @@ def quant_dir(tmp_path_factory, quant) -> Path:
 def test_good_checkpoint_loads(good_dir, plain):
     raw, tensors = plain
     calls: list[tuple[int, int]] = []
-    ck = load_checkpoint(good_dir, progress=lambda d, t: calls.append((d, t)))
+    ck = load_checkpoint(good_dir, progress=lambda d, t: calls.append((d, t)), dequantize=True)
     names = [s.name for s in tensor_specs(ck.config)]
     assert list(ck.tensors) == names
-    assert ck.quantized == set() and ck.unused == []
+    assert ck.quantized == set() and ck.unused == [] and ck.scales == {}
     for name in names:
         t = ck.tensors[name]
         assert t.dtype == (torch.int64 if name.endswith("tid2eid") else torch.float32), name
         assert torch.equal(t, expected_value(raw, tensors, name)), name
-    assert calls == [(i, len(names)) for i in range(1, len(names) + 1)]
+    total = sum(t.nbytes for t in tensors.values())
+    assert len(calls) == len(names) and calls[-1] == (total, total)
+    assert all(a[0] < b[0] for a, b in zip(calls, calls[1:], strict=False))
     assert set(ck.bytes_by_dtype) == {"float32", "bfloat16", "float16", "int32"}
     assert sum(ck.bytes_by_dtype.values()) == sum(t.nbytes for t in tensors.values())
     assert len(ck.weights_hash) == 16 and int(ck.weights_hash, 16) >= 0
@@ -141,9 +143,33 @@ def test_written_layout(good_dir, plain):
     assert 0.3 < s1 / index["metadata"]["total_size"] < 0.7
 
 
-def test_quantized_checkpoint_loads(quant_dir, quant):
+def test_checkpoint_maps_stored_tensors(good_dir, plain):
+    """Without dequantize, every tensor is a view of the mapped shard in its stored dtype (no copy)."""
+    raw, tensors = plain
+    ck = load_checkpoint(good_dir)
+    for name, t in ck.tensors.items():
+        if name.endswith("tid2eid"):
+            assert t.dtype == torch.int64
+            continue
+        assert t.dtype == tensors[name].dtype and torch.equal(t, tensors[name]), name
+    embed = ck.tensors["embed.weight"]
+    assert not embed.untyped_storage().resizable()  # an external (mapped) buffer, not a torch allocation
+
+
+def test_quantized_checkpoint_kept_quantised(quant_dir, quant):
     raw, tensors = quant
     ck = load_checkpoint(quant_dir)
+    assert set(ck.scales) == ck.quantized
+    for name in ck.quantized:
+        assert ck.tensors[name].dtype == tensors[name].dtype and torch.equal(ck.tensors[name].view(torch.uint8),
+                                                                             tensors[name].view(torch.uint8))
+        scale = tensors[scale_name(name)]
+        assert torch.equal(ck.scales[name].view(torch.uint8), scale.view(torch.uint8)), name
+
+
+def test_quantized_checkpoint_loads(quant_dir, quant):
+    raw, tensors = quant
+    ck = load_checkpoint(quant_dir, dequantize=True)
     cfg = ck.config
     specs = tensor_specs(cfg)
     want_q = {s.name for s in specs if stored_format(cfg, s) in ("fp8", "fp4")}
@@ -190,7 +216,7 @@ def test_single_file_checkpoint(tmp_path, plain):
     (d / INDEX_FILE).unlink()
     (d / "model-00001-of-00001.safetensors").rename(d / "model.safetensors")
     ck = load_checkpoint(d)
-    assert torch.equal(ck.tensors["embed.weight"], tensors["embed.weight"].float())
+    assert torch.equal(ck.tensors["embed.weight"], tensors["embed.weight"])
 
 
 # ---------------------------------------------------------------- hash

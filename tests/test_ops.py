@@ -29,9 +29,9 @@ from mhcrun.ops.hc import (
     sinkhorn,
 )
 from mhcrun.ops.index import index_scores, select_topk
-from mhcrun.ops.linear import linear
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
+from mhcrun.ops.qlinear import qlinear as linear
 from mhcrun.ops.rope import apply_rope, apply_rope_tail, precompute_freqs_cis
 
 N = 4  # hc_mult

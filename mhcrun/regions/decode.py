@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from mhcrun.model import grouped_output
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.attention import compress_mask_decode, sparse_attn, window_mask_decode
 from mhcrun.ops.compress import gather_overlap_state, pool
 from mhcrun.ops.index import index_scores, select_topk
-from mhcrun.ops.linear import linear
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
+from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
 
@@ -56,6 +57,7 @@ class AttnSpec:
     pow2: bool
     quant_sim: bool
     act_quant: frozenset[str]  # weight names whose GEMM rounds its activation to FP8 (quantised weights)
+    formats: frozenset[tuple[str, str, int]]  # (name, fp8|fp4, block) of the weights kept quantised
     index_heads: int
     index_head_dim: int
     index_topk: int
@@ -72,6 +74,7 @@ class MoeSpec:
     norm_eps: float
     quant_sim: bool
     act_quant: frozenset[str]
+    formats: frozenset[tuple[str, str, int]]
     hc: HcSpec
 
 
@@ -80,8 +83,17 @@ class HeadSpec:
     hc: HcSpec
 
 
+def weight_format(spec: AttnSpec | MoeSpec, name: str) -> tuple[str, int]:
+    """(fmt, block) of a weight input: fp8 / fp4 when kept quantised (its scale is input `name_scale`)."""
+    for n, fmt, block in spec.formats:
+        if n == name:
+            return fmt, block
+    return "float", 0
+
+
 def lin(spec: AttnSpec | MoeSpec, w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, w[name], spec.quant_sim and name in spec.act_quant)
+    fmt, block = weight_format(spec, name)
+    return qlinear(x, w[name], w.get(f"{name}_scale"), fmt, block, spec.quant_sim and name in spec.act_quant)
 
 
 def mixes(hc: HcSpec, x: torch.Tensor, w: dict[str, torch.Tensor], site: str):
@@ -141,7 +153,7 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     o = sparse_attn(q, cache, w["attn_sink"], mask.unsqueeze(1), spec.head_dim ** -0.5)
     o = apply_rope_tail_real(o, cos.unsqueeze(2), sin.unsqueeze(2), rd, inverse=True)
     o = o.reshape(B, 1, spec.n_groups, -1)
-    o = torch.einsum("bsgd,grd->bsgr", o, w["wo_a"].view(spec.n_groups, spec.o_lora_rank, -1))
+    o = grouped_output(o, w["wo_a"], w.get("wo_a_scale"), *weight_format(spec, "wo_a"), spec.n_groups)
     return {"x": c["x"], "y": lin(spec, w, "wo_b", o.flatten(2)), "post": c["post"], "comb": c["comb"]}
 
 
@@ -159,8 +171,8 @@ def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: 
     lb = layer.expand(B)
     overlap, r = ratio == 4, ratio
     x = h.float()
-    kv = linear(x, w[f"{prefix}_wkv"])[:, 0]
-    score = linear(x, w[f"{prefix}_wgate"])[:, 0] + w[f"{prefix}_ape"][pos % r]
+    kv = qlinear(x, w[f"{prefix}_wkv"])[:, 0]
+    score = qlinear(x, w[f"{prefix}_wgate"])[:, 0] + w[f"{prefix}_ape"][pos % r]
     slot = pos % r + (r if overlap else 0)
     kv_root, score_root = roots[f"{prefix}_kv"], roots[f"{prefix}_score"]
     kv_root.index_put_((lb, rows, slot), kv)
@@ -232,13 +244,20 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     else:
         weights, idx = route(scores, spec.topk, spec.route_scale, spec.score_func, bias=w["gate_bias"])
     quant = spec.quant_sim and "experts" in spec.act_quant
+    fmt, block = weight_format(spec, "experts")
+
+    def routed(name: str) -> torch.Tensor:  # the routed experts' weights [B, k, out, in], fp32
+        if fmt == "float":
+            return w[name][idx].float()
+        return dequantize(w[name][idx], w[f"{name}_scale"][idx], fmt, block)
+
     xq = fp8_simulate(x, 128) if quant else x
-    g = torch.einsum("bd,bkfd->bkf", xq.float(), w["w1"][idx].float()).to(x.dtype)  # [B, k, inter]
-    u = torch.einsum("bd,bkfd->bkf", xq.float(), w["w3"][idx].float()).to(x.dtype)
+    g = torch.einsum("bd,bkfd->bkf", xq.float(), routed("w1")).to(x.dtype)  # [B, k, inter]
+    u = torch.einsum("bd,bkfd->bkf", xq.float(), routed("w3")).to(x.dtype)
     mid = (swiglu(g, u, spec.limit) * weights.unsqueeze(-1)).to(x.dtype)
     if quant:
         mid = fp8_simulate(mid, 128)
-    y = torch.einsum("bkf,bkdf->bkd", mid.float(), w["w2"][idx].float()).to(x.dtype).float().sum(dim=1)
+    y = torch.einsum("bkf,bkdf->bkd", mid.float(), routed("w2")).to(x.dtype).float().sum(dim=1)
     shared = lin(spec, w, "shared_w2", swiglu(lin(spec, w, "shared_w1", x), lin(spec, w, "shared_w3", x),
                                                 spec.limit).to(x.dtype))
     y = (y + shared).to(x.dtype).view(B, 1, d)
@@ -254,7 +273,7 @@ def head(spec: HeadSpec, c: Carry, inp: Inputs) -> Carry:
     h = hc_ops.hc_head(c["x"], w["hc_head_fn"], w["hc_head_fn_hi"], w["hc_head_fn_lo"], w["hc_head_scale"],
                        w["hc_head_base"], hc.eps, hc.norm_eps)
     h = rms_norm(h, w["norm"], hc.norm_eps)[:, -1]
-    return {"logits": torch.nn.functional.linear(h.float(), w["head"].float())}
+    return {"logits": qlinear(h.float(), w["head"])}
 
 
 STAGES = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mhcrun.errors import InputError
-from mhcrun.model import Block, Transformer
+from mhcrun.model import Block, Linear, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.nki.ops import hc_expand
 from mhcrun.ops.quant import hadamard
@@ -147,25 +147,47 @@ def attn_kind(model: Transformer, ratio: int) -> str:
     return "attn:" + ATTN_KINDS.get(ratio, "hca" if len(hca) == 1 else f"hca{ratio}")
 
 
-def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """A layer's attention-half weights by region name, and those whose GEMM quantises its activation."""
+Formats = frozenset[tuple[str, str, int]]
+
+
+def linear_inputs(linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], set[str], set[tuple[str, str, int]]]:
+    """Weights by region name (plus `name_scale` for those kept quantised), the names whose GEMM quantises
+    its activation, and the (name, fmt, block) of those kept quantised."""
+    w, quant, formats = {}, set(), set()
+    for name, m in linears.items():
+        w[name] = m.weight
+        if m.scale is not None:
+            w[f"{name}_scale"] = graph_scale(m.scale)
+            formats.add((name, m.fmt, m.block))
+        if m.quantized:
+            quant.add(name)
+    return w, quant, formats
+
+
+def graph_scale(scale: torch.Tensor) -> torch.Tensor:
+    """An e8m0 scale as its raw bytes (uint8): inductor cannot take float8_e8m0fnu graph inputs on CPU."""
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], Formats]:
+    """A layer's attention-half weights by region name, those whose GEMM quantises its activation, and the
+    formats of those kept quantised."""
     a = block.attn
-    w = {"hc_attn_fn": block.hc_attn_fn, "hc_attn_fn_hi": block.fn_split["attn"][0],
-         "hc_attn_fn_lo": block.fn_split["attn"][1], "hc_attn_base": block.hc_attn_base,
-         "hc_attn_scale": block.hc_attn_scale,
-         "attn_norm": block.attn_norm.weight, "wq_a": a.wq_a.weight, "q_norm": a.q_norm.weight,
-         "wq_b": a.wq_b.weight, "wkv": a.wkv.weight, "kv_norm": a.kv_norm.weight, "wo_a": a.wo_a.weight,
-         "wo_b": a.wo_b.weight, "attn_sink": a.attn_sink}
-    quant = {n for n, m in (("wq_a", a.wq_a), ("wq_b", a.wq_b), ("wkv", a.wkv), ("wo_b", a.wo_b)) if m.quantized}
+    linears = {"wq_a": a.wq_a, "wq_b": a.wq_b, "wkv": a.wkv, "wo_a": a.wo_a, "wo_b": a.wo_b}
+    if a.ratio == 4:
+        linears |= {"idx_wq_b": a.indexer.wq_b}
+    w, quant, formats = linear_inputs(linears)
+    quant.discard("wo_a")  # never act-quantised
+    w |= {"hc_attn_fn": block.hc_attn_fn, "hc_attn_fn_hi": block.fn_split["attn"][0],
+          "hc_attn_fn_lo": block.fn_split["attn"][1], "hc_attn_base": block.hc_attn_base,
+          "hc_attn_scale": block.hc_attn_scale, "attn_norm": block.attn_norm.weight, "q_norm": a.q_norm.weight,
+          "kv_norm": a.kv_norm.weight, "attn_sink": a.attn_sink}
     if a.ratio:
         w |= compressor_inputs("comp", a.compressor)
     if a.ratio == 4:
-        ix = a.indexer
-        w |= {"idx_wq_b": ix.wq_b.weight, "idx_weights_proj": ix.weights_proj.weight}
-        w |= compressor_inputs("idx_comp", ix.compressor)
-        if ix.wq_b.quantized:
-            quant.add("idx_wq_b")
-    return w, frozenset(quant)
+        w |= {"idx_weights_proj": a.indexer.weights_proj.weight}
+        w |= compressor_inputs("idx_comp", a.indexer.compressor)
+    return w, frozenset(quant), frozenset(formats)
 
 
 def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
@@ -174,34 +196,45 @@ def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
 
 
 def stack_experts(block: Block) -> dict[str, torch.Tensor]:
-    """Stack the routed experts' weights [E, out, in] once; the experts keep views of the stack."""
+    """Stack the routed experts' weights [E, out, in] (and scales, when kept quantised) once; the experts
+    keep views of the stack. Kept-quantised weights are stacked as stored, so this copies their bytes."""
     experts = block.ffn.experts
     out = {}
     for name in ("w1", "w2", "w3"):
-        first = getattr(experts[0], name).weight
-        if first._base is not None and first._base.dim() == 3:  # already stacked
-            out[name] = first._base
-            continue
-        stack = torch.stack([getattr(e, name).weight for e in experts])
-        for i, e in enumerate(experts):
-            getattr(e, name).weight = torch.nn.Parameter(stack[i], requires_grad=False)
-        out[name] = stack
+        first = getattr(experts[0], name)
+        for attr, key in (("weight", name), ("scale", f"{name}_scale")):
+            t = getattr(first, attr)
+            if t is None:
+                continue
+            if t._base is not None and t._base.dim() == 3:  # already stacked
+                out[key] = graph_scale(t._base)
+                continue
+            stack = torch.stack([getattr(getattr(e, name), attr) for e in experts])
+            for i, e in enumerate(experts):
+                lin = getattr(e, name)
+                if attr == "weight":
+                    lin.weight = torch.nn.Parameter(stack[i], requires_grad=False)
+                else:
+                    lin.scale = stack[i]
+            out[key] = graph_scale(stack)
     return out
 
 
-def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], Formats]:
     f = block.ffn
-    w = {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_fn_hi": block.fn_split["ffn"][0],
-         "hc_ffn_fn_lo": block.fn_split["ffn"][1], "hc_ffn_base": block.hc_ffn_base, "hc_ffn_scale": block.hc_ffn_scale,
-         "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
+    s = f.shared_experts
+    w, quant, formats = linear_inputs({"shared_w1": s.w1, "shared_w2": s.w2, "shared_w3": s.w3})
+    w |= {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_fn_hi": block.fn_split["ffn"][0],
+          "hc_ffn_fn_lo": block.fn_split["ffn"][1], "hc_ffn_base": block.hc_ffn_base,
+          "hc_ffn_scale": block.hc_ffn_scale, "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
     w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
     w |= stack_experts(block)
-    s = f.shared_experts
-    w |= {"shared_w1": s.w1.weight, "shared_w2": s.w2.weight, "shared_w3": s.w3.weight}
-    quant = {f"shared_{n}" for n in ("w1", "w2", "w3") if getattr(s, n).quantized}
-    if f.experts[0].w1.quantized:
+    first = f.experts[0].w1
+    if first.quantized:
         quant.add("experts")
-    return w, frozenset(quant)
+    if first.scale is not None:
+        formats.add(("experts", first.fmt, first.block))
+    return w, frozenset(quant), frozenset(formats)
 
 
 class RegionDecoder:
@@ -231,18 +264,18 @@ class RegionDecoder:
         for i, block in enumerate(model.layers):
             ratio = block.attn.ratio
             akind = attn_kind(model, ratio)
-            aw, aq = attn_inputs(block)
+            aw, aq, af = attn_inputs(block)
             specs[akind] = AttnSpec(ratio, c.window_size, c.n_heads, c.head_dim, c.rope_head_dim, c.o_groups,
-                                    c.o_lora_rank, c.norm_eps, pow2, quant_sim, aq, c.index_n_heads,
+                                    c.o_lora_rank, c.norm_eps, pow2, quant_sim, aq, af, c.index_n_heads,
                                     c.index_head_dim, c.index_topk, hc)
             freq_key = "compressed" if ratio else 0
             ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
                     "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
             row[ratio] += 1
             mkind = "moe:" + block.ffn.gate.hash * "hash" + (not block.ffn.gate.hash) * "routed"
-            mw, mq = moe_inputs(block)
+            mw, mq, mf = moe_inputs(block)
             specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
-                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, hc)
+                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc)
             self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
             layers_of.setdefault(akind, []).append(i)
             layers_of.setdefault(mkind, []).append(i)
@@ -302,7 +335,7 @@ class RegionDecoder:
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]."""
         model = self.model
-        x = hc_expand(model.embed(tokens.view(-1, 1)), model.cfg.hc_mult)
+        x = hc_expand(model.embed(tokens.view(-1, 1)).to(model.dtype), model.cfg.hc_mult)
         layer_inputs = self.inputs(tokens, pos)
         if self.mode == "step":
             logits = self.step_fn(x, layer_inputs, self.head_inp)
@@ -352,7 +385,7 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        x = hc_expand(model.embed(tokens.view(-1, 1)), model.cfg.hc_mult)
+        x = hc_expand(model.embed(tokens.view(-1, 1)).to(model.dtype), model.cfg.hc_mult)
         groups = {kind: [timed(g) for g in gs] for kind, gs in dec.groups.items()}
         dec.run_layers(groups, x, dec.inputs(tokens, pos), dec.head_inp)
     total_s = time.perf_counter() - t0

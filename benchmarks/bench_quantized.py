@@ -1,0 +1,114 @@
+"""Quantised weights kept quantised vs dequantised: peak memory, decode speed and memory bandwidth, side by side.
+
+    python benchmarks/bench_quantized.py            # tiny FP8/FP4 variant and the mid-size config (~3 min)
+    python benchmarks/bench_quantized.py --flash    # also 2 layers of V4-Flash's shape (~9 GB written to a temp dir)
+
+Prints, on this machine and in this run:
+- memcpy bandwidth (bytes copied per second, torch's copy_ of 512 MB, best of 5): the physical limit of a
+  memory-bound decode;
+- for the tiny FP8 variant and the mid-size config (`configs/v4-mid.json`, full width, all 4 layers, written by
+  `mhcrun make-synthetic` to a temp dir): bytes on disk; peak RSS of `mhcrun generate` kept quantised and
+  dequantised (each in its own process) against the goal 1.1 x disk + 300 MB; decode tokens/s of both; the
+  weight bytes one decoded token reads (`mhcrun.memory.decode_bytes_per_token`) and the bandwidth that makes,
+  as a fraction of memcpy's; and whether both produce the same greedy tokens;
+- with --flash: the same for `mhcrun generate --layers 2` on a 2-layer V4-Flash-shape checkpoint, kept quantised
+  only (dequantised it would need ~70 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mhcrun.checkpoint import plan_checkpoint
+from mhcrun.memory import decode_bytes_per_token
+from mhcrun.synthetic import make_synthetic
+from mhcrun.tiny import make_tiny
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PROMPT = "0,5,6,7,8,9,10,11"
+MB = 1e6
+
+
+def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes copied per second by torch's copy_ (all threads), best of `repeats`."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def run_generate(path: Path, tokens: int, *extra: str) -> dict:
+    """`mhcrun generate --json` in a fresh process (its peak RSS is its own)."""
+    cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(path), "--prompt-ids", PROMPT, "-n", str(tokens),
+           "--ignore-eos", "--json", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr}")
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def measure(name: str, path: Path, tokens: int, bandwidth: float, layers: int | None = None,
+            dequantized: bool = True) -> None:
+    extra = ("--layers", str(layers)) if layers else ()
+    plan = plan_checkpoint(path, layers)
+    disk = disk_bytes(path)
+    goal = 1.1 * disk + 300 * MB
+    rows = [("kept quantised", run_generate(path, tokens, *extra), decode_bytes_per_token(plan))]
+    if dequantized:
+        rows.append(("dequantised", run_generate(path, tokens, *extra, "--dequantize"),
+                     decode_bytes_per_token(plan, dequantize=True)))
+    print(f"\n{name}: {disk / MB:,.0f} MB on disk, goal for peak RSS kept quantised <= 1.1 x disk + 300 MB "
+          f"= {goal / MB:,.0f} MB")
+    for label, res, per_token in rows:
+        s = res["stats"]
+        rss = s["peak_rss_mb"] * 1024 * 1024  # ru_maxrss is in KiB; generate reports MiB
+        rate = s["decode_tok_s"] * per_token
+        verdict = "" if label != "kept quantised" else ", goal met" if rss <= goal else ", OVER GOAL"
+        print(f"  {label:15s} peak RSS {rss / MB:8,.0f} MB ({rss / disk:5.2f}x disk{verdict})  "
+              f"decode {s['decode_tok_s']:7.2f} tok/s  reads {per_token / MB:8.1f} MB/token = {rate / 1e9:5.2f} GB/s = "
+              f"{100 * rate / bandwidth:5.1f}% of memcpy")
+    if dequantized:
+        same = rows[0][1]["tokens"] == rows[1][1]["tokens"]
+        print(f"  same greedy tokens kept quantised and dequantised: {'yes' if same else 'NO'} "
+              f"({len(rows[0][1]['tokens'])} tokens)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flash", action="store_true", help="also run 2 layers of V4-Flash's shape (~9 GB on disk)")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
+    args = ap.parse_args()
+    bandwidth = memcpy_bandwidth()
+    print(f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (bytes copied per second; {torch.get_num_threads()} threads)")
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        root = Path(tmp)
+        measure("tiny FP8/FP4 variant", make_tiny(root / "tiny-fp8", fp8=True), args.tokens, bandwidth)
+        mid = make_synthetic(CONFIGS / "v4-mid.json", root / "mid", 4)
+        measure("mid-size (configs/v4-mid.json, 4 layers)", mid, args.tokens, bandwidth)
+        if args.flash:
+            t0 = time.perf_counter()
+            flash = make_synthetic(CONFIGS / "v4-flash.json", root / "flash", 2)
+            print(f"\nwrote the 2-layer V4-Flash-shape checkpoint in {time.perf_counter() - t0:.0f} s")
+            measure("V4-Flash shape, --layers 2", flash, min(args.tokens, 8), bandwidth, layers=2, dequantized=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Quantised weights kept quantised: same tokens as the dequantised reference, the memory plan, --layers, and
+the bad inputs of quantised checkpoints (scales, FP4 sizes, block size, memory budget)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_cli import cli, gen_json, ok, user_error
+
+from mhcrun.checkpoint import INDEX_FILE, load_checkpoint, plan_checkpoint
+from mhcrun.generate import generate
+from mhcrun.memory import parse_size, plan_memory
+from mhcrun.model import build_model
+from mhcrun.synthetic import make_synthetic
+from mhcrun.tiny import make_tiny
+
+MID = Path(__file__).resolve().parent.parent / "configs" / "v4-mid.json"
+PROMPTS = [[0, 12, 40, 7, 9], [0, 3], list(range(1, 40))]  # crosses the window (16) and HCA group (16)
+WQ = "layers.1.attn.wq_a"
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("t8") / "tiny-fp8", fp8=True)
+
+
+@pytest.fixture(scope="module")
+def mid2(tmp_path_factory) -> Path:
+    """The mid-size config (dim 2048, 64 FP4 experts, FP8 block 128) at full width, its first 2 layers."""
+    return make_synthetic(MID, tmp_path_factory.mktemp("mid") / "mid2", 2, seed=1)
+
+
+def models(path: Path, n_layers: int | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    kept = load_checkpoint(path, n_layers)
+    ref = load_checkpoint(path, n_layers, dequantize=True)
+    return (build_model(kept.config, kept.tensors, kept.quantized, n_layers=n_layers, scales=kept.scales),
+            build_model(ref.config, ref.tensors, ref.quantized, n_layers=n_layers))
+
+
+@pytest.mark.parametrize("quant_sim", [True, False])
+def test_tiny_fp8_kept_quantised_generates_the_dequantised_tokens(tiny_fp8, quant_sim):
+    kept, ref = models(tiny_fp8)
+    assert kept.layers[1].attn.wq_a.fmt == "fp8" and kept.layers[0].ffn.experts[0].w1.fmt == "fp4"
+    assert ref.layers[1].attn.wq_a.fmt == "float" and ref.layers[1].attn.wq_a.weight.dtype == torch.float32
+    for m in (kept, ref):
+        m.opts.quant_sim = quant_sim
+    a = generate(kept, PROMPTS, 24, eos_id=1, ignore_eos=True, record_topk=2)
+    b = generate(ref, PROMPTS, 24, eos_id=1, ignore_eos=True, record_topk=2)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    for ra, rb in zip(a, b, strict=True):  # same distributions, not only the same argmax
+        for pa, pb in zip(ra.top_logprobs, rb.top_logprobs, strict=True):
+            assert [i for i, _ in pa] == [i for i, _ in pb]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(pa, pb, strict=True)) < 1e-4
+
+
+def test_quant_sim_changes_the_quantised_run(tiny_fp8):
+    kept, _ = models(tiny_fp8)
+    kept.setup_caches(1, 64)
+    with torch.inference_mode():
+        on = kept(torch.tensor([PROMPTS[2]]), torch.tensor([0]))
+        kept.opts.quant_sim = False
+        kept.setup_caches(1, 64)
+        off = kept(torch.tensor([PROMPTS[2]]), torch.tensor([0]))
+    assert (on - off).abs().max() > 1e-4  # activations really are rounded to FP8 before the kept GEMMs
+
+
+def test_kept_quantised_regions_stages_match_eager(tiny_fp8):
+    """The region stages (uncompiled) on kept-quantised weights: gathered experts dequantised in the graph."""
+    kept, _ = models(tiny_fp8)
+    eager = generate(kept, PROMPTS, 12, eos_id=1, ignore_eos=True)
+    kept2, _ = models(tiny_fp8)
+    from mhcrun.regions.runner import RegionDecoder
+
+    kept2.setup_caches(len(PROMPTS), 64)
+    dec = RegionDecoder(kept2, "eager", None)
+    assert ("experts", "fp4", 32) in dec.specs["moe:routed"].formats
+    regions = generate(kept2, PROMPTS, 12, eos_id=1, ignore_eos=True, graph_mode="regions", backend="eager")
+    assert [r.tokens for r in regions] == [r.tokens for r in eager]
+
+
+def test_mid_size_kept_quantised_matches_dequantised(mid2):
+    """Full-width mid-size shapes (FP8 block 128, e8m0 scales, 64 FP4 experts) through the CLI with --layers."""
+    args = ("-m", mid2, "--layers", 2, "--prompt-ids", "0,5,6,7,8,9,10", "-n", 6, "--ignore-eos")
+    kept = gen_json(*args)[0]
+    ref = gen_json(*args, "--dequantize")[0]
+    assert kept["tokens"] == ref["tokens"]
+    r = cli("generate", "-m", mid2, "-n", 2)
+    user_error(r, "layers.2.", "missing")  # only 2 of the config's 4 layers are in the checkpoint
+
+
+def test_layers_runs_the_first_n_layers(tiny_fp8):
+    full = gen_json("-m", tiny_fp8, "--prompt-ids", "0,5,6", "-n", 8)[0]
+    one = gen_json("-m", tiny_fp8, "--prompt-ids", "0,5,6", "-n", 8, "--layers", 1)[0]
+    ck = load_checkpoint(tiny_fp8, 1)
+    model = build_model(ck.config, ck.tensors, ck.quantized, n_layers=1, scales=ck.scales)
+    assert len(model.layers) == 1
+    want = generate(model, [[0, 5, 6]], 8, eos_id=-1)[0].tokens
+    assert one["tokens"][:len(want)] == want[:len(one["tokens"])] and one["tokens"] != full["tokens"]
+
+
+@pytest.mark.parametrize("layers", [0, 5, -1])
+def test_layers_out_of_range(layers):
+    user_error(cli("generate", "--layers", layers, "-n", 1), "--layers", "4 layers")
+
+
+# ---------------------------------------------------------------------------------------------- memory plan
+
+
+def test_memory_plan_matches_what_is_built(tiny_fp8):
+    plan = plan_checkpoint(tiny_fp8)
+    for dequantize in (False, True):
+        mp = plan_memory(plan, plan.config.n_layers, batch=3, context=64, dequantize=dequantize, available=1 << 40)
+        ck = load_checkpoint(tiny_fp8, dequantize=dequantize)
+        model = build_model(ck.config, ck.tensors, ck.quantized, scales=ck.scales)
+        model.setup_caches(3, 64)
+        state = sum(t.nbytes for roots in model.roots.values() for t in roots.values())
+        assert mp.state["kv_cache"] + mp.state["compressor_state"] + mp.state["indexer_cache"] == state
+        assert mp.state["rope_tables"] == sum(f.nbytes for f in model.freqs.values())
+        tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+        made = sum(t.nbytes for t in tensors if t.untyped_storage().resizable())  # torch allocations
+        mapped = sum(plan.bytes_by_dtype.values())
+        assert mp.weights == (made if dequantize else mapped + made), dequantize
+        assert mp.total == mp.weights + sum(mp.state.values()) + mp.activations + mp.runtime and mp.fits
+
+
+def test_state_bytes_of_flash_shapes():
+    """V4-Flash's state by hand: 2 window layers, a CSA and an HCA layer, batch 2, context 8192, bf16."""
+    from mhcrun.config import load_config
+    from mhcrun.memory import state_bytes
+
+    cfg = load_config(MID.parent / "v4-flash.json")
+    state = state_bytes(cfg, 4, 2, 8192, torch.bfloat16)
+    # window layers 0, 1: [2, 128, 512] bf16 each; CSA layer 2: window + 8192/4 entries, indexer 8192/4 x 128
+    assert state["kv_cache"] == 2 * (2 * 128 * 512 * 2) + 2 * (128 + 2048) * 512 * 2 + 2 * (128 + 64) * 512 * 2
+    assert state["indexer_cache"] == 2 * 2048 * 128 * 2
+
+
+def test_info_prints_the_memory_plan(mid2):
+    r = cli("info", "-m", mid2, "--layers", 2, "--context", 1024, "--batch", 2, "--json")
+    ok(r)
+    mp = json.loads(r.stdout)["memory_plan"]
+    disk = sum(f.stat().st_size for f in mid2.glob("*.safetensors"))
+    assert mp["layers"] == 2 and mp["batch"] == 2 and mp["context"] == 1024
+    assert {"float8_e4m3fn", "float8_e8m0fnu", "int8", "bfloat16"} <= set(mp["disk_by_dtype"])
+    assert 0.99 * disk < mp["disk_bytes"] <= disk  # the shards minus their headers
+    assert mp["disk_bytes"] < mp["weights_bytes"] < 1.1 * mp["disk_bytes"]
+    assert mp["state_bytes"]["kv_cache"] > 0 and mp["total_bytes"] > mp["weights_bytes"]
+    r = cli("info", "-m", mid2, "--layers", 2, "--dequantize", "--json")
+    assert json.loads(r.stdout)["memory_plan"]["weights_bytes"] > 3 * mp["disk_bytes"]
+    r = cli("info", "-m", mid2, "--layers", 2)
+    ok(r)
+    assert "memory plan" in r.stdout and "kv cache" in r.stdout and "fits" in r.stdout
+
+
+def test_generate_refuses_a_plan_over_budget_unless_forced(tiny_fp8):
+    line = user_error(cli("generate", "-m", tiny_fp8, "-n", 2, "--memory-limit", "100MB"), "memory plan",
+                      "--force", "available")
+    assert "95.37 MiB" in line  # the limit given, in the plan's units
+    ok(cli("generate", "-m", tiny_fp8, "-n", 2, "--memory-limit", "100MB", "--force"))
+    ok(cli("generate", "-m", tiny_fp8, "-n", 2, "--memory-limit", "4GiB"))
+
+
+@pytest.mark.parametrize("text,want", [("24G", 24 * 10**9), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                       ("100000", 100000), (" 2 kib ", 2048)])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12XB", "-1G", "0"])
+def test_bad_memory_limit(text):
+    user_error(cli("generate", "-n", 1, "--memory-limit", text), "--memory-limit")
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def rewrite(ckpt: Path, name: str, tensor: torch.Tensor) -> None:
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    shard = ckpt / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(src, dst))
+
+
+def test_scale_shape_mismatch_is_one_line(tiny_fp8, tmp_path):
+    d = copy_of(tiny_fp8, tmp_path / "ck")
+    rewrite(d, f"{WQ}.scale", torch.ones(3, 3).to(torch.float8_e8m0fnu))
+    user_error(cli("generate", "-m", d, "-n", 1), f"{WQ}.scale", "shape [3, 3]", "expected [2, 4]")
+
+
+def test_block_size_disagreeing_with_scales_is_one_line(tiny_fp8, tmp_path):
+    d = copy_of(tiny_fp8, tmp_path / "ck")
+    raw = json.loads((d / "config.json").read_text())
+    raw["quantization_config"]["weight_block_size"] = [64, 64]
+    (d / "config.json").write_text(json.dumps(raw))
+    user_error(cli("generate", "-m", d, "-n", 1), "fits FP8 block size 32", "weight_block_size is 64")
+    user_error(cli("info", "-m", d), "fits FP8 block size 32")
+
+
+def test_fp4_odd_inner_size_is_one_line(tiny_fp8, tmp_path):
+    d = copy_of(tiny_fp8, tmp_path / "ck")
+    raw = json.loads((d / "config.json").read_text())
+    raw["moe_intermediate_size"] = 63
+    (d / "config.json").write_text(json.dumps(raw))
+    user_error(cli("generate", "-m", d, "-n", 1), "FP4 inner size 63 is odd")
+
+
+def test_kept_quantised_compiled_regions_match_eager(tiny_fp8):
+    """Inductor graphs over kept-quantised weights (e8m0 scales passed as bytes) give the eager tokens."""
+    kept, _ = models(tiny_fp8)
+    prompts = PROMPTS[:2]
+    eager = generate(kept, prompts, 6, eos_id=1, ignore_eos=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = generate(kept, prompts, 6, eos_id=1, ignore_eos=True, graph_mode="regions", backend="inductor")
+    assert not [w for w in caught if "compile failed" in str(w.message)]  # really compiled, no eager fallback
+    assert [r.tokens for r in compiled] == [r.tokens for r in eager]
