@@ -64,21 +64,38 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def measure(name: str, path: Path, tokens: int, bandwidth: float, layers: int | None = None,
+def best_runs(path: Path, tokens: int, variants: dict[str, tuple[str, ...]], repeats: int) -> dict[str, dict]:
+    """Each variant `repeats` times, interleaved; per variant the run with the best decode rate (the machine
+    is noisy: its two cores are shared) and the highest peak RSS seen."""
+    best: dict[str, dict] = {}
+    for _ in range(repeats):
+        for label, extra in variants.items():
+            res = run_generate(path, tokens, *extra)
+            old = best.get(label)
+            if old is None or res["stats"]["decode_tok_s"] > old["stats"]["decode_tok_s"]:
+                rss = max(res["stats"]["peak_rss_mb"], old["stats"]["peak_rss_mb"] if old else 0.0)
+                best[label] = res
+                res["stats"]["peak_rss_mb"] = rss
+            else:
+                old["stats"]["peak_rss_mb"] = max(old["stats"]["peak_rss_mb"], res["stats"]["peak_rss_mb"])
+    return best
+
+
+def measure(name: str, path: Path, tokens: int, bandwidth: float, repeats: int, layers: int | None = None,
             dequantized: bool = True) -> None:
     extra = ("--layers", str(layers)) if layers else ()
     plan = plan_checkpoint(path, layers)
     disk = disk_bytes(path)
     goal = 1.1 * disk + 300 * MB
-    rows = [("kept quantised", run_generate(path, tokens, *extra), decode_bytes_per_token(plan))]
-    if dequantized:
-        rows.append(("dequantised", run_generate(path, tokens, *extra, "--dequantize"),
-                     decode_bytes_per_token(plan, dequantize=True)))
+    variants = {"kept quantised": extra} | ({"dequantised": (*extra, "--dequantize")} if dequantized else {})
+    runs = best_runs(path, tokens, variants, repeats)
+    rows = [(label, runs[label], decode_bytes_per_token(plan, dequantize=label == "dequantised"))
+            for label in variants]
     print(f"\n{name}: {disk / MB:,.0f} MB on disk, goal for peak RSS kept quantised <= 1.1 x disk + 300 MB "
           f"= {goal / MB:,.0f} MB")
     for label, res, per_token in rows:
         s = res["stats"]
-        rss = s["peak_rss_mb"] * 1024 * 1024  # ru_maxrss is in KiB; generate reports MiB
+        rss = s["peak_rss_mb"] * 1024 * 1024  # generate reports MiB (VmHWM)
         rate = s["decode_tok_s"] * per_token
         verdict = "" if label != "kept quantised" else ", goal met" if rss <= goal else ", OVER GOAL"
         print(f"  {label:15s} peak RSS {rss / MB:8,.0f} MB ({rss / disk:5.2f}x disk{verdict})  "
@@ -94,20 +111,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flash", action="store_true", help="also run 2 layers of V4-Flash's shape (~9 GB on disk)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per variant (best decode rate kept)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     args = ap.parse_args()
     bandwidth = memcpy_bandwidth()
-    print(f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (bytes copied per second; {torch.get_num_threads()} threads)")
+    print(f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (bytes copied per second, best of 5; "
+          f"{torch.get_num_threads()} threads); decode rates are the best of {args.repeats} runs")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
-        measure("tiny FP8/FP4 variant", make_tiny(root / "tiny-fp8", fp8=True), args.tokens, bandwidth)
+        measure("tiny FP8/FP4 variant", make_tiny(root / "tiny-fp8", fp8=True), args.tokens, bandwidth, args.repeats)
         mid = make_synthetic(CONFIGS / "v4-mid.json", root / "mid", 4)
-        measure("mid-size (configs/v4-mid.json, 4 layers)", mid, args.tokens, bandwidth)
+        measure("mid-size (configs/v4-mid.json, 4 layers)", mid, args.tokens, bandwidth, args.repeats)
         if args.flash:
             t0 = time.perf_counter()
             flash = make_synthetic(CONFIGS / "v4-flash.json", root / "flash", 2)
             print(f"\nwrote the 2-layer V4-Flash-shape checkpoint in {time.perf_counter() - t0:.0f} s")
-            measure("V4-Flash shape, --layers 2", flash, min(args.tokens, 8), bandwidth, layers=2, dequantized=False)
+            measure("V4-Flash shape, --layers 2", flash, min(args.tokens, 8), bandwidth, 1, layers=2,
+                    dequantized=False)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from safetensors.torch import save as safetensors_save
 
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
-from mhcrun.fileio import make_dirs, read_json, write_atomic
+from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 
@@ -498,12 +498,7 @@ def write_checkpoint(out_dir: str | Path, config_raw: dict, tensors: dict[str, t
 
     Refuses (InputError) a non-empty existing `out_dir` unless `force`. Returns the directory.
     """
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise InputError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not force:
-            raise InputError(f"{out}: directory exists and is not empty (use --force to overwrite)")
+    out = check_out_dir(out_dir, force)
     if isinstance(n_shards, bool) or not isinstance(n_shards, int) or n_shards < 1:
         raise InputError(f"n_shards must be a positive integer, got {n_shards!r}")
     extra = dict(extra_files or {})

@@ -28,6 +28,17 @@ def check_writable(path: str | Path, force: bool) -> Path:
     return p
 
 
+def check_out_dir(out_dir: str | Path, force: bool) -> Path:
+    """Refuse a file, or a non-empty directory unless forced: a directory a writer is about to fill."""
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise InputError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not force:
+            raise InputError(f"{out}: directory exists and is not empty (use --force to overwrite)")
+    return out
+
+
 def make_dirs(path: Path) -> None:
     """mkdir -p, with a failure as one user-facing line."""
     try:

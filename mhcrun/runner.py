@@ -74,13 +74,13 @@ class Runner:
 
     def load(self, progress: Callable[[int, int], None] | None = None) -> Transformer:
         """Map the shards (or dequantise them) and build the model."""
-        if self.device == "cpu":
-            keep_freed_memory()
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  c.scales)
         self.model.opts.quant_sim = self.quant_sim
+        if self.device == "cpu":  # after loading: its transients must go back to the OS, not stay in the heap
+            keep_freed_memory()
         return self.model
 
 

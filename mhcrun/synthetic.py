@@ -37,7 +37,7 @@ import torch
 from mhcrun.checkpoint import FP4_BLOCK, INDEX_FILE
 from mhcrun.config import ModelConfig, find_config_file, load_config
 from mhcrun.errors import ConfigError, InputError
-from mhcrun.fileio import make_dirs, open_atomic, read_json, write_atomic
+from mhcrun.fileio import check_out_dir, make_dirs, open_atomic, read_json, write_atomic
 from mhcrun.ops.quant import FP8_MAX, unpack_fp4
 from mhcrun.tiny import HEAD_GAIN, init_tensor
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
@@ -138,17 +138,6 @@ def check_arguments(cfg: ModelConfig, n_layers: int, shard_bytes: int) -> None:
         raise InputError(f"n_layers {n_layers!r} must be between 1 and {cfg.n_layers} (num_hidden_layers)")
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise InputError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
-
-
-def check_out_dir(out_dir: str | Path, force: bool) -> Path:
-    """Refuse a file, or a non-empty directory unless forced (like checkpoint.write_checkpoint)."""
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise InputError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not force:
-            raise InputError(f"{out}: directory exists and is not empty (use --force to overwrite)")
-    return out
 
 
 # ---- planning ----------------------------------------------------------------------------------------------

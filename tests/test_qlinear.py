@@ -24,6 +24,7 @@ from mhcrun.ops.qlinear import (
     decode_fp4,
     decode_fp8,
     dequantize,
+    gemv_fused,
     qlinear,
     qlinear_grouped,
 )
@@ -418,9 +419,9 @@ def test_qlinear_compiles_without_graph_breaks(fmt, act_quant):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
-def test_graph_custom_op_compiles_and_matches_eager(monkeypatch, fmt):
-    """GRAPH_CUSTOM_OP: the chunked CPU kernel as one opaque op inside graphs (same numbers as eager)."""
-    monkeypatch.setattr(ql, "GRAPH_CUSTOM_OP", True)
+def test_compiled_decode_gemv_is_the_fused_reduction(fmt):
+    """Under torch.compile a few rows of x take gemv_fused (dequantisation inside the reduction): same values
+    as dequantise-then-matmul within the fp32 summation bound; more rows take the whole-tensor path."""
     torch._dynamo.reset()
     g = gen(23)
     if fmt == "fp8":
@@ -429,13 +430,30 @@ def test_graph_custom_op_compiles_and_matches_eager(monkeypatch, fmt):
         data, scale = fp4_weight(96, 160, g)
     else:
         data, scale = torch.randn(96, 160, generator=g).to(torch.bfloat16), None
-    x = torch.randn(3, 160, generator=g)
+    w_ref = reference_weight(data, scale, fmt, 32)
     compiled = torch.compile(qlinear, backend="aot_eager", fullgraph=True)
-    for act_quant in (False, True):
-        assert torch.equal(compiled(x, data, scale, fmt, 32, act_quant), qlinear(x, data, scale, fmt, 32, act_quant))
-    xg = torch.randn(2, 1, 4, 160, generator=g).to(torch.bfloat16)
-    grouped = torch.compile(qlinear_grouped, backend="aot_eager", fullgraph=True)
-    assert torch.equal(grouped(xg, data, scale, fmt, 32, 4), qlinear_grouped(xg, data, scale, fmt, 32, 4))
+    for rows in (1, 3, ql.FUSED_MAX_ROWS + 1):
+        x = torch.randn(rows, 160, generator=g)
+        for act_quant in (False, True):
+            ref = reference_qlinear(x, w_ref, act_quant)
+            assert_gemm_close(compiled(x, data, scale, fmt, 32, act_quant), ref, x, w_ref, act_quant)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_gemv_fused_on_gathered_experts(fmt):
+    """The routed experts' form: x [B, 1, 1, in] against gathered weights [B, k, out, in'] -> [B, k, out]."""
+    g = gen(25)
+    weights = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g) for _ in range(5)]
+    data = torch.stack([w for w, _ in weights])
+    scale = torch.stack([s for _, s in weights]).view(torch.uint8)  # as compiled regions pass them
+    idx = torch.tensor([[0, 3], [4, 4], [2, 1]])
+    x = torch.randn(3, 96, generator=g)
+    got = gemv_fused(x.view(3, 1, 1, 96), data[idx], scale[idx], fmt, 32)
+    assert got.shape == (3, 2, 64)
+    for b, row in enumerate(idx.tolist()):
+        for j, e in enumerate(row):
+            w_ref = reference_weight(*weights[e], fmt, 32)
+            assert_gemm_close(got[b, j][None], F.linear(x[b:b + 1], w_ref), x[b:b + 1], w_ref)
 
 
 def test_uint8_scales_are_e8m0_bytes():

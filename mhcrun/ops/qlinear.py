@@ -16,9 +16,10 @@ with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small
 and multiplied right away (`F.linear` on the chunk), so no fp32 copy of the weight is ever made. For fp8 with
 few rows of x, a chunk inside one block row leaves its values unscaled and x takes the per-column scales
 instead (exact for power-of-two scales, see `_RowDecoder.x_fold_ok`). Under `torch.compile`
-(`torch.compiler.is_compiling()`) the whole weight is dequantised with plain tensor ops (`dequantize`) and
-multiplied once: no Python loops or data-dependent control flow in graphs; GRAPH_CUSTOM_OP = True runs the
-chunked CPU kernel as one opaque custom op there instead. On CUDA the whole-tensor path is used too, except
+(`torch.compiler.is_compiling()`) on CPU, a decode GEMV (at most FUSED_MAX_ROWS rows of x) is written as a
+reduction with the dequantisation inside it (`gemv_fused`), which inductor turns into one loop that reads each
+weight byte once; anything else dequantises the whole weight with plain tensor ops (`dequantize`) and
+multiplies once. No Python loops or data-dependent control flow in graphs. On CUDA the whole-tensor path is used, except
 fp8 with activation quantisation, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
 (`_scaled_mm_fp8`).
 
@@ -164,6 +165,53 @@ def dequantize(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tens
     for i in range(flat_d.shape[0]):
         decode(flat_d[i], flat_s[i], block, out=flat_o[i])
     return out
+
+
+# decode GEMVs inside compiled graphs: at most this many rows of x take the fused reduction (below)
+FUSED_MAX_ROWS = 8
+
+
+def fused_fits(data: Tensor, fmt: str, block: int, rows: int) -> bool:
+    """Whether `gemv_fused` applies: a CPU graph, few rows of x, whole tiles (fp8) / whole groups (fp4)."""
+    if not torch.compiler.is_compiling() or data.device.type != "cpu" or rows > FUSED_MAX_ROWS:
+        return False
+    n, k = data.shape[-2], _in_features(data, fmt)
+    if fmt == "fp8":
+        return n % block == 0 and k % block == 0
+    if fmt == "fp4":
+        return k % _fp4_group(block) == 0 and _fp4_group(block) % 2 == 0
+    return True
+
+
+def gemv_fused(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
+    """y [..., out] = sum_k x [..., 1, in] * W [..., out, in] in fp32, the dequantisation written into the
+    reduction so that a compiler (inductor) emits one loop reading each weight byte once.
+
+    For compiled decode (few rows of x): inductor turns a whole-tensor dequantise + matmul into a full fp32
+    copy of the weight per call, several times slower than this. x broadcasts against data's leading dims
+    (x [M, 1, in] with data [out, in'] -> [M, out]; x [B, 1, 1, in] with gathered data [B, k, out, in'] ->
+    [B, k, out]). Same values as dequantise-then-matmul; the fp32 summation order is the compiler's.
+    """
+    if fmt == "float":
+        return (data.float() * x).sum(-1)
+    n, k = data.shape[-2], _in_features(data, fmt)
+    s = _scale_f32(scale)
+    if fmt == "fp8":  # e4m3 byte -> fp32 holding value * 2**-120 (module docstring), rescaled exactly
+        bits = (data.view(torch.int8).to(torch.int32) << 20) & -2014314496  # 0x87F00000
+        v = bits.view(torch.float32) * 2.0**120
+        v = v.unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))  # [..., n/b, b, k/b, b]
+        v = (v * s[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1)
+        return (v * x).sum(-1)
+    g = _fp4_group(block)  # e2m1: low and high nibbles -> fp32 holding value * 2**-126, rescaled exactly
+    t = data.view(torch.int8).to(torch.int32)
+    lo, hi = t & 15, (t >> 4) & 15
+    vlo = (((lo & 7) << 22) | ((lo & 8) << 28)).view(torch.float32) * 2.0**126  # [..., n, k/2]
+    vhi = (((hi & 7) << 22) | ((hi & 8) << 28)).view(torch.float32) * 2.0**126
+    xp = x.unflatten(-1, (k // 2, 2))
+    xe = xp[..., 0].unflatten(-1, (k // g, g // 2))  # [..., 1, groups, g/2]: the even inputs
+    xo = xp[..., 1].unflatten(-1, (k // g, g // 2))
+    prod = vlo.unflatten(-1, (k // g, g // 2)) * xe + vhi.unflatten(-1, (k // g, g // 2)) * xo
+    return (prod * s[..., None]).flatten(-2, -1).sum(-1)
 
 
 # ---------------------------------------------------------------- fast CPU decoders (chunk kernels)
@@ -451,39 +499,15 @@ def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: i
     return y.transpose(0, 1)
 
 
-# Inside torch.compile graphs the weight is by default dequantised whole with plain tensor ops (`dequantize`)
-# and multiplied once. GRAPH_CUSTOM_OP = True instead calls the chunked CPU kernel above as one opaque custom
-# op (torch.ops.mhcrun.qgemm: no graph break, no Python loop in the graph, and no fp32 copy of the weight); on
-# this machine's CPU that was several times faster than inductor's whole-tensor dequantisation (see
-# benchmarks/bench_qgemm.py --compiled). CUDA tensors always take the whole-tensor path.
-GRAPH_CUSTOM_OP = False
-
-
-@torch.library.custom_op("mhcrun::qgemm", mutates_args=())
-def _qgemm_op(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
-    """The chunked CPU GEMM as one op: x3 [M, G, in] fp32 -> [M, G, out/G] fp32."""
-    return _cpu_gemm(x3, data, scale, fmt, block, groups).contiguous()
-
-
-@_qgemm_op.register_fake
-def _(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
-    return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
-
-
 def _grouped_gemm(xf: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
     """xf [..., G, in] fp32 -> [..., G, r] fp32 through whichever path applies (not the _scaled_mm one)."""
     n_in = xf.shape[-1]
     r = data.shape[0] // groups
     on_cpu = data.device.type == "cpu"
-    if (fmt == "float" and data.dtype == torch.float32) or not on_cpu or (
-            torch.compiler.is_compiling() and not GRAPH_CUSTOM_OP):
+    if (fmt == "float" and data.dtype == torch.float32) or not on_cpu or torch.compiler.is_compiling():
         w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
         return torch.einsum("...gd,grd->...gr", xf, w)
-    x3 = xf.reshape(-1, groups, n_in)
-    if torch.compiler.is_compiling():
-        y = torch.ops.mhcrun.qgemm(x3, data, scale, fmt, block, groups)
-    else:
-        y = _cpu_gemm(x3, data, scale, fmt, block, groups)
+    y = _cpu_gemm(xf.reshape(-1, groups, n_in), data, scale, fmt, block, groups)
     return y.reshape(*xf.shape[:-1], r)
 
 
@@ -494,17 +518,11 @@ def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "fl
     act_quant: x is first rounded to FP8 in blocks of 128 along `in` with power-of-two scales
     (`fp8_simulate(x, 128, pow2_scale=True)`), as DeepSeek's act_quant before an FP8/FP4 GEMM.
     The product is computed in fp32 and cast to x.dtype, except for a "float" weight of x's dtype without
-    act_quant, which is a plain F.linear in that dtype. For fmt "float" this is ops.linear.linear(x, w, act_quant)
-    (the same calls, bitwise, when the weight needs no conversion; a weight of another dtype than x and fp32 is
-    converted chunk by chunk, which can change the fp32 summation order).
+    act_quant, which is a plain F.linear in that dtype; a "float" weight of another dtype than x and fp32 is
+    converted chunk by chunk, which can change the fp32 summation order.
     Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs), or fp32.
     """
-    _check_fmt(fmt)
-    _check_data(data, fmt)
-    if data.dim() != 2:
-        raise ValueError(f"qlinear: expected a 2-D weight, got shape {list(data.shape)}")
-    _check_scale(data, scale, fmt, block)
-    n_out, n_in = data.shape[0], _in_features(data, fmt)
+    n_out, n_in = _check_weight(data, scale, fmt, block, "qlinear")
     if x.shape[-1] != n_in:
         raise ValueError(f"qlinear: x has {x.shape[-1]} features, the weight takes {n_in}")
     if fmt == "float" and not act_quant and data.dtype == x.dtype:
@@ -518,11 +536,25 @@ def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "fl
                 return y
         x = _act_quant(x)
     xf = x.float()
+    rows = xf.numel() // n_in
+    if fused_fits(data, fmt, block, rows) and not (fmt == "float" and data.dtype == torch.float32):
+        y = gemv_fused(xf.reshape(rows, 1, n_in), data, scale, fmt, block)
+        return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
     if (fmt == "float" and data.dtype == torch.float32) or data.device.type != "cpu" or (
-            torch.compiler.is_compiling() and not GRAPH_CUSTOM_OP):
+            torch.compiler.is_compiling()):
         return F.linear(xf, _dequantize_reference(data, scale, fmt, block)).to(x.dtype)
     y = _grouped_gemm(xf.reshape(-1, 1, n_in), data, scale, fmt, block, 1)
     return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
+
+
+def _check_weight(data: Tensor, scale: Tensor | None, fmt: str, block: int, what: str) -> tuple[int, int]:
+    """Check a 2-D weight of format `fmt` and its scale; -> (out, in) features."""
+    _check_fmt(fmt)
+    _check_data(data, fmt)
+    if data.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D weight, got shape {list(data.shape)}")
+    _check_scale(data, scale, fmt, block)
+    return data.shape[0], _in_features(data, fmt)
 
 
 def _act_quant(x: Tensor) -> Tensor:
@@ -536,12 +568,7 @@ def qlinear_grouped(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, blo
     y[..., g, :] = x[..., g, :] @ W[g*r:(g+1)*r, :]^T in fp32 (as torch.einsum("bsgd,grd->bsgr", x, W.view(G, r, -1))),
     no activation quantisation, result in x.dtype. The weight is dequantised group by group, chunk by chunk.
     """
-    _check_fmt(fmt)
-    _check_data(data, fmt)
-    if data.dim() != 2:
-        raise ValueError(f"qlinear_grouped: expected a 2-D weight, got shape {list(data.shape)}")
-    _check_scale(data, scale, fmt, block)
-    n_out, n_in = data.shape[0], _in_features(data, fmt)
+    n_out, n_in = _check_weight(data, scale, fmt, block, "qlinear_grouped")
     if groups <= 0 or n_out % groups:
         raise ValueError(f"qlinear_grouped: {n_out} rows do not split into {groups} groups")
     if x.dim() < 2 or x.shape[-2] != groups or x.shape[-1] != n_in:

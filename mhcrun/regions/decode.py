@@ -28,7 +28,7 @@ from mhcrun.ops.compress import gather_overlap_state, pool
 from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import dequantize, qlinear
+from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qlinear
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
 
@@ -246,18 +246,21 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     quant = spec.quant_sim and "experts" in spec.act_quant
     fmt, block = weight_format(spec, "experts")
 
-    def routed(name: str) -> torch.Tensor:  # the routed experts' weights [B, k, out, in], fp32
-        if fmt == "float":
-            return w[name][idx].float()
-        return dequantize(w[name][idx], w[f"{name}_scale"][idx], fmt, block)
+    def routed(name: str, xs: torch.Tensor) -> torch.Tensor:
+        """xs [B, k or 1, in] through each row's k routed experts' weights `name` -> [B, k, out] (fp32)."""
+        data = w[name][idx]  # [B, k, out, in']
+        if fmt != "float" and fused_fits(data, fmt, block, 1):  # dequantisation fused into the reduction
+            return gemv_fused(xs.float().unsqueeze(-2), data, w[f"{name}_scale"][idx], fmt, block)
+        weight = data.float() if fmt == "float" else dequantize(data, w[f"{name}_scale"][idx], fmt, block)
+        return torch.einsum("bkd,bkfd->bkf", xs.float().expand(-1, weight.size(1), -1), weight)
 
     xq = fp8_simulate(x, 128) if quant else x
-    g = torch.einsum("bd,bkfd->bkf", xq.float(), routed("w1")).to(x.dtype)  # [B, k, inter]
-    u = torch.einsum("bd,bkfd->bkf", xq.float(), routed("w3")).to(x.dtype)
+    g = routed("w1", xq.unsqueeze(1)).to(x.dtype)  # [B, k, inter]
+    u = routed("w3", xq.unsqueeze(1)).to(x.dtype)
     mid = (swiglu(g, u, spec.limit) * weights.unsqueeze(-1)).to(x.dtype)
     if quant:
         mid = fp8_simulate(mid, 128)
-    y = torch.einsum("bkf,bkdf->bkd", mid.float(), routed("w2")).to(x.dtype).float().sum(dim=1)
+    y = routed("w2", mid).to(x.dtype).float().sum(dim=1)
     shared = lin(spec, w, "shared_w2", swiglu(lin(spec, w, "shared_w1", x), lin(spec, w, "shared_w3", x),
                                                 spec.limit).to(x.dtype))
     y = (y + shared).to(x.dtype).view(B, 1, d)
