@@ -74,30 +74,35 @@ class Runner:
 
     def load(self, progress: Callable[[int, int], None] | None = None) -> Transformer:
         """Map the shards (or dequantise them) and build the model."""
+        if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
+            set_heap_policy(mmap_above=1 << 20)
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  c.scales)
         self.model.opts.quant_sim = self.quant_sim
-        if self.device == "cpu":  # after loading: its transients must go back to the OS, not stay in the heap
-            keep_freed_memory()
+        if self.device == "cpu":  # decode reuses the same buffers every step: keep them
+            set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
         return self.model
 
 
-def keep_freed_memory() -> None:
-    """Have glibc keep freed blocks below 32 MB in the process instead of returning them to the OS.
+def set_heap_policy(mmap_above: int, keep_free: int = 128 << 10) -> None:
+    """glibc: serve blocks of `mmap_above` bytes and more by mmap (returned to the OS when freed), smaller
+    ones from the heap, and keep up to `keep_free` bytes free at the heap's top. Setting the threshold also
+    stops glibc raising it by itself.
 
-    A decode step allocates and frees the same megabyte-sized buffers (dequantised weight chunks,
-    activations) over and over; by default glibc serves each from a fresh mmap, and every fresh page costs
-    a page fault (slow on virtual machines). `benchmarks/bench_quantized.py` measures the difference.
+    Loading keeps tensors and frees bigger transients between them: with glibc's own moving threshold those
+    land in the heap and leave holes that are never returned (the dequantised mid-size model peaked at 1.9x
+    its weights). A decode step allocates and frees the same megabyte-sized buffers every step: from fresh
+    mmaps each one costs a page fault per page (slow on virtual machines), from the heap nothing.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: nothing to tune
         return
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks below 32 MB come from the heap
-    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MB free at the top of the heap
-    libc.mallopt(-2, 16 << 20)  # M_TOP_PAD: grow the heap 16 MB at a time
+    libc.mallopt(-3, mmap_above)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, keep_free)  # M_TRIM_THRESHOLD
+    libc.mallopt(-2, min(keep_free, 16 << 20))  # M_TOP_PAD: grow the heap this much at a time
 
 
 def resolve_model_path(model: str | None) -> Path:
