@@ -43,6 +43,7 @@ would zero them): `_denormals_ok` checks this and falls back to the reference de
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import weakref
 
@@ -530,7 +531,7 @@ def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "fl
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], n_out)
     if act_quant:
-        if fmt == "fp8" and x.is_cuda and not torch.compiler.is_compiling():
+        if fmt == "fp8" and x.is_cuda and SCALED_MM and not torch.compiler.is_compiling():
             y = _scaled_mm_fp8(x, data, scale, block)
             if y is not None:
                 return y
@@ -581,6 +582,10 @@ def qlinear_grouped(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, blo
 # ---------------------------------------------------------------- CUDA: FP8 x FP8 with DeepSeek block scales
 
 _SCALED_MM_BROKEN = False
+# Off unless MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM accumulates in another order and precision than the
+# fp32 reference, and on an H200 the mid-size config's greedy tokens parted from the dequantised run's after
+# 10 tokens with it (identical without it). A speed option for those who accept that, not the default.
+SCALED_MM = os.environ.get("MHCRUN_SCALED_MM") == "1"
 
 
 def _scaled_mm_fits(x: Tensor, data: Tensor, scale: Tensor | None, block: int) -> bool:
