@@ -59,6 +59,15 @@ def fp4_weight(out_f: int, in_f: int, g: torch.Generator, e8m0: bool = True):
     return p, (float_to_e8m0(s) if e8m0 else s)
 
 
+def weight_96x160(fmt: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A [96 x 160] weight in `fmt` (fp8 with 32-blocks, fp4, or bf16) and its scale."""
+    if fmt == "fp8":
+        return fp8_weight(96, 160, 32, g)
+    if fmt == "fp4":
+        return fp4_weight(96, 160, g)
+    return torch.randn(96, 160, generator=g).to(torch.bfloat16), None
+
+
 def reference_weight(data, scale, fmt, block) -> torch.Tensor:
     if fmt == "fp8":
         return dequantize_fp8(data, scale, block).contiguous()
@@ -99,14 +108,18 @@ SCALES = [1.0, 2.0**-127, 2.0**127, 2.0**7, 2.0**8, 2.0**1, 2.0**2, 0.3, 2.0**-1
           math.inf, math.nan]
 
 
+def stored_scales(value: float, shape: tuple[int, int]) -> list[torch.Tensor]:
+    """A scale of `value` as fp32, and as e8m0 too when e8m0 can hold it (a power of two in range)."""
+    scale = torch.full(shape, value)
+    if value > 0 and math.frexp(value)[0] == 0.5 and 2.0**-127 <= value <= 2.0**127:
+        return [scale, float_to_e8m0(scale)]
+    return [scale]
+
+
 @pytest.mark.parametrize("value", SCALES)
 def test_decode_fp8_all_codes(value):
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
-    scale = torch.full((1, 1), value)
-    stored = [scale]
-    if value > 0 and math.frexp(value)[0] == 0.5 and 2.0**-127 <= value <= 2.0**127:
-        stored.append(float_to_e8m0(scale))
-    for s in stored:
+    for s in stored_scales(value, (1, 1)):
         assert_same_values(decode_fp8(codes, s, 128), dequantize_fp8(codes, s, 128))
 
 
@@ -137,11 +150,7 @@ def test_decode_fp8_nan_memory_follows_in_place_changes():
 @pytest.mark.parametrize("value", SCALES)
 def test_decode_fp4_all_codes(value):
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.int8).view(8, 32)
-    scale = torch.full((8, 2), value)
-    stored = [scale]
-    if value > 0 and math.frexp(value)[0] == 0.5 and 2.0**-127 <= value <= 2.0**127:
-        stored.append(float_to_e8m0(scale))
-    for s in stored:
+    for s in stored_scales(value, (8, 2)):
         assert_same_values(decode_fp4(packed, s, 32), dequantize_fp4(packed, s, 32))
         assert_same_values(decode_fp4(packed.view(torch.uint8), s, 32), dequantize_fp4(packed, s, 32))
 
@@ -262,12 +271,7 @@ def test_qlinear_fp4(shape, m, act_quant):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qlinear_3d_x_and_dtypes(fmt, dtype):
     g = gen(10)
-    if fmt == "fp8":
-        data, scale = fp8_weight(96, 160, 32, g)
-    elif fmt == "fp4":
-        data, scale = fp4_weight(96, 160, g)
-    else:
-        data, scale = torch.randn(96, 160, generator=g).to(torch.bfloat16), None
+    data, scale = weight_96x160(fmt, g)
     block = 32 if fmt != "float" else 0
     w_ref = reference_weight(data, scale, fmt, block)
     x = torch.randn(2, 3, 160, generator=g).to(dtype)
@@ -424,12 +428,7 @@ def test_compiled_decode_gemv_is_the_fused_reduction(fmt):
     as dequantise-then-matmul within the fp32 summation bound; more rows take the whole-tensor path."""
     torch._dynamo.reset()
     g = gen(23)
-    if fmt == "fp8":
-        data, scale = fp8_weight(96, 160, 32, g)
-    elif fmt == "fp4":
-        data, scale = fp4_weight(96, 160, g)
-    else:
-        data, scale = torch.randn(96, 160, generator=g).to(torch.bfloat16), None
+    data, scale = weight_96x160(fmt, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     compiled = torch.compile(qlinear, backend="aot_eager", fullgraph=True)
     for rows in (1, 3, ql.FUSED_MAX_ROWS + 1):
