@@ -207,7 +207,7 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
 
     def locate(name: str, what: str = "tensor") -> _Shard:
         if name not in weight_map:
-            raise _fail(f"{name}: {what} missing from {map_file}")
+            raise _fail(f"{name}: {what} missing from {map_file}{_truncation_hint(name, weight_map)}")
         return shards[weight_map[name]]
 
     def count(entry: _HeaderEntry) -> None:
@@ -243,6 +243,18 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
             raise _fail(f"{spec.name}: unknown stored format {fmt!r}")
         plans.append(_Plan(spec, fmt, shard, scale_shard))
     return plans, bytes_by_dtype
+
+
+def _truncation_hint(name: str, weight_map: dict[str, str]) -> str:
+    """For a missing `layers.K.*` tensor when the checkpoint holds no layer K at all: it holds the first K
+    layers only (a truncated checkpoint), so say how to run it."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) == 0:
+        return ""
+    k = int(parts[1])
+    if any(n.startswith(f"layers.{k}.") for n in weight_map):
+        return ""
+    return f" (it holds no layer {k}: a checkpoint of the first {k} layers runs with --layers {k})"
 
 
 def _check_block_size(cfg: ModelConfig, spec: TensorSpec, sname: str, shard: _Shard) -> None:

@@ -89,8 +89,9 @@ def test_mid_size_kept_quantised_matches_dequantised(mid2):
     kept = gen_json(*args)[0]
     ref = gen_json(*args, "--dequantize")[0]
     assert kept["tokens"] == ref["tokens"]
-    r = cli("generate", "-m", mid2, "-n", 2)
-    user_error(r, "layers.2.", "missing")  # only 2 of the config's 4 layers are in the checkpoint
+    r = cli("generate", "-m", mid2, "-n", 2)  # only 2 of the config's 4 layers are in the checkpoint
+    user_error(r, "layers.2.", "missing", "holds no layer 2", "--layers 2")
+    user_error(cli("info", "-m", mid2), "--layers 2")
 
 
 def test_layers_runs_the_first_n_layers(tiny_fp8):
