@@ -284,7 +284,8 @@ def golden_check(
 def info(
     model: str = ModelOpt,
     layers: int = LayersOpt,
-    context: int = typer.Option(4096, "--context", help="Context (tokens per sequence) the memory plan is for."),
+    context: int = typer.Option(None, "--context", help="Context (tokens per sequence) the memory plan is for "
+                                "(default: 4096, or the model's maximum when smaller)."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
     dequantize: bool = DequantizeOpt,
@@ -300,11 +301,14 @@ def info(
         from mhcrun.memory import format_bytes
         from mhcrun.runner import open_runner
 
-        if batch < 1 or context < 1:
-            raise InputError(f"--batch and --context must be >= 1, got {batch} and {context}")
         runner = open_runner(model, dtype, layers=layers, dequantize=dequantize)
+        longest = runner.config.max_position_embeddings
+        tokens = min(4096, longest) if context is None else context
+        if batch < 1 or not 1 <= tokens <= longest:
+            raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
+                             f"got {batch} and {tokens}")
         desc = inspect_checkpoint(runner.path, layers)
-        mp = runner.memory_plan(batch, context, available=memory_limit_option(memory_limit))
+        mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit))
         desc["memory_plan"] = mp.to_dict()
         if as_json:
             print(json.dumps(desc))

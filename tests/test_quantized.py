@@ -166,6 +166,14 @@ def test_generate_refuses_a_plan_over_budget_unless_forced(tiny_fp8):
     ok(cli("generate", "-m", tiny_fp8, "-n", 2, "--memory-limit", "4GiB"))
 
 
+def test_info_context_defaults_to_the_models_maximum_and_is_checked():
+    r = cli("info", "--json")  # the tiny model's maximum is 512 tokens
+    ok(r)
+    assert json.loads(r.stdout)["memory_plan"]["context"] == 512
+    user_error(cli("info", "--context", 513), "--context", "512")
+    user_error(cli("info", "--batch", 0), "--batch")
+
+
 @pytest.mark.parametrize("text,want", [("24G", 24 * 10**9), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
                                        ("100000", 100000), (" 2 kib ", 2048)])
 def test_parse_size(text, want):
