@@ -73,8 +73,8 @@ def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> 
         elif p.fmt in ("fp8", "fp4"):
             if dequantize:
                 total += n * (dtype.itemsize if name.endswith("wo_a.weight") else 4)
-        elif dequantize or name not in STORED_DTYPE:
-            total += n * (4 if fp32_param(name) else dtype.itemsize)
+        elif dequantize or name not in STORED_DTYPE:  # dequantised, the vocabulary tensors are fp32 too
+            total += n * (4 if fp32_param(name) or name in STORED_DTYPE else dtype.itemsize)
     return total
 
 

@@ -112,12 +112,14 @@ def test_layers_out_of_range(layers):
 # ---------------------------------------------------------------------------------------------- memory plan
 
 
-def test_memory_plan_matches_what_is_built(tiny_fp8):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_plan_matches_what_is_built(tiny_fp8, dtype):
     plan = plan_checkpoint(tiny_fp8)
     for dequantize in (False, True):
-        mp = plan_memory(plan, plan.config.n_layers, batch=3, context=64, dequantize=dequantize, available=1 << 40)
+        mp = plan_memory(plan, plan.config.n_layers, batch=3, context=64, dtype=dtype, dequantize=dequantize,
+                         available=1 << 40)
         ck = load_checkpoint(tiny_fp8, dequantize=dequantize)
-        model = build_model(ck.config, ck.tensors, ck.quantized, scales=ck.scales)
+        model = build_model(ck.config, ck.tensors, ck.quantized, dtype, scales=ck.scales)
         model.setup_caches(3, 64)
         state = sum(t.nbytes for roots in model.roots.values() for t in roots.values())
         assert mp.state["kv_cache"] + mp.state["compressor_state"] + mp.state["indexer_cache"] == state
