@@ -9,6 +9,7 @@ mapping (see `load_checkpoint`). Every problem is a one-line `CheckpointError` n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -69,7 +70,12 @@ class LoadedCheckpoint:
     scales: dict[str, torch.Tensor]  # weight name -> its stored scale, for quantised weights kept quantised
     bytes_by_dtype: dict[str, int]  # on-disk bytes of the loaded tensors (scales included), by dtype
     unused: list[str]  # tensors in the checkpoint that the model does not use (mtp.* excluded)
-    weights_hash: str  # 16 hex chars, see checkpoint_weights_hash
+    shard_files: list[Path]  # relative to path
+
+    @functools.cached_property
+    def weights_hash(self) -> str:
+        """16 hex chars, see checkpoint_weights_hash; computed on first use (it may read every shard byte)."""
+        return checkpoint_weights_hash(self.path, self.shard_files)
 
 
 @dataclass(frozen=True)
@@ -405,9 +411,8 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
             mapped.pop(shard_path, None)
     tensors = {p.spec.name: tensors[p.spec.name] for p in plan.plans}  # spec order
     quantized = {p.spec.name for p in plan.plans if p.fmt in ("fp8", "fp4")}
-    weights_hash = checkpoint_weights_hash(plan.root, [Path(name) for name in plan.shards])
     return LoadedCheckpoint(plan.root, cfg, tensors, quantized, scales, plan.bytes_by_dtype, plan.unused,
-                            weights_hash)
+                            [Path(name) for name in plan.shards])
 
 
 def inspect_checkpoint(path: str | Path, n_layers: int | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ map the weights and build the model."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +54,9 @@ class Runner:
     def n_layers(self) -> int:
         return self.layers or self.config.n_layers
 
-    @property
+    @functools.cached_property
     def identity(self) -> dict:
-        """What a golden file records to name the model it was made with."""
+        """What a golden file records to name the model it was made with (hashed once, on first use)."""
         name = "tiny" if self.path.resolve() == DEFAULT_MODEL.resolve() else self.path.name
         shards = [Path(name) for name in self.plan.shards]
         return {"name": name, "config_hash": self.config.fingerprint(),
