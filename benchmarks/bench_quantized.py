@@ -7,10 +7,13 @@ Prints, on this machine and in this run:
 - memcpy bandwidth (bytes copied per second, torch's copy_ of 512 MB, best of 5): the physical limit of a
   memory-bound decode;
 - for the tiny FP8 variant and the mid-size config (`configs/v4-mid.json`, full width, all 4 layers, written by
-  `mhcrun make-synthetic` to a temp dir): bytes on disk; peak RSS of `mhcrun generate` kept quantised and
-  dequantised (each in its own process) against the goal 1.1 x disk + 300 MB; decode tokens/s of both; the
-  weight bytes one decoded token reads (`mhcrun.memory.decode_bytes_per_token`) and the bandwidth that makes,
-  as a fraction of memcpy's; and whether both produce the same greedy tokens;
+  `mhcrun make-synthetic` to a temp dir): bytes on disk; peak RSS of `mhcrun generate` kept quantised (decode
+  GEMVs through the fused kernel, `mhcrun/ops/qgemv.cpp`, the default), kept quantised through the torch chunk
+  decoders (`MHCRUN_CPU_KERNEL=0`) and dequantised (each in its own process) against the goal
+  1.1 x disk + 300 MB; decode tokens/s; the weight bytes one decoded token reads
+  (`mhcrun.memory.decode_bytes_per_token`) and the bandwidth that makes, as a fraction of memcpy's; the
+  kernel's speed-up over the torch decoders; and whether the runs produce the same greedy tokens, with the
+  FP8 activation simulation on (the default) and off;
 - with --flash: the same for `mhcrun generate --layers 2` on a 2-layer V4-Flash-shape checkpoint, kept quantised
   only (dequantised it would need ~70 GB).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -50,11 +54,11 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def run_generate(path: Path, tokens: int, *extra: str) -> dict:
+def run_generate(path: Path, tokens: int, *extra: str, env: dict[str, str] | None = None) -> dict:
     """`mhcrun generate --json` in a fresh process (its peak RSS is its own)."""
     cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(path), "--prompt-ids", PROMPT, "-n", str(tokens),
            "--ignore-eos", "--json", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ | (env or {}))
     if res.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr}")
     return json.loads(res.stdout.splitlines()[-1])
@@ -64,13 +68,16 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def best_runs(path: Path, tokens: int, variants: dict[str, tuple[str, ...]], repeats: int) -> dict[str, dict]:
+Variant = tuple[tuple[str, ...], dict[str, str]]  # extra generate arguments, extra environment
+
+
+def best_runs(path: Path, tokens: int, variants: dict[str, Variant], repeats: int) -> dict[str, dict]:
     """Each variant `repeats` times, interleaved; per variant the run with the best decode rate (the machine
     is noisy: its two cores are shared) and the highest peak RSS seen."""
     best: dict[str, dict] = {}
     for _ in range(repeats):
-        for label, extra in variants.items():
-            res = run_generate(path, tokens, *extra)
+        for label, (extra, env) in variants.items():
+            res = run_generate(path, tokens, *extra, env=env)
             old = best.get(label)
             if old is None or res["stats"]["decode_tok_s"] > old["stats"]["decode_tok_s"]:
                 rss = max(res["stats"]["peak_rss_mb"], old["stats"]["peak_rss_mb"] if old else 0.0)
@@ -81,30 +88,46 @@ def best_runs(path: Path, tokens: int, variants: dict[str, tuple[str, ...]], rep
     return best
 
 
+def agreement(a: list[int], b: list[int]) -> str:
+    if a == b:
+        return f"yes ({len(a)} tokens)"
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"NO (the first {first} of {len(a)} tokens agree)"
+
+
 def measure(name: str, path: Path, tokens: int, bandwidth: float, repeats: int, layers: int | None = None,
             dequantized: bool = True) -> None:
+    """Kept quantised through the fused kernel (the default) and through the torch decoders
+    (MHCRUN_CPU_KERNEL=0), and dequantised at load (the reference), side by side."""
     extra = ("--layers", str(layers)) if layers else ()
     plan = plan_checkpoint(path, layers)
     disk = disk_bytes(path)
     goal = 1.1 * disk + 300 * MB
-    variants = {"kept quantised": extra} | ({"dequantised": (*extra, "--dequantize")} if dequantized else {})
+    variants: dict[str, Variant] = {"kept quantised": (extra, {}),
+                                    "kept, torch": (extra, {"MHCRUN_CPU_KERNEL": "0"})}
+    if dequantized:
+        variants["dequantised"] = ((*extra, "--dequantize"), {})
     runs = best_runs(path, tokens, variants, repeats)
-    rows = [(label, runs[label], decode_bytes_per_token(plan, dequantize=label == "dequantised"))
-            for label in variants]
     print(f"\n{name}: {disk / MB:,.0f} MB on disk, goal for peak RSS kept quantised <= 1.1 x disk + 300 MB "
           f"= {goal / MB:,.0f} MB")
-    for label, res, per_token in rows:
+    for label, res in runs.items():
         s = res["stats"]
+        per_token = decode_bytes_per_token(plan, dequantize=label == "dequantised")
         rss = s["peak_rss_mb"] * 1024 * 1024  # generate reports MiB (VmHWM)
         rate = s["decode_tok_s"] * per_token
         verdict = "" if label != "kept quantised" else ", goal met" if rss <= goal else ", OVER GOAL"
         print(f"  {label:15s} peak RSS {rss / MB:8,.0f} MB ({rss / disk:5.2f}x disk{verdict})  "
               f"decode {s['decode_tok_s']:7.2f} tok/s  reads {per_token / MB:8.1f} MB/token = {rate / 1e9:5.2f} GB/s = "
               f"{100 * rate / bandwidth:5.1f}% of memcpy")
+    kept = runs["kept quantised"]["tokens"]
+    speedup = runs["kept quantised"]["stats"]["decode_tok_s"] / runs["kept, torch"]["stats"]["decode_tok_s"]
+    print(f"  fused kernel vs torch decoders: {speedup:.2f}x decode; same greedy tokens: "
+          f"{agreement(kept, runs['kept, torch']['tokens'])}")
     if dequantized:
-        same = rows[0][1]["tokens"] == rows[1][1]["tokens"]
-        print(f"  same greedy tokens kept quantised and dequantised: {'yes' if same else 'NO'} "
-              f"({len(rows[0][1]['tokens'])} tokens)")
+        print(f"  same greedy tokens kept quantised and dequantised: {agreement(kept, runs['dequantised']['tokens'])}")
+        off = [run_generate(path, tokens, *extra, *more, "--no-quant-sim")["tokens"]
+               for more in ((), ("--dequantize",))]
+        print(f"  ... with the FP8 activation simulation off (--no-quant-sim): {agreement(*off)}")
 
 
 def main() -> None:

@@ -11,11 +11,14 @@ Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph 
 The values are exactly those of `quant.dequantize_fp8` / `quant.dequantize_fp4` (fp8 / e2m1 values times the
 block scale: one rounding, the same as the reference's), and the GEMM accumulates in fp32.
 
-CPU eager path: the output rows are taken in chunks of about `CHUNK_BYTES` of fp32; each chunk is decoded
-with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small buffer that stays in cache
-and multiplied right away (`F.linear` on the chunk), so no fp32 copy of the weight is ever made. For fp8 with
-few rows of x, a chunk inside one block row leaves its values unscaled and x takes the per-column scales
-instead (exact for power-of-two scales, see `_RowDecoder.x_fold_ok`). Under `torch.compile`
+CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv`
+(C++/AVX-512, built on first use) reads each weight byte once and decodes it in registers; where it does not
+apply (prefill, no compiler or AVX-512, NaN codes, MHCRUN_CPU_KERNEL=0), the output rows are taken in chunks of
+about `CHUNK_BYTES` of fp32; each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32
+cast) into a small buffer that stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32
+copy of the weight is ever made. For fp8 with few rows of x, a chunk inside one block row leaves its values
+unscaled and x takes the per-column scales instead (exact for power-of-two scales, see
+`_RowDecoder.x_fold_ok`). Under `torch.compile`
 (`torch.compiler.is_compiling()`) on CPU, a decode GEMV (at most FUSED_MAX_ROWS rows of x) is written as a
 reduction with the dequantisation inside it (`gemv_fused`), which inductor turns into one loop that reads each
 weight byte once; anything else dequantises the whole weight with plain tensor ops (`dequantize`) and
@@ -51,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mhcrun.ops.qgemv import act_quant_fp8, qgemv
 from mhcrun.ops.quant import e8m0_to_float, fp8_simulate, quantize_act_fp8, scale_to_float, unpack_fp4
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
@@ -486,6 +490,9 @@ def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: i
     """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32, chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
     r = data.shape[0] // groups
+    fast = qgemv(x3, data, scale, fmt, block, groups)  # decode sizes: the fused kernel, when it applies
+    if fast is not None:
+        return fast
     if not _denormals_ok():
         w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
         return torch.einsum("mgd,grd->mgr", x3, w)
@@ -559,7 +566,12 @@ def _check_weight(data: Tensor, scale: Tensor | None, fmt: str, block: int, what
 
 
 def _act_quant(x: Tensor) -> Tensor:
-    """The activation as linear(..., act_quant=True) rounds it (result in x.dtype)."""
+    """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); decode-sized CPU x takes
+    the C++ version of the same rounding (bitwise equal, one call instead of ~25 torch ops)."""
+    if not torch.compiler.is_compiling():
+        fast = act_quant_fp8(x, ACT_BLOCK)
+        if fast is not None:
+            return fast
     return fp8_simulate(x, ACT_BLOCK, pow2_scale=True)
 
 

@@ -1,0 +1,321 @@
+// Fused dequantise-and-multiply GEMV for weights kept quantised in memory (CPU, AVX-512).
+//
+// y[m, n] = sum_k x[m, g(n), k] * W[n, k], W in one of the formats of mhcrun/ops/qlinear.py:
+//   fp8  (format 0): e4m3 bytes [N, K], a scale per block x block tile   [ceil(N/block), ceil(K/block)]
+//   fp4  (format 1): e2m1 codes [N, K/2], low nibble first, a scale per `block` inputs of a row [N, ceil(K/block)]
+//   bf16 (format 2): [N, K], no scale
+// Scales are e8m0 bytes (kind 0: 2**(b - 127), 255 = NaN) or fp32 (kind 1).
+// x is fp32 [M, G, K]; output row n belongs to group g(n) = n / (N / G) (G = 1 except DeepSeek's grouped wo_a).
+// y is fp32 [M, N]. Each weight byte is read once per (up to) four rows of x and decoded in registers:
+//   e4m3 -> fp16 bits ((b & 0x80) << 8 | (b & 0x7F) << 7) are the value * 2**-8, normals and subnormals alike
+//        (vcvtph2ps), the 2**8 goes into the tile scale;
+//   e2m1 -> the nibble indexes a 16-entry fp32 table (vpermps); x is split into its even and odd inputs
+//        beforehand so that the low and high nibbles of 16 bytes meet 16 consecutive x values each.
+// Sums are fp32: a tile's (or group's) products are summed, then multiplied by its scale (a power of two for
+// e8m0: exact), then accumulated. The result equals dequantise-then-fp32-matmul up to the summation order.
+// Return codes: 0 done; 1 the weight holds an e4m3 NaN code; 2 a scale is NaN, infinite or so large that the
+// dequantised weight would overflow; 3 this CPU lacks AVX-512; 4 out of memory; 5 a thread flushes subnormals. On a non-zero code y is unspecified and the
+// caller takes the reference path, which gives NaN/inf exactly where dequantise-then-matmul does.
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+
+namespace {
+
+constexpr int FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2;
+constexpr int MB = 4;  // rows of x sharing one decode of the weight
+
+struct Job {
+    int fmt, scale_kind;
+    const uint8_t* w;       // weight bytes, row-major, rows of `row_bytes`
+    const void* s;          // scales (row-major grid) or null
+    const float* x;         // [M, G, K] (fp4: each row split into its K/2 even then K/2 odd inputs)
+    float* y;               // [M, N]
+    int64_t m, n, k, block, groups, row_bytes, s_cols;
+};
+
+struct E8m0Table {
+    float v[256];
+    E8m0Table() {
+        for (int b = 0; b < 256; b++) v[b] = b == 255 ? NAN : std::ldexp(1.0f, b - 127);
+    }
+};
+const E8m0Table E8M0;
+
+inline float e8m0(uint8_t b) { return E8M0.v[b]; }
+
+inline float scale_at(const Job& j, int64_t r, int64_t c) {
+    int64_t i = r * j.s_cols + c;
+    return j.scale_kind == 0 ? e8m0(static_cast<const uint8_t*>(j.s)[i]) : static_cast<const float*>(j.s)[i];
+}
+
+// Largest |dequantised weight| / |scale| of a format: a scale times this must stay finite.
+float format_max(int fmt) { return fmt == FMT_FP8 ? 448.0f : 6.0f; }
+
+int check_scales(const Job& j, int64_t count) {
+    if (j.fmt == FMT_BF16) return 0;
+    float top = FLT_MAX / format_max(j.fmt);  // every value * scale stays finite
+    for (int64_t i = 0; i < count; i++) {
+        float s = j.scale_kind == 0 ? e8m0(static_cast<const uint8_t*>(j.s)[i]) : static_cast<const float*>(j.s)[i];
+        if (!(std::fabs(s) <= top)) return 2;  // also NaN
+    }
+    return 0;
+}
+
+inline uint32_t bits_of(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+inline float float_of(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Whether this thread flushes subnormals (MXCSR FTZ or DAZ, as torch.set_flush_denormal(True) sets them): the
+// kernels then decline, since subnormal scales, weights and inputs are part of the formats.
+inline bool flushes_denormals() { return (_mm_getcsr() & 0x8040) != 0; }
+
+#define INLINE inline __attribute__((always_inline))
+
+AVX512 INLINE __mmask16 tail16(int64_t left) { return left >= 16 ? 0xFFFF : __mmask16((1u << left) - 1); }
+AVX512 INLINE __mmask32 tail32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : __mmask32((1u << left) - 1); }
+
+// 16 x values at p, or those of them in mk (TAIL). Hot loops run TAIL = false, without masks or branches, so
+// that their accumulators stay in registers.
+template <bool TAIL>
+AVX512 INLINE __m512 load_x(const float* p, __mmask16 mk) {
+    return TAIL ? _mm512_maskz_loadu_ps(mk, p) : _mm512_loadu_ps(p);
+}
+
+// fp8: 32 e4m3 bytes at w + k into the two 16-input partial sums of each row of x; NaN codes noted in `nan`.
+template <int R, bool TAIL>
+AVX512 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask32 mk, const float* const* xs, __m512 (&p0)[R],
+                            __m512 (&p1)[R], __mmask32& nan) {
+    const __m512i m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
+    __m256i raw = TAIL ? _mm256_maskz_loadu_epi8(mk, w + k) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    __m512i b = _mm512_cvtepu8_epi16(raw);
+    __m512i mag = _mm512_and_si512(b, m7f);
+    nan |= _mm512_cmpeq_epi16_mask(mag, m7f);
+    __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, m80), 8), _mm512_slli_epi16(mag, 7));
+    __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    for (int r = 0; r < R; r++) {
+        p0[r] = _mm512_fmadd_ps(lo, load_x<TAIL>(xs[r] + k, __mmask16(mk)), p0[r]);
+        p1[r] = _mm512_fmadd_ps(hi, load_x<TAIL>(xs[r] + k + 16, __mmask16(mk >> 16)), p1[r]);
+    }
+}
+
+// fp8 row n: tiles of `block` inputs, 32 bytes at a time into two FMA chains per row of x, each tile's sum
+// times its scale. Returns whether a NaN code was seen.
+template <int R>
+AVX512 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __mmask32 nan = 0;
+    for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
+        const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
+        __m512 p0[R], p1[R];
+        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 32 <= k1; k += 32) fp8_step<R, false>(w, k, 0, xs, p0, p1, nan);
+        if (k < k1) fp8_step<R, true>(w, k, tail32(k1 - k), xs, p0, p1, nan);
+        const __m512 s = _mm512_set1_ps(scale_at(j, n / j.block, c) * 256.0f);  // fp16 values are e4m3 * 2**-8
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    return nan != 0;
+}
+
+// fp4: the 16 e2m1 values times a group's scale, indexed by nibble (vpermps).
+AVX512 INLINE __m512 fp4_table(float scale) {
+    const __m512 t = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    return _mm512_mul_ps(t, _mm512_set1_ps(scale));
+}
+
+// fp4: 16 bytes (32 inputs) at byte b of a row: low nibbles meet xs[r][b..], high nibbles xs[r][half + b..].
+template <int R, bool TAIL>
+AVX512 INLINE void fp4_step(const uint8_t* w, int64_t b, __mmask16 mk, __m512 table, const float* const* xs,
+                            int64_t half, __m512 (&acc_lo)[R], __m512 (&acc_hi)[R]) {
+    __m128i raw = TAIL ? _mm_maskz_loadu_epi8(mk, w + b) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b));
+    __m512i t = _mm512_cvtepu8_epi32(raw);
+    __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(t, _mm512_set1_epi32(0x0F)), table);
+    __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), table);
+    for (int r = 0; r < R; r++) {
+        acc_lo[r] = _mm512_fmadd_ps(lo, load_x<TAIL>(xs[r] + b, mk), acc_lo[r]);
+        acc_hi[r] = _mm512_fmadd_ps(hi, load_x<TAIL>(xs[r] + half + b, mk), acc_hi[r]);
+    }
+}
+
+// fp4 row n: groups of `block` inputs (block/2 bytes), 16 bytes at a time, each through its group's scaled
+// table. Groups of 32 x 2**i inputs (the released 32 among them) take two chunks per step into four FMA chains.
+template <int R>
+AVX512 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const int64_t half = j.k / 2, gb = j.block / 2;
+    __m512 a0[R], a1[R], a2[R], a3[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+    if (gb >= 16 && (gb & (gb - 1)) == 0) {  // the group of byte b is b >> shift
+        const int shift = __builtin_ctzll(gb);
+        int64_t b = 0;
+        for (; b + 32 <= half; b += 32) {
+            fp4_step<R, false>(w, b, 0, fp4_table(scale_at(j, n, b >> shift)), xs, half, a0, a1);
+            fp4_step<R, false>(w, b + 16, 0, fp4_table(scale_at(j, n, (b + 16) >> shift)), xs, half, a2, a3);
+        }
+        for (; b < half; b += 16)
+            fp4_step<R, true>(w, b, tail16(half - b), fp4_table(scale_at(j, n, b >> shift)), xs, half, a0, a1);
+    } else {
+        for (int64_t b0 = 0, c = 0; b0 < half; b0 += gb, c++) {
+            const int64_t b1 = b0 + gb < half ? b0 + gb : half;
+            const __m512 table = fp4_table(scale_at(j, n, c));
+            for (int64_t b = b0; b < b1; b += 16) fp4_step<R, true>(w, b, tail16(b1 - b), table, xs, half, a0, a1);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
+}
+
+// bf16: 16 weights at w + k (the bf16 bits are the top half of the fp32 ones) into acc.
+template <int R, bool TAIL>
+AVX512 INLINE void bf16_step(const uint16_t* w, int64_t k, __mmask16 mk, const float* const* xs, __m512 (&acc)[R]) {
+    __m256i raw = TAIL ? _mm256_maskz_loadu_epi16(mk, w + k) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(v, load_x<TAIL>(xs[r] + k, mk), acc[r]);
+}
+
+template <int R>
+AVX512 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(j.w + n * j.row_bytes);
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= j.k; k += 32) {
+        bf16_step<R, false>(w, k, 0, xs, a0);
+        bf16_step<R, false>(w, k + 16, 0, xs, a1);
+    }
+    for (; k < j.k; k += 16) bf16_step<R, true>(w, k, tail16(j.k - k), xs, a0);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+template <int R>
+AVX512 bool run_row(const Job& j, int64_t n, int64_t m0) {
+    const int64_t per_group = j.n / j.groups, g = n / per_group;
+    const float* xs[R];
+    float out[R];
+    for (int r = 0; r < R; r++) xs[r] = j.x + ((m0 + r) * j.groups + g) * j.k;
+    bool nan = false;
+    if (j.fmt == FMT_FP8) nan = fp8_row<R>(j, n, xs, out);
+    else if (j.fmt == FMT_FP4) fp4_row<R>(j, n, xs, out);
+    else bf16_row<R>(j, n, xs, out);
+    for (int r = 0; r < R; r++) j.y[(m0 + r) * j.n + n] = out[r];
+    return nan;
+}
+
+AVX512 bool run_rows(const Job& j, int64_t n0, int64_t n1) {
+    bool nan = false;
+    for (int64_t m0 = 0; m0 < j.m; m0 += MB) {
+        int64_t left = j.m - m0;
+        for (int64_t n = n0; n < n1; n++) {
+            if (left >= 4) nan |= run_row<4>(j, n, m0);
+            else if (left == 3) nan |= run_row<3>(j, n, m0);
+            else if (left == 2) nan |= run_row<2>(j, n, m0);
+            else nan |= run_row<1>(j, n, m0);
+        }
+    }
+    return nan;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether this CPU runs the kernel: 1 yes, 0 no.
+int mhc_qgemv_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+// y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are split here into even/odd
+// inputs. threads: how many OpenMP threads to use (torch's intra-op count).
+int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
+              int64_t n, int64_t k, int64_t block, int64_t groups, int threads) {
+    if (!mhc_qgemv_supported()) return 3;
+    Job j{fmt, scale_kind, static_cast<const uint8_t*>(w), s, x, y, m, n, k, block, groups,
+          fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0};
+    if (fmt == FMT_FP8) {
+        j.s_cols = (k + block - 1) / block;
+        if (int e = check_scales(j, (n + block - 1) / block * j.s_cols)) return e;
+    } else if (fmt == FMT_FP4) {
+        j.s_cols = (k + block - 1) / block;
+        if (int e = check_scales(j, n * j.s_cols)) return e;
+    }
+    float* split = nullptr;
+    if (fmt == FMT_FP4) {  // each x row -> its even inputs, then its odd inputs
+        split = static_cast<float*>(std::malloc(sizeof(float) * m * groups * k));
+        if (!split) return 4;
+        const int64_t half = k / 2;
+        for (int64_t i = 0; i < m * groups; i++)
+            for (int64_t t = 0; t < half; t++) {
+                split[i * k + t] = x[i * k + 2 * t];
+                split[i * k + half + t] = x[i * k + 2 * t + 1];
+            }
+        j.x = split;
+    }
+    // Rows go to threads in contiguous ranges; fp8 ranges are whole tiles when there are enough of them.
+    int64_t unit = fmt == FMT_FP8 && n >= block * threads ? block : 1;
+    int64_t units = (n + unit - 1) / unit;
+    int nan = 0, flush = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : nan, flush)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t n1 = (u + 1) * unit < n ? (u + 1) * unit : n;
+        flush |= flushes_denormals() ? 1 : 0;
+        nan |= run_rows(j, u * unit, n1) ? 1 : 0;
+    }
+    std::free(split);
+    return flush ? 5 : nan ? 1 : 0;
+}
+
+// DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
+// in place on fp32 rows [rows, k]: per block of `block` values (the last may be partial), scale = the smallest
+// power of two >= max(amax, 1e-4) / 448, and each value becomes e4m3(value / scale) * scale, rounded to nearest
+// even (|value / scale| <= 448, so nothing saturates). Every step is exact but the one rounding, so the result
+// equals torch's bitwise. Returns 1, leaving x as it was, when x holds a non-finite value (torch's NaN/inf
+// rules then apply, on the torch path).
+int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block) {
+    if (flushes_denormals()) return 1;
+    for (int64_t i = 0; i < rows * k; i++)
+        if (!std::isfinite(x[i])) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t k0 = 0; k0 < k; k0 += block) {
+            float* v = x + r * k + k0;
+            const int64_t len = k0 + block < k ? block : k - k0;
+            float amax = 1e-4f;
+            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
+            const uint32_t sb = bits_of(amax / 448.0f);  // a normal fp32: amax >= 1e-4
+            const float scale = (sb & 0x7FFFFF) ? float_of(((sb >> 23) + 1) << 23) : float_of(sb);  // pow2 ceil
+            for (int64_t i = 0; i < len; i++) {
+                const float q = v[i] / scale;  // exact: a power of two, |q| <= 448
+                const float a = std::fabs(q);
+                const uint32_t e = bits_of(a) >> 23;  // biased exponent: a in [2**(e-127), 2**(e-126))
+                const float step = e < 121 ? 0x1p-9f : float_of((e - 3) << 23);  // e4m3 spacing there
+                const float t = a / step;  // exact, <= 16
+                const float rounded = (t + 0x1p23f) - 0x1p23f;  // to nearest even integer
+                v[i] = std::copysign(rounded * step, q) * scale;
+            }
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

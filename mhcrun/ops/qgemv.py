@@ -1,0 +1,165 @@
+"""The CPU decode GEMV over weights kept quantised: `qgemv.cpp`, built on first use and called through ctypes.
+
+Decoding quantised weights with torch ops takes several passes over every chunk (`qlinear`'s chunk
+decoders), which leaves a decode step bound by arithmetic instead of memory. This kernel reads each weight
+byte once, decodes it in registers (AVX-512) and multiplies it into up to four rows of x at a time, on
+torch's OpenMP threads. It covers FP8 e4m3 with tile scales, packed FP4 e2m1 with group scales and bf16
+weights, for a few rows of x (decode); `qlinear` keeps its torch path as the reference and for everything
+else (prefill, other CPUs, a weight holding NaN codes or overflowing scales).
+
+Build: `$CXX` (default g++) with OpenMP, into `$MHCRUN_KERNEL_CACHE` (default ~/.cache/mhcrun/kernels), one
+file per source/compiler/flags hash, written atomically. Without a compiler, on a CPU without AVX-512, or with
+`MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns None; `status()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("qgemv.cpp")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
+MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
+_FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
+_STATUS = {1: "the weight holds an e4m3 NaN code", 2: "a scale is non-finite or overflows the weight",
+           3: "this CPU lacks AVX-512", 4: "out of memory", 5: "subnormals are flushed"}
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # set once the library is known to be unavailable
+
+
+def enabled() -> bool:
+    return os.environ.get("MHCRUN_CPU_KERNEL", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MHCRUN_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
+
+
+def _compiler_id(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compile qgemv.cpp (once per source, compiler and flags) and return the shared library's path."""
+    cxx = os.environ.get("CXX", "g++")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + cxx.encode() + " ".join(FLAGS).encode() + _compiler_id(cxx).encode())
+    cache = cache or _cache_dir()
+    path = cache / f"qgemv-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".qgemv-", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if res.returncode:
+            err = (res.stderr.strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {err}")
+        os.replace(tmp, path)  # atomic: concurrent builders each write their own temp file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why
+    if _lib is not None or _why is not None:
+        return _lib
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _why = f"not built ({e})"
+        return None
+    lib.mhc_qgemv.restype = ctypes.c_int
+    lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    lib.mhc_act_quant_fp8.restype = ctypes.c_int
+    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    if not lib.mhc_qgemv_supported():
+        _why = _STATUS[3]
+        return None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return enabled() and _load() is not None
+
+
+def status() -> str:
+    """One line: whether decode GEMVs on quantised CPU weights take the kernel, and if not why."""
+    if not enabled():
+        return "off (MHCRUN_CPU_KERNEL=0)"
+    return "avx512" if _load() is not None else f"off: {_why}"
+
+
+def _format(data: Tensor, fmt: str, block: int) -> int | None:
+    if fmt == "fp8" and data.dtype == torch.float8_e4m3fn and block > 0:
+        return _FORMATS["fp8"]
+    if fmt == "fp4" and data.dtype in (torch.uint8, torch.int8) and block % 2 == 0:
+        return _FORMATS["fp4"]
+    if fmt == "float" and data.dtype == torch.bfloat16:
+        return _FORMATS["bf16"]
+    return None
+
+
+def qgemv(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor | None:
+    """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight `data` in G groups, or None
+    when the kernel does not apply (then the caller takes the torch path). Arguments as qlinear's (checked
+    there); fp4's block 0 means 32."""
+    m, g, k = x3.shape
+    if m > MAX_ROWS or data.device.type != "cpu" or not data.is_contiguous() or not enabled():
+        return None
+    if fmt == "fp4" and block <= 0:
+        block = 32
+    code = _format(data, fmt, block)
+    if code is None:
+        return None
+    kind, s_ptr = 0, None
+    if scale is not None:
+        if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+            scale = scale.contiguous().view(torch.uint8)
+        elif scale.dtype == torch.float32:
+            scale, kind = scale.contiguous(), 1
+        else:
+            return None
+        s_ptr = scale.data_ptr()
+    lib = _load()
+    if lib is None:
+        return None
+    x = x3.float().contiguous()
+    n = data.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.mhc_qgemv(code, data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k, block, g,
+                       torch.get_num_threads())
+    return None if rc else y.view(m, g, n // g)
+
+
+def act_quant_fp8(x: Tensor, block: int) -> Tensor | None:
+    """fp8_simulate(x, block, pow2_scale=True) (DeepSeek's act_quant before an FP8/FP4 GEMM), bitwise, for a
+    few rows of a CPU fp32/bf16 x; None when it does not apply (then the caller takes the torch path)."""
+    k = x.shape[-1]
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not enabled():
+        return None
+    rows = x.numel() // k
+    lib = _load()
+    if lib is None or rows > MAX_ROWS:
+        return None
+    y = x.to(torch.float32, copy=True).contiguous()
+    if lib.mhc_act_quant_fp8(y.data_ptr(), rows, k, block):
+        return None
+    return y.to(x.dtype)

@@ -1,0 +1,280 @@
+"""The fused CPU GEMV kernel (mhcrun/ops/qgemv.cpp) against dequantise-then-fp32-matmul.
+
+Shapes cover partial tiles and groups, inner sizes that end inside a 16/32-byte vector, tile and group sizes
+that are not multiples of the vector width, every remainder of the four-rows-at-a-time loop, grouped outputs
+(wo_a) and each scale encoding. Results are compared with the two-summation-orders fp32 bound of
+test_qlinear; where the kernel must not run (NaN codes, overflowing scales) it returns None and qlinear gives
+the reference's values.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mhcrun.ops import qgemv
+from mhcrun.ops.qlinear import dequantize, qlinear
+from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
+from tests.test_qlinear import assert_gemm_close, fp8_weight, gen, pow2, reference_weight
+
+needs_kernel = pytest.mark.skipif(not qgemv.available(), reason=f"CPU kernel {qgemv.status()}")
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def fp4_weight(out_f: int, in_f: int, block: int, g: torch.Generator, e8m0: bool = True):
+    p = torch.randint(0, 256, (out_f, in_f // 2), generator=g, dtype=torch.uint8)
+    s = pow2((out_f, -(-in_f // block)), -12, 2, g)
+    return p, (float_to_e8m0(s) if e8m0 else s)
+
+
+def run(x3: torch.Tensor, data, scale, fmt: str, block: int, groups: int = 1) -> torch.Tensor:
+    y = qgemv.qgemv(x3, data, scale, fmt, block, groups)
+    assert y is not None, "the kernel declined"
+    return y
+
+
+def check_groups(y: torch.Tensor, x3: torch.Tensor, w_ref: torch.Tensor) -> None:
+    m, groups, k = x3.shape
+    r = w_ref.shape[0] // groups
+    assert y.shape == (m, groups, r) and y.dtype == torch.float32
+    for gi in range(groups):
+        rows = w_ref[gi * r:(gi + 1) * r]
+        assert_gemm_close(y[:, gi], F.linear(x3[:, gi], rows), x3[:, gi], rows)
+
+
+def test_kernel_builds_where_it_can():
+    """On an AVX-512 CPU with a C++ compiler the kernel must be in use (a broken build must not hide)."""
+    if not {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= cpu_flags():
+        pytest.skip("CPU without AVX-512")
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler")
+    assert qgemv.available() and qgemv.status() == "avx512"
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 32), (100, 300, 24), (1, 128, 128),
+                                         (130, 7, 32), (64, 1, 128), (256, 512, 128)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_fp8_against_reference(n, k, block, m):
+    g = gen(100 + m)
+    w, s = fp8_weight(n, k, block, g, e8m0=bool(m % 2))
+    w_ref = reference_weight(w, s, "fp8", block)
+    x3 = torch.randn(m, 1, k, generator=g)
+    check_groups(run(x3, w, s, "fp8", block), x3, w_ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, block", [(200, 320, 32), (33, 70, 32), (50, 128, 64), (17, 96, 8),
+                                         (40, 144, 48), (5, 2, 32), (64, 4096, 32)])
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+def test_fp4_against_reference(n, k, block, m):
+    """Groups of 32 and 64 take the two-chunk loop; 8 and 48 inputs the general one; 70 ends mid-vector."""
+    g = gen(200 + m)
+    p, s = fp4_weight(n, k, block, g, e8m0=bool(m % 2))
+    w_ref = dequantize(p, s, "fp4", block)
+    x3 = torch.randn(m, 1, k, generator=g)
+    check_groups(run(x3, p, s, "fp4", block), x3, w_ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16)])
+@pytest.mark.parametrize("m", [1, 7])
+def test_bf16_against_reference(n, k, m):
+    g = gen(300 + m)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x3 = torch.randn(m, 1, k, generator=g)
+    check_groups(run(x3, w, None, "float", 0), x3, w.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
+def test_grouped_rows_take_their_group_of_x(fmt):
+    """wo_a: output rows in 4 groups of 48 (straddling 32-row fp8 tiles), each against its own x."""
+    g = gen(400)
+    if fmt == "fp8":
+        data, scale = fp8_weight(192, 96, 32, g)
+    elif fmt == "fp4":
+        data, scale = fp4_weight(192, 96, 32, g)
+    else:
+        data, scale = torch.randn(192, 96, generator=g).to(torch.bfloat16), None
+    w_ref = reference_weight(data, scale, fmt, 32)
+    x3 = torch.randn(5, 4, 96, generator=g)
+    check_groups(run(x3, data, scale, fmt, 32, 4), x3, w_ref)
+
+
+@needs_kernel
+def test_fp4_non_power_of_two_scales_round_like_the_reference():
+    """fp32 scales that are not powers of two: the kernel scales the e2m1 table (one rounding, as the
+    reference's dequantisation), so the products are the reference weight's."""
+    g = gen(500)
+    p, _ = fp4_weight(64, 256, 32, g)
+    s = torch.rand(64, 8, generator=g) * 3 + 0.1
+    w_ref = dequantize(p, s, "fp4", 32)
+    x3 = torch.randn(2, 1, 256, generator=g)
+    check_groups(run(x3, p, s, "fp4", 32), x3, w_ref)
+
+
+@needs_kernel
+def test_subnormal_scales_and_inputs():
+    g = gen(600)
+    w, _ = fp8_weight(64, 128, 32, g)
+    s = float_to_e8m0(torch.full((2, 4), 2.0**-127))
+    w_ref = reference_weight(w, s, "fp8", 32)
+    x3 = torch.randn(3, 1, 128, generator=g) * 2.0**100
+    x3[0, 0, :7] = 2.0**-140  # subnormal inputs
+    check_groups(run(x3, w, s, "fp8", 32), x3, w_ref)
+
+
+@needs_kernel
+def test_same_result_on_any_thread_count():
+    """Each output row is one thread's sum in a fixed order: 1 and 2 threads agree bitwise."""
+    g = gen(700)
+    w, s = fp8_weight(512, 256, 128, g)
+    x3 = torch.randn(2, 1, 256, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(x3, w, s, "fp8", 128)
+        torch.set_num_threads(2)
+        two = run(x3, w, s, "fp8", 128)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_nan_codes_and_bad_scales_fall_back_to_the_reference():
+    """NaN codes, NaN (e8m0 0xFF) scales and scales whose products overflow: the kernel declines, and qlinear
+    gives NaN / inf exactly where dequantise-then-matmul does."""
+    g = gen(800)
+    w, s = fp8_weight(64, 64, 32, g)
+    bad_w = w.view(torch.uint8).clone()
+    bad_w[5, 3] = 0x7F
+    bad_w = bad_w.view(torch.float8_e4m3fn)
+    nan_s = s.view(torch.uint8).clone()
+    nan_s[1, 0] = 255
+    cases = [(bad_w, s), (w, nan_s.view(torch.float8_e8m0fnu)), (w, torch.full((2, 2), 2.0**125))]
+    x = torch.randn(2, 64, generator=g)
+    for data, scale in cases:
+        assert qgemv.qgemv(x[:, None], data, scale, "fp8", 32, 1) is None
+        w_ref = reference_weight(data, scale, "fp8", 32)
+        y, ref = qlinear(x, data, scale, "fp8", 32), F.linear(x, w_ref)
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
+@needs_kernel
+def test_declines_what_it_does_not_cover():
+    g = gen(900)
+    w, s = fp8_weight(64, 64, 32, g)
+    x = torch.randn(1, 1, 64, generator=g)
+    assert qgemv.qgemv(torch.randn(qgemv.MAX_ROWS + 1, 1, 64), w, s, "fp8", 32, 1) is None
+    assert qgemv.qgemv(x, w.t(), s, "fp8", 32, 1) is None  # not contiguous
+    assert qgemv.qgemv(x, torch.randn(8, 64).half(), None, "float", 0, 1) is None
+    assert qgemv.qgemv(x, w, s.view(torch.uint8).to(torch.int16), "fp8", 32, 1) is None
+    p, ps = fp4_weight(8, 64, 32, g)
+    assert qgemv.qgemv(x, p, ps, "fp4", 33, 1) is None  # odd groups split a byte
+
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+    w, s = fp8_weight(64, 64, 32, gen(1000))
+    assert qgemv.status() == "off (MHCRUN_CPU_KERNEL=0)" and not qgemv.available()
+    assert qgemv.qgemv(torch.randn(1, 1, 64), w, s, "fp8", 32, 1) is None
+
+
+def test_build_is_cached_and_atomic(tmp_path):
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler")
+    first = qgemv.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert qgemv.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [f.name for f in tmp_path.iterdir()] == [first.name]  # no temporary files left
+
+
+def test_build_failure_is_one_line(tmp_path, monkeypatch):
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'qgemv.cpp:1: error: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(RuntimeError, match="failed on qgemv.cpp: qgemv.cpp:1: error: broken"):
+        qgemv.build(tmp_path / "cache")
+    assert not any((tmp_path / "cache").iterdir())
+
+
+@needs_kernel
+def test_kernels_decline_when_subnormals_are_flushed():
+    g = gen(1100)
+    w, s = fp8_weight(64, 64, 32, g)
+    x = torch.randn(1, 1, 64, generator=g)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        assert qgemv.qgemv(x, w, s, "fp8", 32, 1) is None
+        assert qgemv.act_quant_fp8(x, 128) is None
+    finally:
+        torch.set_flush_denormal(False)
+    assert qgemv.qgemv(x, w, s, "fp8", 32, 1) is not None
+
+
+# ---------------------------------------------------------------- activation quantisation
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_quant_bitwise_equal_to_fp8_simulate(dtype):
+    """Random magnitudes from 2**-30 to 2**30, zeros, values far below their block's amax (subnormal e4m3
+    codes), partial last blocks, several rows."""
+    g = gen(1200)
+    for trial in range(120):
+        k = int(torch.randint(1, 700, (1,), generator=g))
+        rows = int(torch.randint(1, 6, (1,), generator=g))
+        x = torch.randn(rows, k, generator=g) * 2.0 ** float(torch.randint(-30, 30, (1,), generator=g))
+        if trial % 3 == 0:
+            x[..., ::7] *= 1e-6
+        if trial % 5 == 0:
+            x[..., ::3] = 0
+        x = x.to(dtype)
+        assert torch.equal(bits(qgemv.act_quant_fp8(x, 128)), bits(fp8_simulate(x, 128, pow2_scale=True)))
+
+
+@needs_kernel
+def test_act_quant_rounds_every_e4m3_value_and_tie_like_torch():
+    """Every finite e4m3 value, every midpoint between neighbours (ties to even) and the floats either side of
+    each midpoint, in one block whose amax is 448 (scale 1)."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, mids.nextafter(torch.full_like(mids, 1e9)), mids.nextafter(torch.full_like(mids, -1e9))])
+    x = x[x.abs() <= 448][None]
+    assert float(x.abs().max()) == 448.0
+    assert torch.equal(bits(qgemv.act_quant_fp8(x, x.shape[1])), bits(fp8_simulate(x, x.shape[1], pow2_scale=True)))
+
+
+@needs_kernel
+def test_act_quant_leaves_non_finite_x_to_torch():
+    x = torch.randn(2, 256)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 5] = bad
+        assert qgemv.act_quant_fp8(y, 128) is None
+        w, s = fp8_weight(64, 256, 128, gen(1300))
+        out = qlinear(y, w, s, "fp8", 128, act_quant=True)
+        ref = F.linear(fp8_simulate(y, 128, pow2_scale=True), reference_weight(w, s, "fp8", 128))
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    assert qgemv.act_quant_fp8(torch.randn(qgemv.MAX_ROWS + 1, 128), 128) is None
