@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mhcrun.errors import InputError, MhcrunError
@@ -178,6 +179,12 @@ def generate(
                                graph_mode=mode, stages=plan)
         if stream is not None:
             out.print(stream.flush(), markup=False)
+        kernel = None
+        if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
+            from mhcrun.ops import qgemv
+            kernel = qgemv.status()
+            for res in results:
+                res.stats["cpu_gemv_kernel"] = kernel
         for name, text, res in zip(names, texts, results, strict=True):
             res.text = tok.decode(res.tokens) if tok else ""
             if as_json:
@@ -191,7 +198,8 @@ def generate(
             s = results[0].stats if results else {}
             err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
                       f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
-                      f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB[/]", soft_wrap=True)
+                      f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
+                      + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "") + "[/]", soft_wrap=True)
 
     run_guarded(debug, body)
 

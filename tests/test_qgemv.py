@@ -278,3 +278,16 @@ def test_act_quant_leaves_non_finite_x_to_torch():
         ref = F.linear(fp8_simulate(y, 128, pow2_scale=True), reference_weight(w, s, "fp8", 128))
         assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
     assert qgemv.act_quant_fp8(torch.randn(qgemv.MAX_ROWS + 1, 128), 128) is None
+
+
+def test_generate_reports_the_kernel(tmp_path):
+    """generate says whether its CPU decode GEMVs took the kernel, in --json stats and on the summary line."""
+    from test_cli import cli, gen_json, ok
+
+    ids = ("--prompt-ids", "0,5,6", "-n", 3)
+    assert gen_json(*ids)[0]["stats"]["cpu_gemv_kernel"] == qgemv.status()
+    off = gen_json(*ids, env={"MHCRUN_CPU_KERNEL": "0"})[0]
+    assert off["stats"]["cpu_gemv_kernel"] == "off (MHCRUN_CPU_KERNEL=0)"
+    r = cli("generate", *ids)
+    ok(r)
+    assert f"CPU GEMV kernel {qgemv.status()}" in r.stderr
