@@ -6,14 +6,17 @@
     python benchmarks/bench_qgemm.py --cuda       # the CUDA paths (_scaled_mm and dequantise), on a GPU
 
 Prints G elements/s of each decoder (reference: quant.dequantize_fp8 / dequantize_fp4 and the bare
-`w.float()` cast), and for qlinear with x [1, in] (decode) and [37, in] (prefill) the effective GB/s of
-quantised weight bytes read, beside memcpy bandwidth (`b.copy_(a)` of 256 MB, bytes copied per second).
+`w.float()` cast), and for qlinear with x [1, in] (decode: the fused kernel, mhcrun/ops/qgemv.cpp) and
+[37, in] (prefill) the effective GB/s of quantised weight bytes read, with the torch chunk decoders
+(MHCRUN_CPU_KERNEL=0) beside it, and memcpy bandwidth (`b.copy_(a)` of 256 MB, bytes copied per second).
 Each number is the best of several repeats: these machines are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import torch
@@ -91,12 +94,29 @@ def gemm_case(fmt: str, out_f: int, in_f: int, m: int) -> None:
     x = torch.randn(m, in_f)
     t_q = best_time(lambda: ql.qlinear(x, q, s, fmt, block))
     t_a = best_time(lambda: ql.qlinear(x, q, s, fmt, block, True))
+    with torch_decoders():
+        t_t = best_time(lambda: ql.qlinear(x, q, s, fmt, block))
     t_f = best_time(lambda: F.linear(x, ref_w))
     t_r = best_time(lambda: F.linear(x, dequantize_ref(q, s, fmt)), repeats=2)
     print(f"  {fmt} [{out_f} x {in_f}] x [{m}, {in_f}]: qlinear {t_q * 1e3:7.2f} ms "
-          f"= {qbytes / t_q / 1e9:6.2f} GB/s of quantised weight (act_quant {t_a * 1e3:.2f} ms); "
+          f"= {qbytes / t_q / 1e9:6.2f} GB/s of quantised weight (act_quant {t_a * 1e3:.2f} ms; torch decoders "
+          f"{t_t * 1e3:.2f} ms = {qbytes / t_t / 1e9:.2f} GB/s); "
           f"reference dequantise + F.linear {t_r * 1e3:7.1f} ms; F.linear on a ready fp32 weight "
           f"{t_f * 1e3:.2f} ms = {ref_w.numel() * 4 / t_f / 1e9:.1f} GB/s of fp32")
+
+
+@contextlib.contextmanager
+def torch_decoders():
+    """qlinear without the fused CPU kernel (mhcrun.ops.qgemv): the torch chunk decoders."""
+    saved = os.environ.get("MHCRUN_CPU_KERNEL")
+    os.environ["MHCRUN_CPU_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MHCRUN_CPU_KERNEL"]
+        else:
+            os.environ["MHCRUN_CPU_KERNEL"] = saved
 
 
 def bench_gemv(chunk_sweep: bool) -> None:
@@ -109,11 +129,13 @@ def bench_gemv(chunk_sweep: bool) -> None:
     head = torch.randn(8192, 4096).to(torch.bfloat16)
     x = torch.randn(1, 4096)
     t = best_time(lambda: ql.qlinear(x, head, None, "float", 0))
+    with torch_decoders():
+        t_c = best_time(lambda: ql.qlinear(x, head, None, "float", 0))
     t_f = best_time(lambda: F.linear(x, head.float()))
-    print(f"  bf16 [8192 x 4096] x fp32 [1, 4096]: chunked {t * 1e3:.2f} ms = "
-          f"{head.numel() * 2 / t / 1e9:.2f} GB/s of bf16; F.linear(x, w.float()) {t_f * 1e3:.2f} ms")
+    print(f"  bf16 [8192 x 4096] x fp32 [1, 4096]: qlinear {t * 1e3:.2f} ms = {head.numel() * 2 / t / 1e9:.2f} "
+          f"GB/s of bf16; chunked {t_c * 1e3:.2f} ms; F.linear(x, w.float()) {t_f * 1e3:.2f} ms")
     if chunk_sweep:
-        print("CHUNK_BYTES sweep (GEMV x [1, in]): GB/s of quantised weight")
+        print("CHUNK_BYTES sweep (GEMV x [1, in], torch decoders): GB/s of quantised weight")
         saved = ql.CHUNK_BYTES
         for cb in (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23):
             ql.CHUNK_BYTES = cb
@@ -122,7 +144,8 @@ def bench_gemv(chunk_sweep: bool) -> None:
                 q, s = weights(out_f, in_f, fmt)
                 x = torch.randn(1, in_f)
                 block = 128 if fmt == "fp8" else 32
-                t = best_time(lambda x=x, q=q, s=s, fmt=fmt, block=block: ql.qlinear(x, q, s, fmt, block))
+                with torch_decoders():
+                    t = best_time(lambda x=x, q=q, s=s, fmt=fmt, block=block: ql.qlinear(x, q, s, fmt, block))
                 res.append(f"{fmt} {q.numel() * q.element_size() / t / 1e9:6.2f}")
             print(f"  {cb >> 10:5d} KiB: " + ", ".join(res))
         ql.CHUNK_BYTES = saved

@@ -4,8 +4,9 @@
     python benchmarks/bench_quantized.py --flash    # also 2 layers of V4-Flash's shape (~9 GB written to a temp dir)
 
 Prints, on this machine and in this run:
-- memcpy bandwidth (bytes copied per second, torch's copy_ of 512 MB, best of 5): the physical limit of a
-  memory-bound decode;
+- memcpy bandwidth (bytes copied per second, torch's copy_ of 512 MB, best of 5), the issue's yardstick for a
+  memory-bound decode, and read bandwidth (an int64 max-reduction over 512 MB): a decode only reads its weights,
+  and a read-only stream moves about twice memcpy's bytes per second here;
 - for the tiny FP8 variant and the mid-size config (`configs/v4-mid.json`, full width, all 4 layers, written by
   `mhcrun make-synthetic` to a temp dir): bytes on disk; peak RSS of `mhcrun generate` kept quantised (decode
   GEMVs through the fused kernel, `mhcrun/ops/qgemv.cpp`, the default), kept quantised through the torch chunk
@@ -54,6 +55,19 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes read per second by a max-reduction over int64 (all threads), best of `repeats`: a read-only
+    stream, which is what a decode's weights are; memcpy's bytes are each read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_().view(torch.int64)
+    src.max()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.max()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
 def run_generate(path: Path, tokens: int, *extra: str, env: dict[str, str] | None = None) -> dict:
     """`mhcrun generate --json` in a fresh process (its peak RSS is its own)."""
     cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(path), "--prompt-ids", PROMPT, "-n", str(tokens),
@@ -95,8 +109,8 @@ def agreement(a: list[int], b: list[int]) -> str:
     return f"NO (the first {first} of {len(a)} tokens agree)"
 
 
-def measure(name: str, path: Path, tokens: int, bandwidth: float, repeats: int, layers: int | None = None,
-            dequantized: bool = True) -> None:
+def measure(name: str, path: Path, tokens: int, bandwidth: float, reads: float, repeats: int,
+            layers: int | None = None, dequantized: bool = True) -> None:
     """Kept quantised through the fused kernel (the default) and through the torch decoders
     (MHCRUN_CPU_KERNEL=0), and dequantised at load (the reference), side by side."""
     extra = ("--layers", str(layers)) if layers else ()
@@ -118,7 +132,7 @@ def measure(name: str, path: Path, tokens: int, bandwidth: float, repeats: int, 
         verdict = "" if label != "kept quantised" else ", goal met" if rss <= goal else ", OVER GOAL"
         print(f"  {label:15s} peak RSS {rss / MB:8,.0f} MB ({rss / disk:5.2f}x disk{verdict})  "
               f"decode {s['decode_tok_s']:7.2f} tok/s  reads {per_token / MB:8.1f} MB/token = {rate / 1e9:5.2f} GB/s = "
-              f"{100 * rate / bandwidth:5.1f}% of memcpy")
+              f"{100 * rate / bandwidth:5.1f}% of memcpy, {100 * rate / reads:4.1f}% of reads")
     kept = runs["kept quantised"]["tokens"]
     speedup = runs["kept quantised"]["stats"]["decode_tok_s"] / runs["kept, torch"]["stats"]["decode_tok_s"]
     print(f"  fused kernel vs torch decoders: {speedup:.2f}x decode; same greedy tokens: "
@@ -137,19 +151,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant (best decode rate kept)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     args = ap.parse_args()
-    bandwidth = memcpy_bandwidth()
+    bandwidth, reads = memcpy_bandwidth(), read_bandwidth()
     print(f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (bytes copied per second, best of 5; "
-          f"{torch.get_num_threads()} threads); decode rates are the best of {args.repeats} runs")
+          f"{torch.get_num_threads()} threads), read bandwidth {reads / 1e9:.2f} GB/s (int64 max-reduction); "
+          f"decode rates are the best of {args.repeats} runs")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
-        measure("tiny FP8/FP4 variant", make_tiny(root / "tiny-fp8", fp8=True), args.tokens, bandwidth, args.repeats)
+        tiny = make_tiny(root / "tiny-fp8", fp8=True)
+        measure("tiny FP8/FP4 variant", tiny, args.tokens, bandwidth, reads, args.repeats)
         mid = make_synthetic(CONFIGS / "v4-mid.json", root / "mid", 4)
-        measure("mid-size (configs/v4-mid.json, 4 layers)", mid, args.tokens, bandwidth, args.repeats)
+        measure("mid-size (configs/v4-mid.json, 4 layers)", mid, args.tokens, bandwidth, reads, args.repeats)
         if args.flash:
             t0 = time.perf_counter()
             flash = make_synthetic(CONFIGS / "v4-flash.json", root / "flash", 2)
             print(f"\nwrote the 2-layer V4-Flash-shape checkpoint in {time.perf_counter() - t0:.0f} s")
-            measure("V4-Flash shape, --layers 2", flash, min(args.tokens, 8), bandwidth, 1, layers=2,
+            measure("V4-Flash shape, --layers 2", flash, min(args.tokens, 8), bandwidth, reads, 1, layers=2,
                     dequantized=False)
 
 
