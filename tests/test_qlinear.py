@@ -427,9 +427,10 @@ def test_qlinear_compiles_without_graph_breaks(fmt, act_quant):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
-def test_compiled_decode_gemv_is_the_fused_reduction(fmt):
-    """Under torch.compile a few rows of x take gemv_fused (dequantisation inside the reduction): same values
-    as dequantise-then-matmul within the fp32 summation bound; more rows take the whole-tensor path."""
+def test_compiled_decode_gemv(gemv_path, fmt):
+    """Under torch.compile a few rows of x take the fused CPU kernel as an opaque op (mhcrun::qgemv) or, without
+    it, gemv_fused (dequantisation inside the reduction): same values as dequantise-then-matmul within the fp32
+    summation bound; more rows take the whole-tensor path."""
     torch._dynamo.reset()
     g = gen(23)
     data, scale = weight_96x160(fmt, g)

@@ -227,8 +227,10 @@ def test_fp4_odd_inner_size_is_one_line(tiny_fp8, tmp_path):
     user_error(cli("generate", "-m", d, "-n", 1), "FP4 inner size 63 is odd")
 
 
-def test_kept_quantised_compiled_regions_match_eager(tiny_fp8):
-    """Inductor graphs over kept-quantised weights (e8m0 scales passed as bytes) give the eager tokens."""
+def test_kept_quantised_compiled_regions_match_eager(tiny_fp8, gemv_path):
+    """Inductor graphs over kept-quantised weights (e8m0 scales passed as bytes) give the eager tokens, with the
+    fused kernel as an op in the graphs (routed experts read in place) and with the dequantisation traced."""
+    torch._dynamo.reset()  # graphs traced under the other path must not be reused
     kept, _ = models(tiny_fp8)
     prompts = PROMPTS[:2]
     eager = generate(kept, prompts, 6, eos_id=1, ignore_eos=True)

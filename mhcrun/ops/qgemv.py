@@ -117,6 +117,17 @@ def _format(data: Tensor, fmt: str, block: int) -> int | None:
     return None
 
 
+def applies(data: Tensor, scale: Tensor | None, fmt: str, block: int, rows: int) -> bool:
+    """Whether `qgemv` takes this weight for `rows` rows of x, from dtypes and shapes alone, with the library
+    already loaded (`available()` called before): safe while torch.compile traces, where the answer is fixed
+    into the graph. The kernel may still decline at run time (NaN codes, overflowing scales)."""
+    if _lib is None or not enabled() or rows > MAX_ROWS or data.device.type != "cpu" or not data.is_contiguous():
+        return False
+    if scale is not None and scale.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
+        return False
+    return _format(data, fmt, block if fmt != "fp4" or block > 0 else 32) is not None
+
+
 def qgemv(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor | None:
     """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight `data` in G groups, or None
     when the kernel does not apply (then the caller takes the torch path). Arguments as qlinear's (checked

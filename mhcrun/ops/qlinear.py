@@ -54,7 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mhcrun.ops.qgemv import MAX_ROWS as qgemv_rows_max
 from mhcrun.ops.qgemv import act_quant_fp8, qgemv
+from mhcrun.ops.qgemv import applies as qgemv_applies
 from mhcrun.ops.quant import e8m0_to_float, fp8_simulate, quantize_act_fp8, scale_to_float, unpack_fp4
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
@@ -486,6 +488,42 @@ def _gemm_rows(x2: Tensor, dec: _RowDecoder, r0: int, r1: int, rows: int, buf: T
             y[:, a - r0: b - r0] = F.linear(x2, w)
 
 
+@torch.library.custom_op("mhcrun::qgemv", mutates_args=())
+def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    """_cpu_gemm as one opaque op for compiled graphs: x3 [M, G, in] fp32 -> [M, G, r] fp32 (contiguous)
+    through the fused kernel, or the torch chunk path where the kernel declines."""
+    return _cpu_gemm(x3, data, scale, fmt, block, groups).contiguous()
+
+
+@qgemv_op.register_fake
+def _(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+    return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
+
+
+@torch.library.custom_op("mhcrun::qgemv_experts", mutates_args=())
+def qgemv_experts(x: Tensor, data: Tensor, scale: Tensor | None, idx: Tensor, fmt: str, block: int) -> Tensor:
+    """Routed experts without gathering their weights: x [B, k or 1, in] fp32, stacked experts data
+    [E, out, in'] (scale [E, ...]), idx [B, k] -> y [B, k, out] fp32, y[b, j] = x[b, j or 0] through expert
+    idx[b, j]. The rows of one expert go through one kernel call (MAX_ROWS at a time)."""
+    b_n, k = idx.shape
+    y = torch.empty(b_n, k, data.shape[1], dtype=torch.float32)
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for b, experts in enumerate(idx.tolist()):
+        for j, e in enumerate(experts):
+            rows.setdefault(e, []).append((b, j))
+    for e, pairs in rows.items():
+        for a in range(0, len(pairs), qgemv_rows_max):
+            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + qgemv_rows_max], strict=True))
+            xe = x[bs, js if x.shape[1] > 1 else 0].float()  # [n, in]
+            y[bs, js] = _cpu_gemm(xe[:, None], data[e], None if scale is None else scale[e], fmt, block, 1)[:, 0]
+    return y
+
+
+@qgemv_experts.register_fake
+def _(x: Tensor, data: Tensor, scale: Tensor | None, idx: Tensor, fmt: str, block: int) -> Tensor:
+    return x.new_empty(idx.shape[0], idx.shape[1], data.shape[1], dtype=torch.float32)
+
+
 def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
     """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32, chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
@@ -511,6 +549,10 @@ def _grouped_gemm(xf: Tensor, data: Tensor, scale: Tensor | None, fmt: str, bloc
     """xf [..., G, in] fp32 -> [..., G, r] fp32 through whichever path applies (not the _scaled_mm one)."""
     n_in = xf.shape[-1]
     r = data.shape[0] // groups
+    rows = xf.numel() // (groups * n_in)
+    if torch.compiler.is_compiling() and qgemv_applies(data, scale, fmt, block, rows):
+        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), data, scale, fmt, block, groups)
+        return y.reshape(*xf.shape[:-1], r)
     on_cpu = data.device.type == "cpu"
     if (fmt == "float" and data.dtype == torch.float32) or not on_cpu or torch.compiler.is_compiling():
         w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
@@ -545,6 +587,9 @@ def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "fl
         x = _act_quant(x)
     xf = x.float()
     rows = xf.numel() // n_in
+    if torch.compiler.is_compiling() and qgemv_applies(data, scale, fmt, block, rows):
+        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, 1, n_in), data, scale, fmt, block, 1)
+        return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
     if fused_fits(data, fmt, block, rows) and not (fmt == "float" and data.dtype == torch.float32):
         y = gemv_fused(xf.reshape(rows, 1, n_in), data, scale, fmt, block)
         return y.reshape(*x.shape[:-1], n_out).to(x.dtype)

@@ -28,7 +28,8 @@ from mhcrun.ops.compress import gather_overlap_state, pool
 from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qlinear
+from mhcrun.ops.qgemv import applies as qgemv_applies
+from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_experts, qlinear
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
 
@@ -248,6 +249,9 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
 
     def routed(name: str, xs: torch.Tensor) -> torch.Tensor:
         """xs [B, k or 1, in] through each row's k routed experts' weights `name` -> [B, k, out] (fp32)."""
+        scale = w.get(f"{name}_scale")
+        if fmt != "float" and qgemv_applies(w[name][0], None if scale is None else scale[0], fmt, block, 1):
+            return qgemv_experts(xs.float(), w[name], scale, idx, fmt, block)  # the fused CPU kernel
         data = w[name][idx]  # [B, k, out, in']
         if fmt != "float" and fused_fits(data, fmt, block, 1):  # dequantisation fused into the reduction
             return gemv_fused(xs.float().unsqueeze(-2), data, w[f"{name}_scale"][idx], fmt, block)

@@ -21,6 +21,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import Block, Linear, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.nki.ops import hc_expand
+from mhcrun.ops import qgemv
 from mhcrun.ops.quant import hadamard
 from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
 
@@ -249,6 +250,8 @@ class RegionDecoder:
         if stages not in STAGE_PLANS:
             raise InputError(f"unknown stage plan {stages!r} (choose from: {', '.join(STAGE_PLANS)})")
         self.model, self.mode = model, mode
+        if model.device.type == "cpu":
+            qgemv.available()  # build/load the fused GEMV kernel now: graphs decide on it while tracing
         c = model.cfg
         hadamard(torch.zeros(1, c.index_head_dim, device=model.device))  # fill its cache now, not while tracing
         hc = hc_spec(model)
