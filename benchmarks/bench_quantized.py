@@ -8,13 +8,13 @@ Prints, on this machine and in this run:
   memory-bound decode, and read bandwidth (an int64 max-reduction over 512 MB): a decode only reads its weights,
   and a read-only stream moves about twice memcpy's bytes per second here;
 - for the tiny FP8 variant and the mid-size config (`configs/v4-mid.json`, full width, all 4 layers, written by
-  `mhcrun make-synthetic` to a temp dir): bytes on disk; peak RSS of `mhcrun generate` kept quantised (decode
-  GEMVs through the fused kernel, `mhcrun/ops/qgemv.cpp`, the default), kept quantised through the torch chunk
-  decoders (`MHCRUN_CPU_KERNEL=0`) and dequantised (each in its own process) against the goal
-  1.1 x disk + 300 MB; decode tokens/s; the weight bytes one decoded token reads
-  (`mhcrun.memory.decode_bytes_per_token`) and the bandwidth that makes, as a fraction of memcpy's; the
-  kernel's speed-up over the torch decoders; and whether the runs produce the same greedy tokens, with the
-  FP8 activation simulation on (the default) and off;
+  `mhcrun make-synthetic` to a temp dir), each `mhcrun generate` in its own process: kept quantised (decode
+  GEMVs through the fused kernel `mhcrun/ops/qgemv.cpp`, eager: the default), kept quantised through the torch
+  chunk decoders (`MHCRUN_CPU_KERNEL=0`), kept quantised in compiled regions (`--graph-mode regions`) and
+  dequantised: bytes on disk, peak RSS against the goal 1.1 x disk + 300 MB, decode tokens/s, the weight bytes
+  one decoded token reads (`mhcrun.memory.decode_bytes_per_token`) and the bandwidth that makes as a fraction
+  of memcpy's and of the read bandwidth, the kernel's speed-up over the torch decoders, and whether the runs
+  produce the same greedy tokens, with the FP8 activation simulation on (the default) and off;
 - with --flash: the same for `mhcrun generate --layers 2` on a 2-layer V4-Flash-shape checkpoint, kept quantised
   only (dequantised it would need ~70 GB).
 """
@@ -111,14 +111,16 @@ def agreement(a: list[int], b: list[int]) -> str:
 
 def measure(name: str, path: Path, tokens: int, bandwidth: float, reads: float, repeats: int,
             layers: int | None = None, dequantized: bool = True) -> None:
-    """Kept quantised through the fused kernel (the default) and through the torch decoders
-    (MHCRUN_CPU_KERNEL=0), and dequantised at load (the reference), side by side."""
+    """Kept quantised through the fused kernel (eager decode, the CPU default), through the torch decoders
+    (MHCRUN_CPU_KERNEL=0) and in compiled regions (the kernel as graph ops), and dequantised at load (the
+    reference), side by side."""
     extra = ("--layers", str(layers)) if layers else ()
     plan = plan_checkpoint(path, layers)
     disk = disk_bytes(path)
     goal = 1.1 * disk + 300 * MB
     variants: dict[str, Variant] = {"kept quantised": (extra, {}),
-                                    "kept, torch": (extra, {"MHCRUN_CPU_KERNEL": "0"})}
+                                    "kept, torch": (extra, {"MHCRUN_CPU_KERNEL": "0"}),
+                                    "kept, regions": ((*extra, "--graph-mode", "regions"), {})}
     if dequantized:
         variants["dequantised"] = ((*extra, "--dequantize"), {})
     runs = best_runs(path, tokens, variants, repeats)
@@ -136,7 +138,9 @@ def measure(name: str, path: Path, tokens: int, bandwidth: float, reads: float, 
     kept = runs["kept quantised"]["tokens"]
     speedup = runs["kept quantised"]["stats"]["decode_tok_s"] / runs["kept, torch"]["stats"]["decode_tok_s"]
     print(f"  fused kernel vs torch decoders: {speedup:.2f}x decode; same greedy tokens: "
-          f"{agreement(kept, runs['kept, torch']['tokens'])}")
+          f"{agreement(kept, runs['kept, torch']['tokens'])}; regions vs eager: "
+          f"{agreement(kept, runs['kept, regions']['tokens'])} (regions compile "
+          f"{runs['kept, regions']['stats']['compile_s']:.0f} s, not in their rate)")
     if dequantized:
         print(f"  same greedy tokens kept quantised and dequantised: {agreement(kept, runs['dequantised']['tokens'])}")
         off = [run_generate(path, tokens, *extra, *more, "--no-quant-sim")["tokens"]
