@@ -15,11 +15,11 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, reference_weight
 
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
-from tests.test_qlinear import assert_gemm_close, fp8_weight, gen, pow2, reference_weight
 
 needs_kernel = pytest.mark.skipif(not qgemv.available(), reason=f"CPU kernel {qgemv.status()}")
 
@@ -30,12 +30,6 @@ def cpu_flags() -> set[str]:
             if line.startswith("flags"):
                 return set(line.split(":", 1)[1].split())
     return set()
-
-
-def fp4_weight(out_f: int, in_f: int, block: int, g: torch.Generator, e8m0: bool = True):
-    p = torch.randint(0, 256, (out_f, in_f // 2), generator=g, dtype=torch.uint8)
-    s = pow2((out_f, -(-in_f // block)), -12, 2, g)
-    return p, (float_to_e8m0(s) if e8m0 else s)
 
 
 def run(x3: torch.Tensor, data, scale, fmt: str, block: int, groups: int = 1) -> torch.Tensor:
@@ -81,7 +75,7 @@ def test_fp8_against_reference(n, k, block, m):
 def test_fp4_against_reference(n, k, block, m):
     """Groups of 32 and 64 take the two-chunk loop; 8 and 48 inputs the general one; 70 ends mid-vector."""
     g = gen(200 + m)
-    p, s = fp4_weight(n, k, block, g, e8m0=bool(m % 2))
+    p, s = fp4_weight(n, k, g, e8m0=bool(m % 2), block=block)
     w_ref = dequantize(p, s, "fp4", block)
     x3 = torch.randn(m, 1, k, generator=g)
     check_groups(run(x3, p, s, "fp4", block), x3, w_ref)
@@ -105,7 +99,7 @@ def test_grouped_rows_take_their_group_of_x(fmt):
     if fmt == "fp8":
         data, scale = fp8_weight(192, 96, 32, g)
     elif fmt == "fp4":
-        data, scale = fp4_weight(192, 96, 32, g)
+        data, scale = fp4_weight(192, 96, g)
     else:
         data, scale = torch.randn(192, 96, generator=g).to(torch.bfloat16), None
     w_ref = reference_weight(data, scale, fmt, 32)
@@ -118,7 +112,7 @@ def test_fp4_non_power_of_two_scales_round_like_the_reference():
     """fp32 scales that are not powers of two: the kernel scales the e2m1 table (one rounding, as the
     reference's dequantisation), so the products are the reference weight's."""
     g = gen(500)
-    p, _ = fp4_weight(64, 256, 32, g)
+    p, _ = fp4_weight(64, 256, g)
     s = torch.rand(64, 8, generator=g) * 3 + 0.1
     w_ref = dequantize(p, s, "fp4", 32)
     x3 = torch.randn(2, 1, 256, generator=g)
@@ -182,7 +176,7 @@ def test_declines_what_it_does_not_cover():
     assert qgemv.qgemv(x, w.t(), s, "fp8", 32, 1) is None  # not contiguous
     assert qgemv.qgemv(x, torch.randn(8, 64).half(), None, "float", 0, 1) is None
     assert qgemv.qgemv(x, w, s.view(torch.uint8).to(torch.int16), "fp8", 32, 1) is None
-    p, ps = fp4_weight(8, 64, 32, g)
+    p, ps = fp4_weight(8, 64, g)
     assert qgemv.qgemv(x, p, ps, "fp4", 33, 1) is None  # odd groups split a byte
 
 
@@ -307,7 +301,7 @@ def test_experts_op_reads_each_rows_experts_in_place(fmt):
     """mhcrun::qgemv_experts: stacked experts [E, out, in'], each row of x through its own experts (repeats,
     one x per row or one per expert slot, more rows of one expert than a kernel call takes)."""
     g = gen(1400)
-    experts = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, 32, g) for _ in range(5)]
+    experts = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g) for _ in range(5)]
     data = torch.stack([w for w, _ in experts])
     scale = torch.stack([s for _, s in experts]).view(torch.uint8)  # as compiled regions pass them
     refs = [reference_weight(w, s, fmt, 32) for w, s in experts]
@@ -335,7 +329,7 @@ def test_compiled_qlinear_calls_the_kernel_op(fmt):
     if fmt == "fp8":
         data, scale = fp8_weight(96, 160, 32, g)
     elif fmt == "fp4":
-        data, scale = fp4_weight(96, 160, 32, g)
+        data, scale = fp4_weight(96, 160, g)
     else:
         data, scale = torch.randn(96, 160, generator=g).to(torch.bfloat16), None
     w_ref = reference_weight(data, scale, fmt, 32)

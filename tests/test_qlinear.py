@@ -53,9 +53,9 @@ def fp8_weight(out_f: int, in_f: int, block: int, g: torch.Generator, e8m0: bool
     return w, (float_to_e8m0(s) if e8m0 else s)
 
 
-def fp4_weight(out_f: int, in_f: int, g: torch.Generator, e8m0: bool = True):
+def fp4_weight(out_f: int, in_f: int, g: torch.Generator, e8m0: bool = True, block: int = 32):
     p = torch.randint(-128, 128, (out_f, in_f // 2), generator=g, dtype=torch.int8)
-    s = pow2((out_f, -(-in_f // 32)), -12, 2, g)
+    s = pow2((out_f, -(-in_f // block)), -12, 2, g)
     return p, (float_to_e8m0(s) if e8m0 else s)
 
 
