@@ -6,13 +6,31 @@ import pytest
 
 from mhcrun.ops import qgemv
 
+KERNEL_ISAS = ["avx512", "avx2"]
 
-@pytest.fixture(params=["kernel", "torch"])
+
+def use_isa(isa: str, monkeypatch) -> None:
+    """Route the fused kernel through `isa` (skipping where this CPU lacks it)."""
+    monkeypatch.setenv("MHCRUN_CPU_KERNEL", isa)
+    if qgemv.status() != isa:
+        pytest.skip(f"CPU kernel {isa}: {qgemv.status()}")
+
+
+@pytest.fixture(params=KERNEL_ISAS + ["torch"])
 def gemv_path(request, monkeypatch) -> str:
-    """Runs a test twice: decode GEMVs through the fused C++ kernel, then through the torch chunk decoders."""
-    if request.param == "kernel" and not qgemv.available():
-        pytest.skip(f"CPU kernel {qgemv.status()}")
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "1" if request.param == "kernel" else "0")
+    """Runs a test three times: decode GEMVs through the fused C++ kernel in AVX-512 and in AVX2, then through
+    the torch chunk decoders."""
+    if request.param == "torch":
+        monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+    else:
+        use_isa(request.param, monkeypatch)
+    return request.param
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def isa(request, monkeypatch) -> str:
+    """The fused kernel in each instruction set this CPU has."""
+    use_isa(request.param, monkeypatch)
     return request.param
 
 

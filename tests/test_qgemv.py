@@ -56,10 +56,21 @@ def test_kernel_builds_where_it_can():
     assert qgemv.available() and qgemv.status() == "avx512"
 
 
+def test_kernel_isa_can_be_capped(monkeypatch):
+    if not qgemv.available():
+        pytest.skip(f"CPU kernel {qgemv.status()}")
+    best = qgemv.status()
+    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "avx2")
+    assert qgemv.status() == "avx2"
+    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "avx512")
+    assert qgemv.status() == best
+
+
 @needs_kernel
 @pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 32), (100, 300, 24), (1, 128, 128),
                                          (130, 7, 32), (64, 1, 128), (256, 512, 128)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.usefixtures("isa")
 def test_fp8_against_reference(n, k, block, m):
     g = gen(100 + m)
     w, s = fp8_weight(n, k, block, g, e8m0=bool(m % 2))
@@ -72,6 +83,7 @@ def test_fp8_against_reference(n, k, block, m):
 @pytest.mark.parametrize("n, k, block", [(200, 320, 32), (33, 70, 32), (50, 128, 64), (17, 96, 8),
                                          (40, 144, 48), (5, 2, 32), (64, 4096, 32)])
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
+@pytest.mark.usefixtures("isa")
 def test_fp4_against_reference(n, k, block, m):
     """Groups of 32 and 64 take the two-chunk loop; 8 and 48 inputs the general one; 70 ends mid-vector."""
     g = gen(200 + m)
@@ -84,6 +96,7 @@ def test_fp4_against_reference(n, k, block, m):
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16)])
 @pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.usefixtures("isa")
 def test_bf16_against_reference(n, k, m):
     g = gen(300 + m)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -93,6 +106,7 @@ def test_bf16_against_reference(n, k, m):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
+@pytest.mark.usefixtures("isa")
 def test_grouped_rows_take_their_group_of_x(fmt):
     """wo_a: output rows in 4 groups of 48 (straddling 32-row fp8 tiles), each against its own x."""
     g = gen(400)
@@ -108,6 +122,7 @@ def test_grouped_rows_take_their_group_of_x(fmt):
 
 
 @needs_kernel
+@pytest.mark.usefixtures("isa")
 def test_fp4_non_power_of_two_scales_round_like_the_reference():
     """fp32 scales that are not powers of two: the kernel scales the e2m1 table (one rounding, as the
     reference's dequantisation), so the products are the reference weight's."""
@@ -120,6 +135,7 @@ def test_fp4_non_power_of_two_scales_round_like_the_reference():
 
 
 @needs_kernel
+@pytest.mark.usefixtures("isa")
 def test_subnormal_scales_and_inputs():
     g = gen(600)
     w, _ = fp8_weight(64, 128, 32, g)
@@ -131,6 +147,7 @@ def test_subnormal_scales_and_inputs():
 
 
 @needs_kernel
+@pytest.mark.usefixtures("isa")
 def test_same_result_on_any_thread_count():
     """Each output row is one thread's sum in a fixed order: 1 and 2 threads agree bitwise."""
     g = gen(700)
@@ -148,6 +165,7 @@ def test_same_result_on_any_thread_count():
 
 
 @needs_kernel
+@pytest.mark.usefixtures("isa")
 def test_nan_codes_and_bad_scales_fall_back_to_the_reference():
     """NaN codes, NaN (e8m0 0xFF) scales and scales whose products overflow: the kernel declines, and qlinear
     gives NaN / inf exactly where dequantise-then-matmul does."""
@@ -297,6 +315,7 @@ def test_generate_reports_the_kernel(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.usefixtures("isa")
 def test_experts_op_reads_each_rows_experts_in_place(fmt):
     """mhcrun::qgemv_experts: stacked experts [E, out, in'], each row of x through its own experts (repeats,
     one x per row or one per expert slot, more rows of one expert than a kernel call takes)."""
@@ -319,6 +338,7 @@ def test_experts_op_reads_each_rows_experts_in_place(fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
+@pytest.mark.usefixtures("isa")
 def test_compiled_qlinear_calls_the_kernel_op(fmt):
     """A compiled decode GEMV is one mhcrun::qgemv call in the graph (no traced dequantisation), for plain and
     grouped (wo_a) outputs."""

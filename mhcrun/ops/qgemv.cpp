@@ -1,4 +1,4 @@
-// Fused dequantise-and-multiply GEMV for weights kept quantised in memory (CPU, AVX-512).
+// Fused dequantise-and-multiply GEMV for weights kept quantised in memory (CPU: AVX-512, or AVX2).
 //
 // y[m, n] = sum_k x[m, g(n), k] * W[n, k], W in one of the formats of mhcrun/ops/qlinear.py:
 //   fp8  (format 0): e4m3 bytes [N, K], a scale per block x block tile   [ceil(N/block), ceil(K/block)]
@@ -14,7 +14,7 @@
 // Sums are fp32: a tile's (or group's) products are summed, then multiplied by its scale (a power of two for
 // e8m0: exact), then accumulated. The result equals dequantise-then-fp32-matmul up to the summation order.
 // Return codes: 0 done; 1 the weight holds an e4m3 NaN code; 2 a scale is NaN, infinite or so large that the
-// dequantised weight would overflow; 3 this CPU lacks AVX-512; 4 out of memory; 5 a thread flushes subnormals. On a non-zero code y is unspecified and the
+// dequantised weight would overflow; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 a thread flushes subnormals. On a non-zero code y is unspecified and the
 // caller takes the reference path, which gives NaN/inf exactly where dequantise-then-matmul does.
 
 #include <cfloat>
@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define AVX2 __attribute__((target("avx2,f16c,fma")))
 
 namespace {
 
@@ -85,6 +86,8 @@ inline float float_of(uint32_t u) {
 inline bool flushes_denormals() { return (_mm_getcsr() & 0x8040) != 0; }
 
 #define INLINE inline __attribute__((always_inline))
+
+namespace avx512 {
 
 AVX512 INLINE __mmask16 tail16(int64_t left) { return left >= 16 ? 0xFFFF : __mmask16((1u << left) - 1); }
 AVX512 INLINE __mmask32 tail32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : __mmask32((1u << left) - 1); }
@@ -207,29 +210,200 @@ AVX512 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+}  // namespace avx512
+
+// ---------------------------------------------------------------- AVX2 (+F16C, FMA): the same sums, 8 lanes
+// Tails (a tile, group or row that ends inside a vector) are copied into zero-padded buffers and take the same
+// vector step.
+
+namespace avx2 {
+
+// fp8: 16 e4m3 bytes at w into the two 8-input partial sums of each row of x (x pointers already at k).
 template <int R>
-AVX512 bool run_row(const Job& j, int64_t n, int64_t m0) {
+AVX2 INLINE void fp8_step(const uint8_t* w, const float* const* xk, __m256 (&p0)[R], __m256 (&p1)[R], int& nan) {
+    const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    __m256i mag = _mm256_and_si256(b, m7f);
+    nan |= _mm256_movemask_epi8(_mm256_cmpeq_epi16(mag, m7f));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m80), 8), _mm256_slli_epi16(mag, 7));
+    __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    for (int r = 0; r < R; r++) {
+        p0[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xk[r]), p0[r]);
+        p1[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xk[r] + 8), p1[r]);
+    }
+}
+
+AVX2 INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// The `len` (< width) values left at w / xs[r] + k, zero-padded into buffers, and pointers to them.
+template <int R>
+struct Tail {
+    alignas(32) uint8_t w[32] = {};
+    alignas(32) float x[R][16] = {};
+    const float* xp[R];
+    Tail(const uint8_t* src, int64_t bytes, const float* const* xs, int64_t k, int64_t len) {
+        std::memcpy(w, src, bytes);
+        for (int r = 0; r < R; r++) {
+            std::memcpy(x[r], xs[r] + k, sizeof(float) * len);
+            xp[r] = x[r];
+        }
+    }
+};
+
+template <int R>
+AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int nan = 0;
+    for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
+        const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
+        __m256 p0[R], p1[R];
+        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm256_setzero_ps();
+        int64_t k = k0;
+        for (; k + 16 <= k1; k += 16) {
+            const float* xk[R];
+            for (int r = 0; r < R; r++) xk[r] = xs[r] + k;
+            fp8_step<R>(w + k, xk, p0, p1, nan);
+        }
+        if (k < k1) {
+            Tail<R> t(w + k, k1 - k, xs, k, k1 - k);
+            fp8_step<R>(t.w, t.xp, p0, p1, nan);
+        }
+        const __m256 s = _mm256_set1_ps(scale_at(j, n / j.block, c) * 256.0f);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p0[r], p1[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+    return nan != 0;
+}
+
+// fp4: 8 bytes (16 inputs): magnitudes from an 8-entry table scaled by the group's scale, sign from bit 3.
+template <int R>
+AVX2 INLINE void fp4_step(const uint8_t* w, __m256 table, const float* const* xe, const float* const* xo,
+                          __m256 (&acc_lo)[R], __m256 (&acc_hi)[R]) {
+    const __m256i m7 = _mm256_set1_epi32(7), m8 = _mm256_set1_epi32(8);
+    __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    __m256i lo_i = t, hi_i = _mm256_srli_epi32(t, 4);
+    __m256 lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_and_si256(lo_i, m7)),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo_i, m8), 28)));
+    __m256 hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_and_si256(hi_i, m7)),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi_i, m8), 28)));
+    for (int r = 0; r < R; r++) {
+        acc_lo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe[r]), acc_lo[r]);
+        acc_hi[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo[r]), acc_hi[r]);
+    }
+}
+
+template <int R>
+AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const int64_t half = j.k / 2, gb = j.block / 2;
+    const __m256 grid = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0, c = 0; b0 < half; b0 += gb, c++) {
+        const int64_t b1 = b0 + gb < half ? b0 + gb : half;
+        const __m256 table = _mm256_mul_ps(grid, _mm256_set1_ps(scale_at(j, n, c)));
+        int64_t b = b0;
+        for (; b + 8 <= b1; b += 8) {
+            const float* xe[R];
+            const float* xo[R];
+            for (int r = 0; r < R; r++) xe[r] = xs[r] + b, xo[r] = xs[r] + half + b;
+            fp4_step<R>(w + b, table, xe, xo, a0, a1);
+        }
+        if (b < b1) {  // even and odd inputs padded separately
+            Tail<R> te(w + b, b1 - b, xs, b, b1 - b), to(w + b, b1 - b, xs, half + b, b1 - b);
+            fp4_step<R>(te.w, table, te.xp, to.xp, a0, a1);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+template <int R>
+AVX2 INLINE void bf16_step(const uint8_t* w, const float* const* xk, __m256 (&acc)[R]) {
+    __m256i t = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+    for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xk[r]), acc[r]);
+}
+
+template <int R>
+AVX2 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= j.k; k += 16) {
+        const float* xk[R];
+        const float* xk8[R];
+        for (int r = 0; r < R; r++) xk[r] = xs[r] + k, xk8[r] = xs[r] + k + 8;
+        bf16_step<R>(w + 2 * k, xk, a0);
+        bf16_step<R>(w + 2 * k + 16, xk8, a1);
+    }
+    for (; k < j.k; k += 8) {
+        const int64_t len = j.k - k < 8 ? j.k - k : 8;
+        Tail<R> t(w + 2 * k, 2 * len, xs, k, len);
+        bf16_step<R>(t.w, t.xp, a0);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+}  // namespace avx2
+
+// The row functions of one instruction set, for run_row.
+struct Avx512Rows {
+    template <int R> static bool fp8(const Job& j, int64_t n, const float* const* xs, float* out) {
+        return avx512::fp8_row<R>(j, n, xs, out);
+    }
+    template <int R> static void fp4(const Job& j, int64_t n, const float* const* xs, float* out) {
+        avx512::fp4_row<R>(j, n, xs, out);
+    }
+    template <int R> static void bf16(const Job& j, int64_t n, const float* const* xs, float* out) {
+        avx512::bf16_row<R>(j, n, xs, out);
+    }
+};
+
+struct Avx2Rows {
+    template <int R> static bool fp8(const Job& j, int64_t n, const float* const* xs, float* out) {
+        return avx2::fp8_row<R>(j, n, xs, out);
+    }
+    template <int R> static void fp4(const Job& j, int64_t n, const float* const* xs, float* out) {
+        avx2::fp4_row<R>(j, n, xs, out);
+    }
+    template <int R> static void bf16(const Job& j, int64_t n, const float* const* xs, float* out) {
+        avx2::bf16_row<R>(j, n, xs, out);
+    }
+};
+
+template <class Rows, int R>
+bool run_row(const Job& j, int64_t n, int64_t m0) {
     const int64_t per_group = j.n / j.groups, g = n / per_group;
     const float* xs[R];
     float out[R];
     for (int r = 0; r < R; r++) xs[r] = j.x + ((m0 + r) * j.groups + g) * j.k;
     bool nan = false;
-    if (j.fmt == FMT_FP8) nan = fp8_row<R>(j, n, xs, out);
-    else if (j.fmt == FMT_FP4) fp4_row<R>(j, n, xs, out);
-    else bf16_row<R>(j, n, xs, out);
+    if (j.fmt == FMT_FP8) nan = Rows::template fp8<R>(j, n, xs, out);
+    else if (j.fmt == FMT_FP4) Rows::template fp4<R>(j, n, xs, out);
+    else Rows::template bf16<R>(j, n, xs, out);
     for (int r = 0; r < R; r++) j.y[(m0 + r) * j.n + n] = out[r];
     return nan;
 }
 
-AVX512 bool run_rows(const Job& j, int64_t n0, int64_t n1) {
+template <class Rows>
+bool run_rows(const Job& j, int64_t n0, int64_t n1) {
     bool nan = false;
     for (int64_t m0 = 0; m0 < j.m; m0 += MB) {
         int64_t left = j.m - m0;
         for (int64_t n = n0; n < n1; n++) {
-            if (left >= 4) nan |= run_row<4>(j, n, m0);
-            else if (left == 3) nan |= run_row<3>(j, n, m0);
-            else if (left == 2) nan |= run_row<2>(j, n, m0);
-            else nan |= run_row<1>(j, n, m0);
+            if (left >= 4) nan |= run_row<Rows, 4>(j, n, m0);
+            else if (left == 3) nan |= run_row<Rows, 3>(j, n, m0);
+            else if (left == 2) nan |= run_row<Rows, 2>(j, n, m0);
+            else nan |= run_row<Rows, 1>(j, n, m0);
         }
     }
     return nan;
@@ -239,18 +413,22 @@ AVX512 bool run_rows(const Job& j, int64_t n0, int64_t n1) {
 
 extern "C" {
 
-// Whether this CPU runs the kernel: 1 yes, 0 no.
-int mhc_qgemv_supported(void) {
+// The best instruction set of this CPU the kernel has: 2 AVX-512 (F, BW, VL), 1 AVX2, 0 neither (both also need
+// F16C and FMA).
+int mhc_qgemv_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    if (!__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma")) return 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        return 2;
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
 // y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are split here into even/odd
-// inputs. threads: how many OpenMP threads to use (torch's intra-op count).
+// inputs. isa: 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's
+// intra-op count).
 int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
-              int64_t n, int64_t k, int64_t block, int64_t groups, int threads) {
-    if (!mhc_qgemv_supported()) return 3;
+              int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
+    if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
     Job j{fmt, scale_kind, static_cast<const uint8_t*>(w), s, x, y, m, n, k, block, groups,
           fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0};
     if (fmt == FMT_FP8) {
@@ -280,7 +458,7 @@ int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float
     for (int64_t u = 0; u < units; u++) {
         int64_t n1 = (u + 1) * unit < n ? (u + 1) * unit : n;
         flush |= flushes_denormals() ? 1 : 0;
-        nan |= run_rows(j, u * unit, n1) ? 1 : 0;
+        nan |= (isa == 2 ? run_rows<Avx512Rows>(j, u * unit, n1) : run_rows<Avx2Rows>(j, u * unit, n1)) ? 1 : 0;
     }
     std::free(split);
     return flush ? 5 : nan ? 1 : 0;

@@ -2,14 +2,16 @@
 
 Decoding quantised weights with torch ops takes several passes over every chunk (`qlinear`'s chunk
 decoders), which leaves a decode step bound by arithmetic instead of memory. This kernel reads each weight
-byte once, decodes it in registers (AVX-512) and multiplies it into up to four rows of x at a time, on
+byte once, decodes it in registers (AVX-512, or AVX2) and multiplies it into up to four rows of x at a time, on
 torch's OpenMP threads. It covers FP8 e4m3 with tile scales, packed FP4 e2m1 with group scales and bf16
 weights, for a few rows of x (decode); `qlinear` keeps its torch path as the reference and for everything
 else (prefill, other CPUs, a weight holding NaN codes or overflowing scales).
 
 Build: `$CXX` (default g++) with OpenMP, into `$MHCRUN_KERNEL_CACHE` (default ~/.cache/mhcrun/kernels), one
-file per source/compiler/flags hash, written atomically. Without a compiler, on a CPU without AVX-512, or with
-`MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns None; `status()` says why.
+file per source/compiler/flags hash, written atomically. It runs AVX-512 where the CPU has it, else AVX2
+(`MHCRUN_CPU_KERNEL=avx2` picks AVX2 on an AVX-512 CPU, to compare or test both). Without a compiler, on a CPU
+with neither, or with `MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns None; `status()` says
+why.
 """
 
 from __future__ import annotations
@@ -29,14 +31,24 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 _FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
 _STATUS = {1: "the weight holds an e4m3 NaN code", 2: "a scale is non-finite or overflows the weight",
-           3: "this CPU lacks AVX-512", 4: "out of memory", 5: "subnormals are flushed"}
+           3: "this CPU lacks AVX2/AVX-512 with F16C and FMA", 4: "out of memory", 5: "subnormals are flushed"}
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # set once the library is known to be unavailable
 
 
+_ISAS = {"avx512": 2, "avx2": 1}
+_isa = 0  # the best instruction set this CPU gives the kernel (qgemv.cpp's mhc_qgemv_isa), once loaded
+
+
 def enabled() -> bool:
     return os.environ.get("MHCRUN_CPU_KERNEL", "1") != "0"
+
+
+def _chosen_isa() -> int:
+    """MHCRUN_CPU_KERNEL=avx2 (or avx512) caps the instruction set; anything else but 0 takes the best."""
+    want = _ISAS.get(os.environ.get("MHCRUN_CPU_KERNEL", ""), 2)
+    return min(want, _isa)
 
 
 def _cache_dir() -> Path:
@@ -86,10 +98,12 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+                              ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
-    if not lib.mhc_qgemv_supported():
+    global _isa
+    _isa = lib.mhc_qgemv_isa()
+    if not _isa:
         _why = _STATUS[3]
         return None
     _lib = lib
@@ -104,7 +118,9 @@ def status() -> str:
     """One line: whether decode GEMVs on quantised CPU weights take the kernel, and if not why."""
     if not enabled():
         return "off (MHCRUN_CPU_KERNEL=0)"
-    return "avx512" if _load() is not None else f"off: {_why}"
+    if _load() is None:
+        return f"off: {_why}"
+    return {2: "avx512", 1: "avx2"}[_chosen_isa()]
 
 
 def _format(data: Tensor, fmt: str, block: int) -> int | None:
@@ -156,7 +172,7 @@ def qgemv(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, 
     n = data.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.mhc_qgemv(code, data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k, block, g,
-                       torch.get_num_threads())
+                       _chosen_isa(), torch.get_num_threads())
     return None if rc else y.view(m, g, n // g)
 
 
