@@ -9,6 +9,7 @@ the reference's values.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, reference_weight
 
 from mhcrun.ops import qgemv
-from mhcrun.ops.qlinear import dequantize, qlinear
+from mhcrun.ops.qlinear import _EXPERT_SETS as EXPERT_SETS
+from mhcrun.ops.qlinear import dequantize, qlinear, register_experts
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
 
 needs_kernel = pytest.mark.skipif(not qgemv.available(), reason=f"CPU kernel {qgemv.status()}")
@@ -316,24 +318,33 @@ def test_generate_reports_the_kernel(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.usefixtures("isa")
-def test_experts_op_reads_each_rows_experts_in_place(fmt):
-    """mhcrun::qgemv_experts: stacked experts [E, out, in'], each row of x through its own experts (repeats,
-    one x per row or one per expert slot, more rows of one expert than a kernel call takes)."""
+def test_expert_set_op_reads_each_rows_experts_in_place(fmt):
+    """mhcrun::qgemv_expert_set: a registered set of expert weights, each row of x through its own experts
+    (repeats, one x per row or one per expert slot, more rows of one expert than a kernel call takes); the set
+    is dropped with its owner."""
     g = gen(1400)
     experts = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g) for _ in range(5)]
-    data = torch.stack([w for w, _ in experts])
-    scale = torch.stack([s for _, s in experts]).view(torch.uint8)  # as compiled regions pass them
     refs = [reference_weight(w, s, fmt, 32) for w, s in experts]
+
+    class Layer:
+        pass
+
+    owner = Layer()
+    handle = register_experts(owner, [w for w, _ in experts], [s for _, s in experts])
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):
             x = torch.randn(idx.shape[0], slots, 96, generator=g)
-            y = torch.ops.mhcrun.qgemv_experts(x, data, scale, idx, fmt, 32)
+            y = torch.ops.mhcrun.qgemv_expert_set(x, handle, idx, fmt, 32, 64)
             assert y.shape == (*idx.shape, 64)
             for b, row in enumerate(idx.tolist()):
                 for j, e in enumerate(row):
                     xr = x[b, j if slots > 1 else 0][None]
                     assert_gemm_close(y[b, j][None], F.linear(xr, refs[e]), xr, refs[e])
+    assert int(handle) in EXPERT_SETS
+    del owner
+    gc.collect()
+    assert int(handle) not in EXPERT_SETS
 
 
 @needs_kernel

@@ -45,6 +45,7 @@ would zero them): `_denormals_ok` checks this and falls back to the reference de
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
@@ -500,13 +501,28 @@ def _(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, grou
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
-@torch.library.custom_op("mhcrun::qgemv_experts", mutates_args=())
-def qgemv_experts(x: Tensor, data: Tensor, scale: Tensor | None, idx: Tensor, fmt: str, block: int) -> Tensor:
-    """Routed experts without gathering their weights: x [B, k or 1, in] fp32, stacked experts data
-    [E, out, in'] (scale [E, ...]), idx [B, k] -> y [B, k, out] fp32, y[b, j] = x[b, j or 0] through expert
-    idx[b, j]. The rows of one expert go through one kernel call (MAX_ROWS at a time)."""
-    b_n, k = idx.shape
-    y = torch.empty(b_n, k, data.shape[1], dtype=torch.float32)
+# Routed experts that compiled graphs read in place: a graph input holds a set's handle (an int64 scalar) instead
+# of the experts' weights stacked into one tensor, which would copy them. handle -> (weights, scales).
+_EXPERT_SETS: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
+_next_set = itertools.count()
+
+
+def register_experts(owner: object, weights: list[Tensor], scales: list[Tensor | None]) -> Tensor:
+    """A handle for `mhcrun::qgemv_expert_set` to one weight (w1, w2 or w3) of each of a layer's experts, in
+    expert order; the entry goes when `owner` (the layer) does."""
+    h = next(_next_set)
+    _EXPERT_SETS[h] = (list(weights), list(scales))
+    weakref.finalize(owner, _EXPERT_SETS.pop, h, None)
+    return torch.tensor(h, dtype=torch.int64)
+
+
+@torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
+def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, fmt: str, block: int, out_features: int) -> Tensor:
+    """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
+    y[b, j] = x[b, j or 0] through expert idx[b, j] of the set `handle` (`register_experts`). The rows of one
+    expert go through one call of the fused kernel (at most MAX_ROWS at a time; `_cpu_gemm` where it declines)."""
+    weights, scales = _EXPERT_SETS[int(handle)]
+    y = torch.empty(*idx.shape, out_features, dtype=torch.float32)
     rows: dict[int, list[tuple[int, int]]] = {}
     for b, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
@@ -515,13 +531,13 @@ def qgemv_experts(x: Tensor, data: Tensor, scale: Tensor | None, idx: Tensor, fm
         for a in range(0, len(pairs), qgemv_rows_max):
             bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + qgemv_rows_max], strict=True))
             xe = x[bs, js if x.shape[1] > 1 else 0].float()  # [n, in]
-            y[bs, js] = _cpu_gemm(xe[:, None], data[e], None if scale is None else scale[e], fmt, block, 1)[:, 0]
+            y[bs, js] = _cpu_gemm(xe[:, None], weights[e], scales[e], fmt, block, 1)[:, 0]
     return y
 
 
-@qgemv_experts.register_fake
-def _(x: Tensor, data: Tensor, scale: Tensor | None, idx: Tensor, fmt: str, block: int) -> Tensor:
-    return x.new_empty(idx.shape[0], idx.shape[1], data.shape[1], dtype=torch.float32)
+@qgemv_expert_set.register_fake
+def _(x: Tensor, handle: Tensor, idx: Tensor, fmt: str, block: int, out_features: int) -> Tensor:
+    return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
 def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:

@@ -28,8 +28,7 @@ from mhcrun.ops.compress import gather_overlap_state, pool
 from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qgemv import applies as qgemv_applies
-from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_experts, qlinear
+from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_expert_set, qlinear
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
 
@@ -77,6 +76,7 @@ class MoeSpec:
     act_quant: frozenset[str]
     formats: frozenset[tuple[str, str, int]]
     hc: HcSpec
+    inter: int  # routed experts' inner size
 
 
 @dataclass(frozen=True)
@@ -249,9 +249,9 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
 
     def routed(name: str, xs: torch.Tensor) -> torch.Tensor:
         """xs [B, k or 1, in] through each row's k routed experts' weights `name` -> [B, k, out] (fp32)."""
-        scale = w.get(f"{name}_scale")
-        if fmt != "float" and qgemv_applies(w[name][0], None if scale is None else scale[0], fmt, block, 1):
-            return qgemv_experts(xs.float(), w[name], scale, idx, fmt, block)  # the fused CPU kernel
+        if f"{name}_set" in w:  # the fused CPU kernel, reading the experts where they are
+            out = d if name == "w2" else spec.inter
+            return qgemv_expert_set(xs.float(), w[f"{name}_set"], idx, fmt, block, out)
         data = w[name][idx]  # [B, k, out, in']
         if fmt != "float" and fused_fits(data, fmt, block, 1):  # dequantisation fused into the reduction
             return gemv_fused(xs.float().unsqueeze(-2), data, w[f"{name}_scale"][idx], fmt, block)

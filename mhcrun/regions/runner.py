@@ -22,6 +22,7 @@ from mhcrun.model import Block, Linear, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.nki.ops import hc_expand
 from mhcrun.ops import qgemv
+from mhcrun.ops.qlinear import register_experts
 from mhcrun.ops.quant import hadamard
 from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
 
@@ -197,12 +198,18 @@ def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
 
 
 def stack_experts(block: Block) -> dict[str, torch.Tensor]:
-    """Stack the routed experts' weights [E, out, in] (and scales, when kept quantised) once; the experts
-    keep views of the stack. Kept-quantised weights are stacked as stored, so this copies their bytes."""
+    """The routed experts' weights as graph inputs. Kept quantised on a CPU with the fused kernel: a handle per
+    weight name (`name_set`, `qlinear.register_experts`), the experts read in place. Otherwise stacked
+    [E, out, in] (and scales) once, the experts keeping views of the stack: kept-quantised weights are stacked
+    as stored, so this copies their bytes."""
     experts = block.ffn.experts
     out = {}
     for name in ("w1", "w2", "w3"):
         first = getattr(experts[0], name)
+        if first.fmt != "float" and qgemv.applies(first.weight, first.scale, first.fmt, first.block, 1):
+            lins = [getattr(e, name) for e in experts]
+            out[f"{name}_set"] = register_experts(block, [m.weight for m in lins], [m.scale for m in lins])
+            continue
         for attr, key in (("weight", name), ("scale", f"{name}_scale")):
             t = getattr(first, attr)
             if t is None:
@@ -278,7 +285,7 @@ class RegionDecoder:
             mkind = "moe:" + block.ffn.gate.hash * "hash" + (not block.ffn.gate.hash) * "routed"
             mw, mq, mf = moe_inputs(block)
             specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
-                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc)
+                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc, c.moe_inter_dim)
             self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
             layers_of.setdefault(akind, []).append(i)
             layers_of.setdefault(mkind, []).append(i)
