@@ -30,8 +30,6 @@ SOURCE = Path(__file__).with_name("qgemv.cpp")
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 _FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
-_STATUS = {1: "the weight holds an e4m3 NaN code", 2: "a scale is non-finite or overflows the weight",
-           3: "this CPU lacks AVX2/AVX-512 with F16C and FMA", 4: "out of memory", 5: "subnormals are flushed"}
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # set once the library is known to be unavailable
@@ -104,7 +102,7 @@ def _load() -> ctypes.CDLL | None:
     global _isa
     _isa = lib.mhc_qgemv_isa()
     if not _isa:
-        _why = _STATUS[3]
+        _why = "this CPU lacks AVX2/AVX-512 with F16C and FMA"
         return None
     _lib = lib
     return lib

@@ -12,18 +12,20 @@ The values are exactly those of `quant.dequantize_fp8` / `quant.dequantize_fp4` 
 block scale: one rounding, the same as the reference's), and the GEMM accumulates in fp32.
 
 CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv`
-(C++/AVX-512, built on first use) reads each weight byte once and decodes it in registers; where it does not
-apply (prefill, no compiler or AVX-512, NaN codes, MHCRUN_CPU_KERNEL=0), the output rows are taken in chunks of
+(C++, AVX-512 or AVX2, built on first use) reads each weight byte once and decodes it in registers; where it does
+not apply (prefill, no compiler or neither instruction set, NaN codes, MHCRUN_CPU_KERNEL=0), the torch chunk
+decoders are the path (and the reference the kernel is tested against): the output rows are taken in chunks of
 about `CHUNK_BYTES` of fp32; each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32
 cast) into a small buffer that stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32
 copy of the weight is ever made. For fp8 with few rows of x, a chunk inside one block row leaves its values
 unscaled and x takes the per-column scales instead (exact for power-of-two scales, see
-`_RowDecoder.x_fold_ok`). Under `torch.compile`
-(`torch.compiler.is_compiling()`) on CPU, a decode GEMV (at most FUSED_MAX_ROWS rows of x) is written as a
-reduction with the dequantisation inside it (`gemv_fused`), which inductor turns into one loop that reads each
-weight byte once; anything else dequantises the whole weight with plain tensor ops (`dequantize`) and
-multiplies once. No Python loops or data-dependent control flow in graphs. On CUDA the whole-tensor path is used, except
-fp8 with activation quantisation, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
+`_RowDecoder.x_fold_ok`). Under `torch.compile` (`torch.compiler.is_compiling()`) on CPU, a decode GEMV takes
+the kernel as an opaque custom op (`mhcrun::qgemv`; routed experts `mhcrun::qgemv_expert_set`) where it applies;
+else (at most FUSED_MAX_ROWS rows of x) it is written as a reduction with the dequantisation inside it
+(`gemv_fused`), which inductor turns into one loop that reads each weight byte once; anything else
+dequantises the whole weight with plain tensor ops (`dequantize`) and multiplies once. No Python loops or
+data-dependent control flow in graphs. On CUDA the whole-tensor path is used, except fp8 with activation
+quantisation when MHCRUN_SCALED_MM=1, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
 (`_scaled_mm_fp8`).
 
 Decoders (`decode_fp8`, `decode_fp4`, and the chunk kernels under them):
@@ -541,7 +543,8 @@ def _(x: Tensor, handle: Tensor, idx: Tensor, fmt: str, block: int, out_features
 
 
 def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
-    """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32, chunk by chunk."""
+    """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32: the fused kernel where it
+    applies, else chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
     r = data.shape[0] // groups
     fast = qgemv(x3, data, scale, fmt, block, groups)  # decode sizes: the fused kernel, when it applies

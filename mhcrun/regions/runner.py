@@ -197,7 +197,7 @@ def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
             f"{prefix}_norm": comp.norm.weight}
 
 
-def stack_experts(block: Block) -> dict[str, torch.Tensor]:
+def expert_inputs(block: Block) -> dict[str, torch.Tensor]:
     """The routed experts' weights as graph inputs. Kept quantised on a CPU with the fused kernel: a handle per
     weight name (`name_set`, `qlinear.register_experts`), the experts read in place. Otherwise stacked
     [E, out, in] (and scales) once, the experts keeping views of the stack: kept-quantised weights are stacked
@@ -236,7 +236,7 @@ def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], F
           "hc_ffn_fn_lo": block.fn_split["ffn"][1], "hc_ffn_base": block.hc_ffn_base,
           "hc_ffn_scale": block.hc_ffn_scale, "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
     w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
-    w |= stack_experts(block)
+    w |= expert_inputs(block)
     first = f.experts[0].w1
     if first.quantized:
         quant.add("experts")
