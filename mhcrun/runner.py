@@ -22,6 +22,7 @@ from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
+from mhcrun.ops import qgemv
 from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
@@ -84,6 +85,7 @@ class Runner:
         self.model.opts.quant_sim = self.quant_sim
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
+            qgemv.available()  # build (first run only) or load the fused GEMV kernel now, not inside prefill
         return self.model
 
 
