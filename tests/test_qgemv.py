@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, reference_weight
+from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, reference_weight, weight_of
 
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import _EXPERT_SETS as EXPERT_SETS
@@ -112,12 +112,7 @@ def test_bf16_against_reference(n, k, m):
 def test_grouped_rows_take_their_group_of_x(fmt):
     """wo_a: output rows in 4 groups of 48 (straddling 32-row fp8 tiles), each against its own x."""
     g = gen(400)
-    if fmt == "fp8":
-        data, scale = fp8_weight(192, 96, 32, g)
-    elif fmt == "fp4":
-        data, scale = fp4_weight(192, 96, g)
-    else:
-        data, scale = torch.randn(192, 96, generator=g).to(torch.bfloat16), None
+    data, scale = weight_of(fmt, 192, 96, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     x3 = torch.randn(5, 4, 96, generator=g)
     check_groups(run(x3, data, scale, fmt, 32, 4), x3, w_ref)
@@ -357,12 +352,7 @@ def test_compiled_qlinear_calls_the_kernel_op(fmt):
 
     torch._dynamo.reset()
     g = gen(1500)
-    if fmt == "fp8":
-        data, scale = fp8_weight(96, 160, 32, g)
-    elif fmt == "fp4":
-        data, scale = fp4_weight(96, 160, g)
-    else:
-        data, scale = torch.randn(96, 160, generator=g).to(torch.bfloat16), None
+    data, scale = weight_of(fmt, 96, 160, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     targets = []
 

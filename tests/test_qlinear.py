@@ -59,13 +59,17 @@ def fp4_weight(out_f: int, in_f: int, g: torch.Generator, e8m0: bool = True, blo
     return p, (float_to_e8m0(s) if e8m0 else s)
 
 
-def weight_96x160(fmt: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A [96 x 160] weight in `fmt` (fp8 with 32-blocks, fp4, or bf16) and its scale."""
+def weight_of(fmt: str, out_f: int, in_f: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An [out_f x in_f] weight in `fmt` (fp8 with 32-blocks, fp4, or "float": bf16) and its scale."""
     if fmt == "fp8":
-        return fp8_weight(96, 160, 32, g)
+        return fp8_weight(out_f, in_f, 32, g)
     if fmt == "fp4":
-        return fp4_weight(96, 160, g)
-    return torch.randn(96, 160, generator=g).to(torch.bfloat16), None
+        return fp4_weight(out_f, in_f, g)
+    return torch.randn(out_f, in_f, generator=g).to(torch.bfloat16), None
+
+
+def weight_96x160(fmt: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return weight_of(fmt, 96, 160, g)
 
 
 def reference_weight(data, scale, fmt, block) -> torch.Tensor:
@@ -383,12 +387,7 @@ def test_float_fmt_converted_weight_matches_linear(act_quant):
 def test_qlinear_grouped_against_einsum(gemv_path, fmt, dtype):
     g = gen(16)
     groups, r, d = 4, 48, 96  # 48-row groups straddle the 32-row fp8 blocks
-    if fmt == "fp8":
-        data, scale = fp8_weight(groups * r, d, 32, g)
-    elif fmt == "fp4":
-        data, scale = fp4_weight(groups * r, d, g)
-    else:
-        data, scale = torch.randn(groups * r, d, generator=g).to(torch.bfloat16), None
+    data, scale = weight_of(fmt, groups * r, d, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     x = torch.randn(2, 3, groups, d, generator=g).to(dtype)
     y = qlinear_grouped(x, data, scale, fmt, 32, groups)
