@@ -24,12 +24,11 @@ from safetensors.torch import save as safetensors_save
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
-from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
+from mhcrun.ops.quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FP4_BLOCK = 32
 # Below this total shard size the weights hash covers every byte; above it only names, sizes and headers.
 FULL_HASH_LIMIT = 1 << 30
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.errors import InputError
+from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
 
@@ -93,15 +94,26 @@ def record_step(logits: torch.Tensor, k: int) -> tuple[list[tuple[int, float]], 
     return pairs, float(top2[0] - top2[1])
 
 
+def prefill(model: Transformer, ids: list[int], row: int, chunk: int) -> torch.Tensor:
+    """Prefill one prompt into cache row `row`, `chunk` tokens at a time -> logits [1, V] of its last token."""
+    dev = model.device
+    rows = torch.tensor([row], device=dev)
+    for c0 in range(0, len(ids), chunk):
+        logits = model(torch.tensor([ids[c0:c0 + chunk]], device=dev), rows, c0)
+    return logits
+
+
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
              sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
-             backend: str | None = None, stages: str = "whole") -> list[GenerationResult]:
+             backend: str | None = None, stages: str = "whole",
+             prefill_chunk: int | None = None) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams.
 
-    graph_mode "eager" decodes with the model's eager code; "regions" with compiled region graphs
-    (`mhcrun.regions`). Prefill is always eager (prompts have different lengths)."""
+    Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`).
+    graph_mode "eager" decodes with the model's eager code (a chunk of one token per row); "regions" with
+    compiled region graphs (`mhcrun.regions`)."""
     sampling = sampling or SamplingOptions()
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
@@ -129,10 +141,13 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         toks = results[row].tokens
         return len(toks) >= max_new_tokens or (not ignore_eos and toks[-1] == eos_id)
 
+    chunk = prefill_chunk or default_prefill_chunk(cfg)
+    if chunk < 1:
+        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
     prefill_s = []
     for row, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        logits = model(torch.tensor([ids], device=dev), torch.tensor([row], device=dev))
+        logits = prefill(model, ids, row, chunk)
         prefill_s.append(time.perf_counter() - t0)
         accept(row, logits[0], int(sample(logits, sampling, gen)[0]))
 
@@ -150,7 +165,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if decoder is None:  # eager: only the unfinished rows
             tokens = torch.tensor([[results[r].tokens[-1]] for r in active], device=dev)
             pos = torch.tensor([len(prompts[r]) + len(results[r].tokens) - 1 for r in active], device=dev)
-            logits = model(tokens, torch.tensor(active, device=dev), pos)
+            logits = model(tokens, torch.tensor(active, device=dev), pos)  # a chunk of one token per row
         else:  # compiled: every row, static shapes; a finished row repeats its last step
             tokens = torch.tensor([res.tokens[-1] for res in results], device=dev)
             pos = torch.tensor([len(p) + len(res.tokens) - 1 for p, res in zip(prompts, results, strict=True)],

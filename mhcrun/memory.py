@@ -15,9 +15,12 @@ import torch
 from mhcrun.checkpoint import CheckpointPlan
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
-from mhcrun.model import STORED_DTYPE, fp32_param, make_state_roots
+from mhcrun.model import STORED_DTYPE, cache_formats, fp32_param, make_state_roots
+from mhcrun.ops.attention import ATTN_WORKSPACE
+from mhcrun.ops.index import INDEX_WORKSPACE
 from mhcrun.weights import scale_name
 
+PREFILL_BUDGET = 512 << 20  # what a prefill chunk's activations may grow to (chooses the default chunk)
 RUNTIME_BYTES = 400 << 20  # python, torch and the tokenizer, measured ~0.3 GB; rounded up
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
           "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
@@ -29,12 +32,15 @@ class MemoryPlan:
     batch: int
     context: int
     prompt_len: int
+    prefill_chunk: int  # tokens a prefill chunk holds: the activations are planned for one chunk
     dtype: str
     dequantize: bool
+    quant_sim: bool
     disk_by_dtype: dict[str, int]  # on-disk bytes of the tensors that load, by stored dtype (scales included)
     weights: int  # bytes the weights take in memory: mapped shard bytes plus cast copies (or fp32 dequantised)
     state: dict[str, int] = field(default_factory=dict)  # KV cache, compressor and indexer state, rope tables
-    activations: int = 0  # the largest transient: prefill attention and indexer scores of the longest prompt
+    kv_bytes_per_token: float = 0.0  # KV and indexer cache bytes one more token of context adds (all layers)
+    activations: int = 0  # the largest transient: one prefill chunk's activations and score workspaces
     runtime: int = RUNTIME_BYTES
     available: int | None = None  # bytes this machine (or the given limit) allows
 
@@ -48,7 +54,9 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {"layers": self.layers, "batch": self.batch, "context": self.context, "prompt_len": self.prompt_len,
-                "dtype": self.dtype, "dequantize": self.dequantize, "disk_by_dtype": dict(sorted(
+                "prefill_chunk": self.prefill_chunk, "dtype": self.dtype, "dequantize": self.dequantize,
+                "quant_sim": self.quant_sim, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "disk_by_dtype": dict(sorted(
                     self.disk_by_dtype.items())), "disk_bytes": sum(self.disk_by_dtype.values()),
                 "weights_bytes": self.weights, "state_bytes": self.state, "activation_bytes": self.activations,
                 "runtime_bytes": self.runtime, "total_bytes": self.total, "available_bytes": self.available,
@@ -105,28 +113,44 @@ def decode_bytes_per_token(plan: CheckpointPlan, dtype: torch.dtype = torch.floa
     return int(total)
 
 
-def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: torch.dtype) -> dict[str, int]:
+def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: torch.dtype,
+                quant_sim: bool = True) -> dict[str, int]:
     """Bytes of the per-sequence state `Transformer.setup_caches` allocates, by kind."""
     ratios = [cfg.compress_ratios[i] for i in range(layers)]
     out = {"kv_cache": 0, "compressor_state": 0, "indexer_cache": 0}
     for ratio in sorted(set(ratios)):
-        roots = make_state_roots(cfg, ratio, ratios.count(ratio), batch, context, dtype, "meta")
+        roots = make_state_roots(cfg, ratio, ratios.count(ratio), batch, context, dtype, "meta", quant_sim)
         for key, t in roots.items():
-            kind = "kv_cache" if key == "kv" else "indexer_cache" if key == "idx_kv" else "compressor_state"
+            cache = key.split(".")[0]
+            kind = "kv_cache" if cache == "kv" else "indexer_cache" if cache == "idx_kv" else "compressor_state"
             out[kind] += t.nbytes
     out["rope_tables"] = 2 * context * (cfg.rope_head_dim // 2) * 8  # two complex64 tables
     return out
 
 
-def activation_bytes(cfg: ModelConfig, prompt_len: int, dtype: torch.dtype) -> int:
-    """The prefill's largest transients: attention scores and probabilities [s, heads, s + s/4] (fp32, ~4
-    live at once), the indexer's [s, index_heads, s/4] scores, and the logits."""
-    s = prompt_len
-    keys = s + s // 4
-    attn = 4 * 4 * cfg.n_heads * s * keys
-    index = 2 * 4 * cfg.index_n_heads * s * (s // 4)
-    hidden = 8 * s * cfg.hc_mult * max(cfg.dim, cfg.n_heads * cfg.head_dim) * 4
-    return attn + index + hidden + 4 * cfg.vocab_size
+def chunk_activation_bytes(cfg: ModelConfig, chunk: int) -> int:
+    """The activations that grow with a prefill chunk of `chunk` tokens: the mHC streams and their copies through
+    a layer, the attention's queries and outputs, the MoE's intermediates (measured on the mid-size config:
+    ~0.3 MB a token there)."""
+    streams = 8 * cfg.hc_mult * cfg.dim * 4
+    attn = 4 * cfg.n_heads * cfg.head_dim * 4 + 4 * cfg.q_lora_rank * 4
+    moe = 4 * (cfg.n_activated_experts + 1) * cfg.moe_inter_dim * 4
+    return chunk * (streams + attn + moe)
+
+
+def activation_bytes(cfg: ModelConfig, chunk: int) -> int:
+    """A prefill chunk's largest transients: what grows with the chunk, the attention's and the indexer's score
+    workspaces (fixed caps: queries and entries are taken in slices), and the logits."""
+    return chunk_activation_bytes(cfg, chunk) + ATTN_WORKSPACE + INDEX_WORKSPACE + 4 * cfg.vocab_size
+
+
+def default_prefill_chunk(cfg: ModelConfig) -> int:
+    """The prefill chunk (tokens) when none is given: the largest power of two up to 2048 whose activations stay
+    within PREFILL_BUDGET."""
+    chunk = 2048
+    while chunk > 16 and chunk_activation_bytes(cfg, chunk) > PREFILL_BUDGET:
+        chunk //= 2
+    return chunk
 
 
 def available_bytes() -> int | None:
@@ -163,19 +187,37 @@ def parse_size(text: str, what: str = "--memory-limit") -> int:
     return int(value)
 
 
+def kv_bytes_per_token(cfg: ModelConfig, layers: int, dtype: torch.dtype, quant_sim: bool = True) -> float:
+    """KV and indexer cache bytes per token of context, summed over the first `layers` layers: a compressed
+    layer stores one entry per `ratio` tokens (a CSA layer also one indexer key per 4); the window's ring is a
+    fixed cost, not counted here."""
+    formats = cache_formats(cfg, quant_sim)
+    total = 0.0
+    for i in range(layers):
+        ratio = cfg.compress_ratios[i]
+        if ratio:
+            total += formats["kv"].bytes_per_entry(dtype) / ratio
+        if ratio == 4:
+            total += formats["idx_kv"].bytes_per_entry(dtype) / 4
+    return total
+
+
 def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, prompt_len: int | None = None,
-                dtype: torch.dtype = torch.float32, dequantize: bool = False,
-                available: int | None = None) -> MemoryPlan:
-    """The memory plan of running the first `layers` layers of a checked checkpoint. `available` defaults
-    to what this machine has free now (`available_bytes`)."""
+                dtype: torch.dtype = torch.float32, dequantize: bool = False, available: int | None = None,
+                prefill_chunk: int | None = None, quant_sim: bool = True) -> MemoryPlan:
+    """The memory plan of running the first `layers` layers of a checked checkpoint: prefill activations for
+    one chunk of `prefill_chunk` tokens (default `default_prefill_chunk`; never more than the prompt).
+    `available` defaults to what this machine has free now (`available_bytes`)."""
     cfg = plan.config
     prompt_len = context if prompt_len is None else prompt_len
+    chunk = max(1, min(prefill_chunk or default_prefill_chunk(cfg), prompt_len))
     return MemoryPlan(
-        layers=layers, batch=batch, context=context, prompt_len=prompt_len, dtype=str(dtype).removeprefix("torch."),
-        dequantize=dequantize, disk_by_dtype=dict(plan.bytes_by_dtype),
-        weights=weight_bytes(plan, dtype, dequantize), state=state_bytes(cfg, layers, batch, context, dtype),
-        activations=activation_bytes(cfg, prompt_len, dtype),
-        available=available if available is not None else available_bytes())
+        layers=layers, batch=batch, context=context, prompt_len=prompt_len, prefill_chunk=chunk,
+        dtype=str(dtype).removeprefix("torch."), dequantize=dequantize, quant_sim=quant_sim,
+        disk_by_dtype=dict(plan.bytes_by_dtype), weights=weight_bytes(plan, dtype, dequantize),
+        state=state_bytes(cfg, layers, batch, context, dtype, quant_sim),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, layers, dtype, quant_sim),
+        activations=activation_bytes(cfg, chunk), available=available if available is not None else available_bytes())
 
 
 def format_bytes(n: int | None) -> str:

@@ -1,11 +1,11 @@
 """DeepSeek V4 as DeepSeek's inference code computes it, in plain torch on the ops in `mhcrun.ops`.
 
 Module and parameter names equal DeepSeek's checkpoint names (`layers.0.attn.wq_a.weight`, ...).
-Two entry points share the weights and the per-sequence state:
-- prefill: a whole prompt at position 0 for the cache rows `rows` (all of one length);
-- decode: one token per row at per-row positions `pos` (rows may be at different positions).
-KV caches and compressor state live in buffers made by `setup_caches`; row r of every buffer belongs to
-one sequence, so sequences of different lengths decode side by side.
+One entry point, as DeepSeek's `forward(tokens, start_pos)`: `forward(tokens [b, s], rows [b], start [b])` runs
+a chunk of s tokens per row at positions start + [0, s), attending to what earlier chunks left in the caches.
+A prompt is prefilled chunk by chunk; a decode step is a chunk of one token per row (rows may be at different
+positions). KV caches and compressor state live in buffers made by `setup_caches`; row r of every buffer
+belongs to one sequence, and a chunk at start 0 begins a new sequence in its row.
 """
 
 from __future__ import annotations
@@ -17,23 +17,16 @@ from torch import nn
 
 from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops.attention import (
-    compress_mask_decode,
-    compress_mask_prefill,
-    sparse_attn,
-    window_mask_decode,
-    window_mask_prefill,
-)
-from mhcrun.ops.compress import compress_groups, gather_overlap_state, pool
-from mhcrun.ops.index import index_scores, select_topk
+from mhcrun.ops import kvcache
+from mhcrun.ops.attention import closed_mask, query_slices, sparse_attn, window_mask
+from mhcrun.ops.compress import compress_chunk
+from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
+from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import qlinear, qlinear_grouped
-from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
+from mhcrun.ops.quant import FP4_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
-
-KV_FP8_BLOCK = 64  # the reference simulates FP8 on the non-rope part of kv in blocks of 64
-INDEX_FP4_BLOCK = 32
 
 
 @dataclass
@@ -80,14 +73,13 @@ class RMSNorm(nn.Module):
 
 
 class Compressor(nn.Module):
-    """Pools each closed group of `ratio` tokens into one kv entry; partial groups wait in state buffers."""
+    """Pools each closed group of `ratio` tokens into one compressed entry; partial groups wait in state buffers."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, opts: RunOptions, rotate: bool = False):
         super().__init__()
         self.ratio, self.head_dim, self.rope_dim = ratio, head_dim, cfg.rope_head_dim
         self.overlap = ratio == 4
-        self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 on the non-rope part
-        self.pow2 = cfg.scale_fmt is not None
+        self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
         self.opts = opts
         c = 2 if self.overlap else 1
         self.ape = empty(ratio, c * head_dim)
@@ -95,67 +87,37 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, c * head_dim, opts)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def bind(self, kv_state: torch.Tensor, score_state: torch.Tensor, cache: torch.Tensor,
-             freqs: torch.Tensor) -> None:
-        """Use views of the root state buffers: kv/score state [B, c*r, c*hd], cache [B, max_seq // r, hd]."""
-        self.kv_state, self.score_state, self.cache, self.freqs = kv_state, score_state, cache, freqs
+    def bind(self, kv_state: torch.Tensor, score_state: torch.Tensor, cache: dict[str, torch.Tensor],
+             fmt: CacheFormat, freqs: torch.Tensor) -> None:
+        """Use views of the root state buffers: kv/score state [B, c*r, c*hd], cache parts [B, max_seq // r, ...]."""
+        self.kv_state, self.score_state, self.cache, self.fmt, self.freqs = kv_state, score_state, cache, fmt, freqs
 
-    def finish(self, pooled: torch.Tensor, dtype: torch.dtype, freqs: torch.Tensor) -> torch.Tensor:
-        """norm -> RoPE at the group start -> FP8 (or Hadamard + FP4) simulation."""
-        kv = apply_rope_tail(self.norm(pooled.to(dtype)), freqs, self.rope_dim)
-        if self.rotate:
-            kv = hadamard(kv)
-            if self.opts.quant_sim:
-                kv = fp4_simulate(kv, INDEX_FP4_BLOCK)
-        elif self.opts.quant_sim:
-            kv = simulate_kv_fp8(kv, self.rope_dim, self.pow2)
-        return kv
-
-    def prefill(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """x [b, s, d] at positions [0, s) -> the s // ratio closed entries [b, g, head_dim] (None if g == 0)."""
-        b, s, _ = x.shape
-        r, dtype = self.ratio, x.dtype
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> None:
+        """x [b, s, d] at positions start [b] + [0, s): every group the chunk closes is pooled, normed, rotated
+        at its first position and stored (in the cache's format) as compressed entry `position // ratio`."""
+        r, s = self.ratio, x.size(1)
+        pos = start.view(-1, 1) + torch.arange(s, device=x.device)
         kv = self.wkv(x.float())
-        score = self.wgate(x.float())
-        self.kv_state[rows] = 0.0
-        self.score_state[rows] = float("-inf")
-        cutoff = s - s % r
-        offset = r if self.overlap else 0
-        if self.overlap and cutoff >= r:  # the last closed group, for the next entry's overlap half
-            self.kv_state[rows, :r] = kv[:, cutoff - r:cutoff]
-            self.score_state[rows, :r] = score[:, cutoff - r:cutoff] + self.ape
-        if s > cutoff:  # the open group
-            self.kv_state[rows, offset:offset + s - cutoff] = kv[:, cutoff:]
-            self.score_state[rows, offset:offset + s - cutoff] = score[:, cutoff:] + self.ape[:s - cutoff]
-        if cutoff == 0:
-            return None
-        ape = self.ape.repeat(cutoff // r, 1)
-        pooled = compress_groups(kv[:, :cutoff], score[:, :cutoff] + ape, r, self.overlap)
-        out = self.finish(pooled, dtype, self.freqs[:cutoff:r])
-        self.cache[rows, :cutoff // r] = out
-        return out
-
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
-        """x [b, 1, d] at per-row positions pos [b]; closes a group where (pos + 1) % ratio == 0."""
-        r, dtype = self.ratio, x.dtype
-        kv = self.wkv(x.float())[:, 0]
-        score = self.wgate(x.float())[:, 0] + self.ape[pos % r]
-        slot = pos % r + (r if self.overlap else 0)
-        self.kv_state[rows, slot] = kv
-        self.score_state[rows, slot] = score
-        done = (pos + 1) % r == 0
-        if not bool(done.any()):
+        score = self.wgate(x.float()) + self.ape[pos % r]
+        fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
+        kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
+        score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
+        pooled, closed, entry, self.kv_state[rows], self.score_state[rows] = compress_chunk(
+            kv_state, score_state, kv, score, start, r, self.overlap)
+        if not bool(closed.any()):
             return
-        rows, pos = rows[done], pos[done]
-        kv_state, score_state = self.kv_state[rows], self.score_state[rows]
-        if self.overlap:
-            kv_state = gather_overlap_state(kv_state, r, self.head_dim)
-            score_state = gather_overlap_state(score_state, r, self.head_dim)
-            self.kv_state[rows, :r] = self.kv_state[rows, r:]
-            self.score_state[rows, :r] = self.score_state[rows, r:]
-        pooled = pool(kv_state, score_state, dim=1)
-        out = self.finish(pooled, dtype, self.freqs[pos + 1 - r])
-        self.cache[rows, pos // r] = out
+        bi, gi = closed.nonzero(as_tuple=True)
+        e = entry[bi, gi]
+        out = finish_entry(pooled[bi, gi].to(x.dtype), self.norm.weight, self.norm.eps,
+                           lambda t: apply_rope_tail(t, self.freqs[e * r], self.rope_dim), self.rotate)
+        kvcache.write(self.cache, self.fmt, (rows[bi], e), out)
+
+
+def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
+    """A pooled group -> its compressed entry before storage: norm, RoPE at the group's first position (`rope`),
+    and for indexer keys the Hadamard rotation. Storing rounds it (FP8 kv / FP4 keys with the simulation on)."""
+    out = rope(rms_norm(pooled, norm, eps))
+    return hadamard(out) if rotate else out
 
 
 class Indexer(nn.Module):
@@ -171,41 +133,36 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def bind(self, roots: dict[str, torch.Tensor], j: int, freqs: torch.Tensor) -> None:
-        self.cache = roots["idx_kv"][j]  # [B, max_seq // 4, index_head_dim]
-        self.compressor.bind(roots["idx_comp_kv"][j], roots["idx_comp_score"][j], self.cache, freqs)
+    def bind(self, roots: dict[str, torch.Tensor], j: int, fmt: CacheFormat, freqs: torch.Tensor) -> None:
+        self.cache = {p: t[j] for p, t in kvcache.parts_of(roots, "idx_kv", fmt).items()}  # [B, max_seq // 4, ...]
+        self.fmt = fmt
+        self.compressor.bind(roots["idx_comp_kv"][j], roots["idx_comp_score"][j], self.cache, fmt, freqs)
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = hadamard(apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim))
         return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
 
-    def prefill(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """-> mask [b, s, s // 4] of the chosen compressed entries per query."""
-        s = x.size(1)
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (entry indices, valid) [b, s, min(topk, closed)]: each query's top-k closed entries (tie rule in
+        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go."""
+        b, s = x.shape[:2]
         q = self.queries(qr, freqs)
-        self.compressor.prefill(x, rows)
+        self.compressor(x, rows, start)
         w = self.weights_proj(x) * self.weight_scale
-        scores = index_scores(q, self.cache[rows, :s // 4], w)
-        return select_topk(scores, compress_mask_prefill(s, 4, x.device).expand_as(scores), self.topk)
+        closed = (start.view(-1, 1) + torch.arange(1, s + 1, device=x.device)) // 4  # [b, s]
+        n = int(closed.max())
 
-    def decode(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-               freqs: torch.Tensor) -> torch.Tensor:
-        """-> mask [b, 1, max_seq // 4]."""
-        q = self.queries(qr, freqs)
-        self.compressor.decode(x, pos, rows)
-        w = self.weights_proj(x) * self.weight_scale
-        n_closed = int((pos + 1).max()) // 4  # score only the entries any row has closed, as the reference
-        scores = index_scores(q, self.cache[rows, :n_closed], w)
-        valid = compress_mask_decode(pos, n_closed, 4).unsqueeze(1)
-        chosen = select_topk(scores, valid, self.topk)
-        return torch.nn.functional.pad(chosen, (0, self.cache.size(1) - n_closed))
+        def score_slice(j0: int, j1: int) -> torch.Tensor:
+            keys = kvcache.read(self.cache, self.fmt, (rows.view(-1, 1), torch.arange(j0, j1, device=x.device)),
+                                q.dtype)
+            return index_scores(q, keys, w)
 
-
-def simulate_kv_fp8(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
-    """FP8 round trip on the non-rope channels (the rope channels stay in the activation dtype)."""
-    nope, pe = kv.split([kv.size(-1) - rope_dim, rope_dim], dim=-1)
-    return torch.cat([fp8_simulate(nope, KV_FP8_BLOCK, pow2), pe], dim=-1)
+        if n == 0:
+            empty_idx = torch.zeros(b, s, 0, dtype=torch.long, device=x.device)
+            return empty_idx, empty_idx.bool()
+        return select_topk_sliced(score_slice, n, closed, self.topk, entry_step(b * s, self.n_heads))
 
 
 class Attention(nn.Module):
@@ -217,7 +174,6 @@ class Attention(nn.Module):
         self.window, self.ratio = cfg.window_size, cfg.compress_ratios[layer_id]
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.eps = cfg.norm_eps
-        self.pow2 = cfg.scale_fmt is not None
         self.opts = opts
         self.scale = self.head_dim ** -0.5
         hd, H = cfg.head_dim, cfg.n_heads
@@ -234,24 +190,26 @@ class Attention(nn.Module):
         if self.ratio == 4:
             self.indexer = Indexer(cfg, opts)
 
-    def bind(self, roots: dict[str, torch.Tensor], j: int, freqs: torch.Tensor) -> None:
+    def bind(self, roots: dict[str, torch.Tensor], j: int, formats: dict[str, CacheFormat],
+             freqs: torch.Tensor) -> None:
         """Use row j of this attention kind's root state buffers (see `make_state_roots`)."""
-        self.cache = roots["kv"][j]  # [B, window + max_seq // ratio, head_dim]
+        self.fmt = formats["kv"]
+        cache = {p: t[j] for p, t in kvcache.parts_of(roots, "kv", self.fmt).items()}  # [B, window + n_comp, ...]
+        self.window_cache = {p: t[:, :self.window] for p, t in cache.items()}
+        self.comp_cache = {p: t[:, self.window:] for p, t in cache.items()}
         self.freqs = freqs
         if self.ratio:
-            self.compressor.bind(roots["comp_kv"][j], roots["comp_score"][j], self.cache[:, self.window:], freqs)
+            self.compressor.bind(roots["comp_kv"][j], roots["comp_score"][j], self.comp_cache, self.fmt, freqs)
         if self.ratio == 4:
-            self.indexer.bind(roots, j, freqs)
+            self.indexer.bind(roots, j, formats["idx_kv"], freqs)
 
     def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd]; freqs broadcast to [b or 1, s, rd/2]."""
+        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); freqs [b, s, rd/2]."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # weightless per-head norm
         q = apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim)
         kv = apply_rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
-        if self.opts.quant_sim:
-            kv = simulate_kv_fp8(kv, self.rope_dim, self.pow2)
         return qr, q, kv
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -263,38 +221,39 @@ class Attention(nn.Module):
         o = grouped_output(o, wo_a.weight, wo_a.scale, wo_a.fmt, wo_a.block, self.n_groups)
         return self.wo_b(o.flatten(2))
 
-    def prefill(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """x [b, s, d] at positions start [b] + [0, s) -> [b, s, d]. Each query attends to its window (the ring
+        as the earlier chunks left it, then this chunk) plus its compressed entries: CSA's top-k gathered by
+        index, HCA's closed entries."""
         b, s, _ = x.shape
-        win = self.window
-        freqs = self.freqs[:s].unsqueeze(0)
+        win, dev, dtype = self.window, x.device, x.dtype
+        pos = start.view(-1, 1) + torch.arange(s, device=dev)
+        freqs = self.freqs[pos]  # [b, s, rd/2]
         qr, q, kv = self.project(x, freqs)
-        t = torch.arange(max(0, s - win), s, device=x.device)
-        self.cache[rows.unsqueeze(1), (t % win).unsqueeze(0)] = kv[:, t]
-        keys, mask = kv, window_mask_prefill(s, win, x.device).expand(b, s, s)
+        stored = kvcache.encode(self.fmt, kv)
+        kv = kvcache.decode(self.fmt, stored, dtype)  # what the cache gives back: the reference's FP8 rounding
+        ring = kvcache.read(self.window_cache, self.fmt, (rows.view(-1, 1), torch.arange(win, device=dev)), dtype)
+        keys, mask = torch.cat([ring, kv], dim=1), window_mask(start, s, win)
+        chosen = valid = None
+        if self.ratio == 4:
+            chosen, valid = self.indexer(x, qr, rows, start, freqs)
         if self.ratio:
-            chosen = self.indexer.prefill(x, qr, rows, freqs) if self.ratio == 4 else None
-            comp = self.compressor.prefill(x, rows)
-            if comp is not None:
-                if chosen is None:
-                    chosen = compress_mask_prefill(s, self.ratio, x.device).expand(b, s, -1)
-                keys, mask = torch.cat([kv, comp], dim=1), torch.cat([mask, chosen], dim=-1)
-        o = sparse_attn(q, keys, self.attn_sink, mask, self.scale)
-        return self.output(o, freqs)
-
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        win = self.window
-        freqs = self.freqs[pos].unsqueeze(1)  # [b, 1, rd/2]
-        qr, q, kv = self.project(x, freqs)
-        self.cache[rows, pos % win] = kv[:, 0]
-        mask = window_mask_decode(pos, win)
-        if self.ratio:
-            if self.ratio == 4:
-                chosen = self.indexer.decode(x, qr, pos, rows, freqs)[:, 0]
-            self.compressor.decode(x, pos, rows)
-            if self.ratio != 4:
-                chosen = compress_mask_decode(pos, self.cache.size(1) - win, self.ratio)
-            mask = torch.cat([mask, chosen], dim=-1)
-        o = sparse_attn(q, self.cache[rows], self.attn_sink, mask.unsqueeze(1), self.scale)
+            self.compressor(x, rows, start)
+        if self.ratio and self.ratio != 4:  # HCA: every closed entry
+            n = int((start + s).max()) // self.ratio
+            comp = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
+            keys, mask = torch.cat([keys, comp], dim=1), torch.cat([mask, closed_mask(start, s, n, self.ratio)], -1)
+        o = torch.empty_like(q)
+        n_sel = 0 if chosen is None else chosen.size(-1)
+        for sl in query_slices(s, self.n_heads, keys.size(1) + n_sel):
+            sel = sel_mask = None
+            if n_sel:  # CSA: the chosen entries, gathered (and dequantised) per query
+                sel = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1, 1), chosen[:, sl]), dtype)
+                sel_mask = valid[:, sl]
+            o[:, sl] = sparse_attn(q[:, sl], keys, mask[:, sl], self.attn_sink, self.scale, sel, sel_mask)
+        last = slice(max(0, s - win), s)  # the chunk's last `window` tokens go into the ring
+        kvcache.store(self.window_cache, (rows.view(-1, 1), pos[:, last] % win),
+                      {p: t[:, last] for p, t in stored.items()})
         return self.output(o, freqs)
 
 
@@ -384,25 +343,33 @@ class Block(nn.Module):
                                c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
-                pos: torch.Tensor | None) -> torch.Tensor:
-        # x [b, s, n, d]; pos None = prefill from position 0
+                start: torch.Tensor) -> torch.Tensor:
+        # x [b, s, n, d] at positions start [b] + [0, s)
         pre, post, comb = self.mixes(x, "attn")
-        h = self.attn_norm(hc_ops.hc_collapse(x, pre))
-        h = self.attn.prefill(h, rows) if pos is None else self.attn.decode(h, pos, rows)
+        h = self.attn(self.attn_norm(hc_ops.hc_collapse(x, pre)), rows, start)
         x = hc_ops.hc_post(h, x, post, comb)
         pre, post, comb = self.mixes(x, "ffn")
         h = self.ffn(self.ffn_norm(hc_ops.hc_collapse(x, pre)), token_ids)
         return hc_ops.hc_post(h, x, post, comb)
 
 
+def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
+    """How the KV cache ("kv") and the indexer's key cache ("idx_kv") store an entry."""
+    return {"kv": kv_format(cfg.head_dim, cfg.rope_head_dim, quant_sim, cfg.scale_fmt is not None),
+            "idx_kv": index_format(cfg.index_head_dim, quant_sim)}
+
+
 def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int, max_seq: int,
-                     dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype, device: torch.device | str = "cpu",
+                     quant_sim: bool = True) -> dict[str, torch.Tensor]:
     """Root state buffers of one attention kind, stacked over its `n_layers` layers:
-    kv [L, B, window + max_seq // ratio, hd] (ring window then compressed entries); for compressed kinds the
-    compressor's open-group state (fp32; scores start at -inf); for CSA the indexer's keys and state."""
-    hd, B = cfg.head_dim, max_batch
+    kv [L, B, window + max_seq // ratio, ...] (ring window then compressed entries; its parts per
+    `cache_formats`); for compressed kinds the compressor's open-group state (fp32; scores start at -inf); for
+    CSA the indexer's keys and state."""
+    B = max_batch
+    formats = cache_formats(cfg, quant_sim)
     n_kv = cfg.window_size + (max_seq // ratio if ratio else 0)
-    roots = {"kv": torch.zeros(n_layers, B, n_kv, hd, dtype=dtype, device=device)}
+    roots = kvcache.make_roots("kv", formats["kv"], (n_layers, B, n_kv), dtype, device)
 
     def compressor_state(prefix: str, r: int, d: int) -> None:
         c = 2 if r == 4 else 1
@@ -411,9 +378,9 @@ def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int
                                               device=device)
 
     if ratio:
-        compressor_state("comp", ratio, hd)
+        compressor_state("comp", ratio, cfg.head_dim)
     if ratio == 4:
-        roots["idx_kv"] = torch.zeros(n_layers, B, max_seq // 4, cfg.index_head_dim, dtype=dtype, device=device)
+        roots |= kvcache.make_roots("idx_kv", formats["idx_kv"], (n_layers, B, max_seq // 4), dtype, device)
         compressor_state("idx_comp", 4, cfg.index_head_dim)
     return roots
 
@@ -452,11 +419,13 @@ class Transformer(nn.Module):
                                                c.rope_factor, c.beta_fast, c.beta_slow).to(self.device),
         }
         self.roots: dict[int, dict[str, torch.Tensor]] = {}
+        self.formats = cache_formats(c, self.opts.quant_sim)
         for ratio, layer_ids in self.layers_by_ratio().items():
-            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype, self.device)
+            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype, self.device,
+                                     self.opts.quant_sim)
             self.roots[ratio] = roots
             for j, i in enumerate(layer_ids):
-                self.layers[i].attn.bind(roots, j, self.freqs["compressed" if ratio else 0])
+                self.layers[i].attn.bind(roots, j, self.formats, self.freqs["compressed" if ratio else 0])
         self.max_batch, self.max_seq = max_batch, max_seq
 
     @property
@@ -469,16 +438,16 @@ class Transformer(nn.Module):
             kinds.setdefault(layer.attn.ratio, []).append(i)
         return kinds
 
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, vocab] of the last position.
-
-        pos None: prefill, tokens are whole prompts at positions [0, s) written to cache rows `rows`.
-        pos [b]: decode, s == 1, token i sits at position pos[i] of cache row rows[i].
-        """
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Tensor:
+        """tokens [b, s] at positions start [b] (or an int for every row) + [0, s) of cache rows `rows` [b]
+        -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row."""
         c = self.cfg
+        if self.formats != cache_formats(c, self.opts.quant_sim):
+            raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
+        start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
         x = hc_ops.hc_expand(self.embed(tokens).to(self.dtype), c.hc_mult)
         for layer in self.layers:
-            x = layer(x, tokens, rows, pos)
+            x = layer(x, tokens, rows, start)
         h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
                            c.hc_eps, c.norm_eps)
         return qlinear(self.norm(h)[:, -1].float(), self.head.weight, None, "float", 0)
@@ -495,7 +464,6 @@ def fp32_param(name: str) -> bool:
 # vocabulary-sized tensors stay in their stored dtype (bf16 in the release): the embedding is exact after a
 # cast, and the head's GEMM converts it chunk by chunk, so no fp32 copy of either is ever made
 STORED_DTYPE = ("embed.weight", "head.weight")
-FP4_BLOCK = 32
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],

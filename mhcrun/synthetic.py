@@ -34,11 +34,11 @@ from typing import BinaryIO
 
 import torch
 
-from mhcrun.checkpoint import FP4_BLOCK, INDEX_FILE
+from mhcrun.checkpoint import INDEX_FILE
 from mhcrun.config import ModelConfig, find_config_file, load_config
 from mhcrun.errors import ConfigError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, open_atomic, read_json, write_atomic
-from mhcrun.ops.quant import FP8_MAX, unpack_fp4
+from mhcrun.ops.quant import FP4_BLOCK, FP8_MAX, unpack_fp4
 from mhcrun.tiny import HEAD_GAIN, init_tensor
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 

@@ -12,6 +12,7 @@ import torch
 from mhcrun.config import config_from_hf
 from mhcrun.generate import generate
 from mhcrun.model import build_model
+from mhcrun.ops import kvcache
 from mhcrun.tiny import init_tensors, tiny_config_raw
 
 N_TOKENS = 44  # crosses the window (16), CSA groups (4) and two HCA groups (16)
@@ -50,16 +51,19 @@ def test_decode_equals_full_recompute_every_step(ratios, quant_sim):
     assert worst < bound, f"decode drifts from a full recompute by {worst}"
 
 
-def test_batch_with_different_lengths_equals_each_prompt_alone():
-    model = make_model([0, 4, 16, 4])
+@pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
+def test_batch_with_different_lengths_equals_each_prompt_alone(quant_sim):
+    model = make_model([0, 4, 16, 4], quant_sim)
     g = torch.Generator().manual_seed(2)
     prompts = [[0] + torch.randint(3, 512, (n,), generator=g).tolist() for n in (0, 6, 17, 35)]
     batched = generate(model, prompts, 24, eos_id=1, ignore_eos=True, record_topk=2)
     for p, b in zip(prompts, batched, strict=True):
         alone = generate(model, [p], 24, eos_id=1, ignore_eos=True, record_topk=2)[0]
         assert alone.tokens == b.tokens
+        # GEMMs over a batch sum in another order than over one row; the FP8 simulation can turn such a last-bit
+        # difference into one FP8 quantum (measured: 1e-5 without it, 2e-4 with it)
         for m1, m2 in zip(alone.margins, b.margins, strict=True):
-            assert abs(m1 - m2) < 1e-4
+            assert abs(m1 - m2) < (1e-3 if quant_sim else 1e-4)
 
 
 def test_batch_rows_do_not_leak_into_each_other():
@@ -71,22 +75,25 @@ def test_batch_rows_do_not_leak_into_each_other():
     assert first == again
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 5, 16])
 @pytest.mark.parametrize("ratio", [4, 16])
-def test_compressor_decode_steps_rebuild_prefill_entries(ratio):
+def test_compressor_chunks_rebuild_whole_prompt_entries(ratio, chunk):
+    """Compressed entries pooled chunk by chunk (state carried across chunk boundaries) equal those of the
+    whole prompt at once."""
     model = make_model([ratio], quant_sim=True)
     comp = model.layers[0].attn.compressor
     x = torch.randn(1, 37, model.cfg.dim)
+    rows = torch.tensor([0])
     with torch.inference_mode():
         model.setup_caches(1, 40)
-        comp.prefill(x, torch.tensor([0]))
-        pooled = comp.cache[0, : 37 // ratio].clone()
+        comp(x, rows, torch.tensor([0]))
+        whole = kvcache.decode(comp.fmt, {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}, torch.float32)
         model.setup_caches(1, 40)
-        comp.prefill(x[:, :1], torch.tensor([0]))
-        for p in range(1, 37):
-            comp.decode(x[:, p:p + 1], torch.tensor([p]), torch.tensor([0]))
-        stepped = comp.cache[0, : 37 // ratio]
-    assert torch.allclose(pooled, stepped, atol=1e-5)
-    assert pooled.abs().sum() > 0
+        for c0 in range(0, 37, chunk):
+            comp(x[:, c0:c0 + chunk], rows, torch.tensor([c0]))
+        stepped = kvcache.decode(comp.fmt, {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}, torch.float32)
+    assert torch.allclose(whole, stepped, atol=1e-5)
+    assert whole.abs().sum() > 0
 
 
 def test_indexer_chooses_only_closed_entries_and_at_most_topk():
@@ -99,11 +106,11 @@ def test_indexer_chooses_only_closed_entries_and_at_most_topk():
         model.setup_caches(1, 48)
         freqs = attn.freqs[:s].unsqueeze(0)
         qr, _, _ = attn.project(x, freqs)
-        chosen = attn.indexer.prefill(x, qr, torch.tensor([0]), freqs)[0]  # [s, s // 4]
+        chosen, valid = attn.indexer(x, qr, torch.tensor([0]), torch.tensor([0]), freqs)  # [1, s, k]
     for t in range(s):
         closed = (t + 1) // 4
-        picked = torch.nonzero(chosen[t]).flatten().tolist()
-        assert all(j < closed for j in picked)
+        picked = chosen[0, t][valid[0, t]].tolist()
+        assert all(j < closed for j in picked) and len(set(picked)) == len(picked)
         assert len(picked) == min(cfg.index_topk, closed)
 
 

@@ -11,13 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from mhcrun.ops.attention import (
-    compress_mask_decode,
-    compress_mask_prefill,
+    closed_mask,
+    query_slices,
     sparse_attn,
-    window_mask_decode,
-    window_mask_prefill,
+    window_mask,
 )
-from mhcrun.ops.compress import compress_groups, gather_overlap_state, overlap_transform
+from mhcrun.ops.compress import compress_chunk, overlap_transform
 from mhcrun.ops.hc import (
     hc_collapse,
     hc_expand,
@@ -28,7 +27,7 @@ from mhcrun.ops.hc import (
     hc_split_sinkhorn,
     sinkhorn,
 )
-from mhcrun.ops.index import index_scores, select_topk
+from mhcrun.ops.index import entry_step, index_scores, rank_keys, select_topk, select_topk_sliced
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import qlinear as linear
@@ -532,7 +531,7 @@ def test_sparse_attn_vs_loop():
     sink = torch.tensor([0.5, -1.0])
     mask = random_mask(b, s, n, 32)
     scale = d ** -0.5
-    out = sparse_attn(q, kv, sink, mask, scale)
+    out = sparse_attn(q, kv, mask, sink, scale)
     assert out.shape == (b, s, h, d) and out.dtype == torch.float32
     close(out, loop_attn(q, kv, sink, mask, scale), atol=1e-5)
 
@@ -543,7 +542,7 @@ def test_sparse_attn_single_key_and_sink_only_in_denominator():
     kv = torch.tensor([[[2.0, 1.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]]])
     mask = torch.tensor([[[True, False]]])  # only key 0
     sink = torch.tensor([math.log(2.0), 1.0])
-    out = sparse_attn(q, kv, sink, mask, 1.0)
+    out = sparse_attn(q, kv, mask, sink, 1.0)
     # head 0: score 2, p = e^2 / (e^2 + 2); head 1: score 2, p = e^2 / (e^2 + e)
     p0 = math.exp(2) / (math.exp(2) + 2)
     p1 = math.exp(2) / (math.exp(2) + math.e)
@@ -556,7 +555,7 @@ def test_sparse_attn_sink_very_negative_is_plain_softmax():
     q = randn(b, s, h, d, seed=33)
     kv = randn(b, n, d, seed=34)
     mask = random_mask(b, s, n, 35)
-    out = sparse_attn(q, kv, torch.full((h,), -1e4), mask, 0.5)
+    out = sparse_attn(q, kv, mask, torch.full((h,), -1e4), 0.5)
     exp = torch.zeros(b, s, h, d, dtype=torch.float64)
     for i in range(b):
         for t in range(s):
@@ -568,7 +567,7 @@ def test_sparse_attn_sink_very_negative_is_plain_softmax():
                     exp[i, t, hh, k] = sum(math.exp(sc[a]) / z * float(kv[i, j, k]) for a, j in enumerate(keys))
     close(out, exp, atol=1e-5)
     # weights sum to one: with kv all ones the output is all ones
-    ones = sparse_attn(q, torch.ones(b, n, d), torch.full((h,), -1e4), mask, 0.5)
+    ones = sparse_attn(q, torch.ones(b, n, d), mask, torch.full((h,), -1e4), 0.5)
     close(ones, torch.ones(b, s, h, d), atol=1e-6)
 
 
@@ -577,7 +576,7 @@ def test_sparse_attn_large_scores_stay_finite():
     kv = torch.full((1, 3, 4), 30.0)
     kv[0, 1] = -30.0
     mask = torch.tensor([[[True, True, False], [True, True, True]]])
-    out = sparse_attn(q, kv, torch.tensor([0.0]), mask, 1.0)
+    out = sparse_attn(q, kv, mask, torch.tensor([0.0]), 1.0)
     assert torch.isfinite(out).all()
     close(out, loop_attn(q, kv, torch.tensor([0.0]), mask, 1.0), atol=1e-4)
 
@@ -588,7 +587,7 @@ def test_sparse_attn_bf16():
     kv = randn(b, n, d, seed=37, dtype=torch.bfloat16)
     sink = torch.tensor([0.2, -0.3])
     mask = random_mask(b, s, n, 38)
-    out = sparse_attn(q, kv, sink, mask, d ** -0.5)
+    out = sparse_attn(q, kv, mask, sink, d ** -0.5)
     assert out.dtype == torch.bfloat16
     close(out, loop_attn(q.float(), kv.float(), sink, mask, d ** -0.5), atol=3e-2, rtol=2e-2)
 
@@ -601,7 +600,7 @@ def test_sparse_attn_bf16_rounds_probabilities_to_kv_dtype():
 
     kv = torch.tensor([[[1.1, 1e5], [0.5, -1e5], [0.2, 1.0]]], dtype=torch.bfloat16)
     q = torch.tensor([[[[1.0, 0.0]]]], dtype=torch.bfloat16)
-    out = sparse_attn(q, kv, torch.tensor([0.0]), torch.ones(1, 1, 3, dtype=torch.bool), 1.0)
+    out = sparse_attn(q, kv, torch.ones(1, 1, 3, dtype=torch.bool), torch.tensor([0.0]), 1.0)
     k = kv[0].double().tolist()
     den = sum(math.exp(row[0]) for row in k) + 1.0  # sink 0 -> e^0 in the denominator
     p = [math.exp(row[0]) / den for row in k]
@@ -611,66 +610,70 @@ def test_sparse_attn_bf16_rounds_probabilities_to_kv_dtype():
     assert out[0, 0, 0, 1].item() == bf(rounded)
 
 
-def loop_window_prefill(s: int, w: int) -> list[list[bool]]:
-    return [[u <= t and t - u < w for u in range(s)] for t in range(s)]
+def test_sparse_attn_gathered_keys_equal_the_same_keys_shared():
+    """Keys gathered per query (sel) give what the same keys in the shared set under a mask give."""
+    b, s, h, d, n, k = 2, 5, 3, 8, 7, 4
+    q = randn(b, s, h, d, seed=70)
+    kv = randn(b, n, d, seed=71)
+    comp = randn(b, 9, d, seed=72)
+    sink = torch.tensor([0.3, -0.2, 1.0])
+    mask = random_mask(b, s, n, 73)
+    idx = torch.randint(0, 9, (b, s, k), generator=gen(74))
+    valid = torch.rand(b, s, k, generator=gen(75)) < 0.7
+    valid[:, :, 0] = True
+    idx[0, 0] = torch.tensor([2, 2, 5, 6])  # a duplicate index counts twice, like a duplicated key
+    sel = comp[torch.arange(b).view(-1, 1, 1), idx]  # [b, s, k, d]
+    out = sparse_attn(q, kv, mask, sink, 0.4, sel, valid)
+    for i in range(b):
+        for t in range(s):
+            keys = torch.cat([kv[i], sel[i, t]])[None]
+            m = torch.cat([mask[i, t], valid[i, t]])[None, None]
+            close(out[i, t], loop_attn(q[i:i + 1, t:t + 1], keys, sink, m, 0.4)[0, 0], atol=1e-5)
 
 
-def loop_compress_prefill(s: int, r: int) -> list[list[bool]]:
-    # entry j covers tokens [j r, (j + 1) r) and is visible from the token that closes it, (j + 1) r - 1, on
-    return [[t >= (j + 1) * r - 1 for j in range(s // r)] for t in range(s)]
+def test_query_slices_cover_the_chunk_within_the_workspace():
+    for s, heads, keys, ws in ((1, 4, 10, 1 << 20), (100, 16, 640, 1 << 20), (7, 1, 1, 8), (5000, 64, 9000, 1 << 27)):
+        sl = query_slices(s, heads, keys, ws)
+        assert [t for x in sl for t in range(x.start, x.stop)] == list(range(s))
+        assert all((x.stop - x.start) * 8 * heads * keys <= ws for x in sl) or len(sl) == s
 
 
-SEQLENS = [1, 3, 4, 5, 15, 16, 17, 32, 33]
+def loop_window(start: int, s: int, w: int) -> list[list[bool]]:
+    """The keys a chunk's queries see: ring slot i holds the newest position < start that is i mod w; then the
+    chunk's own tokens. Query t (position start + t) sees positions (start + t - w, start + t]."""
+    rows = []
+    for t in range(s):
+        p = start + t
+        held = [max([q for q in range(start) if q % w == i], default=None) for i in range(w)]
+        ring = [h is not None and p - w < h <= p for h in held]
+        own = [u <= t and p - w < start + u for u in range(s)]
+        rows.append(ring + own)
+    return rows
 
 
-@pytest.mark.parametrize("s", SEQLENS)
-def test_window_mask_prefill_vs_loop(s):
+@pytest.mark.parametrize("start", [0, 1, 3, 15, 16, 17, 40])
+@pytest.mark.parametrize("s", [1, 3, 4, 5, 16, 17, 33])
+def test_window_mask_vs_loop(start, s):
     for w in (4, 16):
-        m = window_mask_prefill(s, w)
-        assert m.dtype == torch.bool and m.shape == (s, s)
-        assert m.tolist() == loop_window_prefill(s, w)
-        assert m.sum(-1).tolist() == [min(t + 1, w) for t in range(s)]
+        m = window_mask(torch.tensor([start]), s, w)
+        assert m.dtype == torch.bool and m.shape == (1, s, w + s)
+        assert m[0].tolist() == loop_window(start, s, w)
+        assert m[0].sum(-1).tolist() == [min(start + t + 1, w) for t in range(s)]  # every query sees a full window
 
 
-@pytest.mark.parametrize("s", SEQLENS)
-def test_compress_mask_prefill_vs_loop(s):
-    for r in (4, 16):
-        m = compress_mask_prefill(s, r)
-        assert m.dtype == torch.bool and m.shape == (s, s // r)
-        assert m.tolist() == loop_compress_prefill(s, r)
+def test_window_mask_rows_at_different_starts():
+    m = window_mask(torch.tensor([0, 5, 37]), 1, 16)
+    for row, start in enumerate((0, 5, 37)):
+        assert m[row].tolist() == loop_window(start, 1, 16)
 
 
-def test_compress_mask_prefill_hand_case():
-    m = compress_mask_prefill(9, 4)  # entries 0 (tokens 0..3), 1 (tokens 4..7)
-    assert m.tolist() == [[False, False]] * 3 + [[True, False]] * 4 + [[True, True]] * 2
-
-
-def test_window_mask_decode_vs_loop():
-    w = 16
-    pos = torch.tensor(list(range(0, 41)))
-    m = window_mask_decode(pos, w)
-    assert m.shape == (len(pos), w) and m.dtype == torch.bool
-    for b, p in enumerate(pos.tolist()):
-        for slot in range(w):
-            # the ring slot holds a token p' <= p with p' % w == slot; the newest such one is in (p - w, p]
-            held = [t for t in range(p + 1) if t % w == slot]
-            assert bool(m[b, slot]) == bool(held), (p, slot)
-            if held:
-                assert p - w < held[-1] <= p
-
-
-def test_compress_mask_decode_vs_loop():
-    pos = torch.tensor([0, 2, 3, 4, 14, 15, 16, 31, 32, 33, 63, 64])
+@pytest.mark.parametrize("start", [0, 2, 3, 4, 15, 16, 31])
+def test_closed_mask_vs_loop(start):
     for r, n in ((4, 16), (16, 4)):
-        m = compress_mask_decode(pos, n, r)
-        assert m.shape == (len(pos), n) and m.dtype == torch.bool
-        for b, p in enumerate(pos.tolist()):
-            assert m[b].tolist() == [(j + 1) * r - 1 <= p for j in range(n)], (r, p)
-    # decode at position p agrees with row p of the prefill mask
-    for s in (5, 17, 33):
-        for r in (4, 16):
-            dec = compress_mask_decode(torch.arange(s), s // r, r)
-            assert torch.equal(dec, compress_mask_prefill(s, r))
+        m = closed_mask(torch.tensor([start]), 9, n, r)
+        assert m.shape == (1, 9, n) and m.dtype == torch.bool
+        # entry j covers tokens [j r, (j + 1) r) and is visible from the token that closes it, (j + 1) r - 1, on
+        assert m[0].tolist() == [[(j + 1) * r - 1 <= start + t for j in range(n)] for t in range(9)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -708,9 +711,15 @@ def test_index_scores_relu_hand_case():
     close(index_scores(q, k, w), [[[1.0, 8.0]]], atol=0)
 
 
-def loop_topk(scores: list[float], valid: list[bool], k: int) -> set[int]:
-    order = sorted((j for j in range(len(scores)) if valid[j]), key=lambda j: -scores[j])
-    return set(order[:k])
+def loop_topk(scores: list[float], valid: list[bool], k: int) -> list[int]:
+    """The tie rule: by score descending, then by entry index ascending."""
+    order = sorted((j for j in range(len(scores)) if valid[j]), key=lambda j: (-scores[j], j))
+    return order[:k]
+
+
+def chosen_lists(idx: torch.Tensor, ok: torch.Tensor) -> list:
+    return [[[int(j) for j, v in zip(idx[i, t], ok[i, t], strict=True) if v] for t in range(idx.size(1))]
+            for i in range(idx.size(0))]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 6, 20])
@@ -723,30 +732,79 @@ def test_select_topk_vs_loop(k):
     valid[0, 1, 2] = True  # one valid entry
     scores[1, 2] = torch.arange(n).float() * 100
     valid[1, 2] = torch.arange(n) < 5  # the invalid ones are the highest scored
-    out = select_topk(scores, valid, k)
-    assert out.shape == (b, s, n) and out.dtype == torch.bool
-    assert not (out & ~valid).any()
+    idx, ok = select_topk(scores, valid, k)
+    assert idx.shape == ok.shape == (b, s, min(k, n)) and ok.dtype == torch.bool
+    got = chosen_lists(idx, ok)
     for i in range(b):
         for t in range(s):
-            chosen = {j for j in range(n) if bool(out[i, t, j])}
-            exp = loop_topk(scores[i, t].tolist(), valid[i, t].tolist(), k)
-            assert chosen == exp, (i, t, chosen, exp)
-            assert len(chosen) == min(k, int(valid[i, t].sum()))
+            assert got[i][t] == loop_topk(scores[i, t].tolist(), valid[i, t].tolist(), k), (i, t)
+
+
+def test_select_topk_ties_lower_entry_wins_at_any_length():
+    """Exact ties (ReLU'd scores of 0) go to the lower entry index, whatever the length: torch.topk alone returns
+    other tied entries for 100 and 1,000 zeros."""
+    for n in (5, 100, 1000, 4097):
+        scores = torch.zeros(1, 1, n)
+        scores[0, 0, n // 2] = 1.0
+        idx, ok = select_topk(scores, torch.ones(1, 1, n, dtype=torch.bool), 3)
+        assert chosen_lists(idx, ok) == [[[n // 2, 0, 1]]]
+    # -0.0 ties with 0.0; negative scores rank below both
+    scores = torch.tensor([[[0.0, -0.0, -1.0, 0.0, -0.0]]])
+    idx, ok = select_topk(scores, torch.ones(1, 1, 5, dtype=torch.bool), 4)
+    assert chosen_lists(idx, ok) == [[[0, 1, 3, 4]]]
+    # bf16 scores keep the same rule
+    idx, ok = select_topk(torch.tensor([[[2.0, 1.0, 2.0, 1.0]]], dtype=torch.bfloat16),
+                          torch.ones(1, 1, 4, dtype=torch.bool), 3)
+    assert chosen_lists(idx, ok) == [[[0, 2, 1]]]
+
+
+def test_rank_keys_order_floats_and_indices():
+    vals = torch.tensor([-float("inf"), -3.5, -1e-30, -0.0, 0.0, 1e-38, 1.0, 7.25, float("inf")])
+    keys = rank_keys(vals, torch.zeros(len(vals), dtype=torch.long), torch.ones(len(vals), dtype=torch.bool))
+    assert keys[3] == keys[4]  # -0.0 == 0.0
+    order = [0, 1, 2, 4, 5, 6, 7, 8]
+    assert all(keys[a] < keys[b] for a, b in zip(order, order[1:], strict=False))
+    same = rank_keys(torch.ones(3), torch.tensor([0, 7, 2]), torch.ones(3, dtype=torch.bool))
+    assert same[0] > same[2] > same[1]  # equal scores: the lower entry ranks higher
+    invalid = rank_keys(torch.tensor([-float("inf")]), torch.tensor([0]), torch.tensor([False]))
+    assert invalid[0] < keys.min()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 64])
+def test_select_topk_sliced_equals_whole(step):
+    """Scoring entries a slice at a time (merging the running top-k) chooses what scoring them all at once
+    chooses, ties included; queries see only their closed entries."""
+    b, s, n, k = 2, 6, 23, 5
+    scores = torch.randint(-2, 3, (b, s, n), generator=gen(45)).float().relu()  # many exact ties at 0 and 1
+    closed = torch.randint(0, n + 1, (b, s), generator=gen(46))
+    valid = torch.arange(n).view(1, 1, -1) < closed.unsqueeze(-1)
+    whole = select_topk(scores, valid, k)
+    sliced = select_topk_sliced(lambda j0, j1: scores[..., j0:j1], n, closed, k, step)
+    assert chosen_lists(*sliced) == chosen_lists(*whole)
+    for i in range(b):
+        for t in range(s):
+            assert chosen_lists(*whole)[i][t] == loop_topk(scores[i, t].tolist(), valid[i, t].tolist(), k)
+
+
+def test_entry_step_bounds_the_workspace():
+    assert entry_step(1, 64, 1 << 20) == (1 << 20) // 256
+    assert entry_step(10**6, 64, 1 << 20) == 1
 
 
 def test_select_topk_edge_cases():
-    empty = select_topk(torch.zeros(2, 3, 0), torch.zeros(2, 3, 0, dtype=torch.bool), 4)
-    assert empty.shape == (2, 3, 0)
+    idx, ok = select_topk(torch.zeros(2, 3, 0), torch.zeros(2, 3, 0, dtype=torch.bool), 4)
+    assert idx.shape == (2, 3, 0)
     scores = torch.tensor([[[3.0, 1.0, 2.0]]])
-    assert not select_topk(scores, torch.ones(1, 1, 3, dtype=torch.bool), 0).any()
-    assert select_topk(scores, torch.ones(1, 1, 3, dtype=torch.bool), 2).tolist() == [[[True, False, True]]]
-    assert select_topk(scores, torch.tensor([[[False, True, True]]]), 5).tolist() == [[[False, True, True]]]
-    assert not select_topk(scores, torch.zeros(1, 1, 3, dtype=torch.bool), 2).any()
+    ones = torch.ones(1, 1, 3, dtype=torch.bool)
+    assert select_topk(scores, ones, 0)[0].shape == (1, 1, 0)
+    assert chosen_lists(*select_topk(scores, ones, 2)) == [[[0, 2]]]
+    assert chosen_lists(*select_topk(scores, torch.tensor([[[False, True, True]]]), 5)) == [[[2, 1]]]
+    assert chosen_lists(*select_topk(scores, torch.zeros(1, 1, 3, dtype=torch.bool), 2)) == [[[]]]
     for k in (3, 4, 100):  # k >= n: every valid entry
-        assert select_topk(scores, torch.ones(1, 1, 3, dtype=torch.bool), k).all()
+        assert sorted(chosen_lists(*select_topk(scores, ones, k))[0][0]) == [0, 1, 2]
     # negative scores (relu * negative weights) are still chosen over nothing
     neg = torch.tensor([[[-5.0, -1.0, -3.0]]])
-    assert select_topk(neg, torch.ones(1, 1, 3, dtype=torch.bool), 1).tolist() == [[[False, True, False]]]
+    assert chosen_lists(*select_topk(neg, ones, 1)) == [[[1]]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -792,18 +850,66 @@ def loop_compress(kv: torch.Tensor, score: torch.Tensor, r: int, overlap: bool) 
     return out
 
 
+def chunked_compress(kv: torch.Tensor, score: torch.Tensor, r: int, overlap: bool, chunk: int) -> torch.Tensor:
+    """compress_chunk over a sequence in chunks of `chunk` tokens (state carried) -> its closed entries [b, g, d]."""
+    b, total, cd = kv.shape
+    lead = r if overlap else 0
+    kv_state = torch.zeros(b, lead + r, cd)
+    score_state = torch.full((b, lead + r, cd), float("-inf"))
+    entries = {}
+    for c0 in range(0, total, chunk):
+        start = torch.full((b,), c0)
+        pooled, closed, entry, kv_state, score_state = compress_chunk(
+            kv_state, score_state, kv[:, c0:c0 + chunk], score[:, c0:c0 + chunk], start, r, overlap)
+        for g in range(closed.size(1)):
+            if bool(closed[0, g]):
+                assert bool(closed[:, g].all())
+                entries[int(entry[0, g])] = pooled[:, g]
+    assert sorted(entries) == list(range(total // r))  # every closed group once, none before it closes
+    return torch.stack([entries[j] for j in range(total // r)], dim=1) if entries else torch.zeros(b, 0, cd)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 16, 17, 64])
 @pytest.mark.parametrize("r, overlap, groups", [(4, True, 1), (4, True, 4), (16, False, 1), (16, False, 3)])
-def test_compress_groups_vs_loop(r, overlap, groups):
+def test_compress_chunk_vs_loop(r, overlap, groups, chunk):
     b, d = 2, 5
     c = 2 if overlap else 1
-    kv = randn(b, groups * r, c * d, seed=51)
-    score = randn(b, groups * r, c * d, seed=52, scale=2.0)
-    out = compress_groups(kv, score, r, overlap)
+    total = groups * r + 3  # an open group at the end
+    kv = randn(b, total, c * d, seed=51)
+    score = randn(b, total, c * d, seed=52, scale=2.0)
+    out = chunked_compress(kv, score, r, overlap, chunk)
     assert out.shape == (b, groups, d)
-    close(out, loop_compress(kv, score, r, overlap), atol=1e-5)
+    close(out, loop_compress(kv[:, :groups * r], score[:, :groups * r], r, overlap), atol=1e-5)
 
 
-def test_compress_groups_hand_case_first_entry_ignores_missing_group():
+def test_compress_chunk_rows_at_different_positions():
+    """One token per row, rows at different positions (a decode step): each row closes its own group."""
+    r, d = 4, 3
+    kv = randn(3, 12, 2 * d, seed=56)
+    score = randn(3, 12, 2 * d, seed=57)
+    want = loop_compress(kv, score, r, True)  # [3, 3, d]
+    kv_state = torch.zeros(3, 2 * r, 2 * d)
+    score_state = torch.full((3, 2 * r, 2 * d), float("-inf"))
+    lag = [0, 1, 3]  # row i starts `lag` steps late
+    got = {}
+    for step in range(12 + max(lag)):
+        pos = torch.tensor([min(max(step - g, 0), 11) for g in lag])
+        live = torch.tensor([0 <= step - g <= 11 for g in lag])
+        pooled, closed, entry, nk, ns = compress_chunk(
+            kv_state, score_state, kv[torch.arange(3), pos].unsqueeze(1), score[torch.arange(3), pos].unsqueeze(1),
+            pos, r, True)
+        kv_state = torch.where(live.view(-1, 1, 1), nk, kv_state)
+        score_state = torch.where(live.view(-1, 1, 1), ns, score_state)
+        for i in range(3):
+            for g in range(closed.size(1)):
+                if bool(closed[i, g]) and bool(live[i]):
+                    got[(i, int(entry[i, g]))] = pooled[i, g]
+    for i in range(3):
+        for j in range(3):
+            close(got[(i, j)], want[i, j], atol=1e-5)
+
+
+def test_compress_chunk_hand_case_first_entry_ignores_missing_group():
     # ratio 4, overlap, d = 1: channel 0 = first half (for the next entry), channel 1 = second half
     r = 4
     kv = torch.zeros(1, 2 * r, 2)
@@ -813,34 +919,10 @@ def test_compress_groups_hand_case_first_entry_ignores_missing_group():
     kv[0, r:, 1] = torch.tensor([0.0, 0.0, 0.0, 0.0])  # group 1, second half
     kv[0, r:, 0] = 100.0  # group 1's first half: never used by these two entries
     score[0, 0, 1] = math.log(5.0)  # token 0 weighs 5 against 1, 1, 1 -> weights 5/8, 1/8, 1/8, 1/8
-    out = compress_groups(kv, score, r, True)
+    out = chunked_compress(kv, score, r, True, 2 * r)
     # entry 0: only group 0's second half: (5 * 1 + 2 + 3 + 4) / 8 = 14 / 8
     # entry 1: four 10s (group 0 first half) and four 0s (group 1 second half), equal scores -> 5
     close(out, [[[14 / 8], [5.0]]], atol=1e-6)
-
-
-def test_gather_overlap_state():
-    b, r, d = 2, 4, 3
-    state = randn(b, 2 * r, 2 * d, seed=53)
-    out = gather_overlap_state(state, r, d)
-    assert out.shape == (b, 2 * r, d)
-    for i in range(b):
-        for row in range(2 * r):
-            for c in range(d):
-                exp = state[i, row, c] if row < r else state[i, row, d + c]
-                assert float(out[i, row, c]) == float(exp)
-
-
-def test_decode_state_pooling_matches_prefill_groups():
-    # the decode path (state of previous + current group, gathered, softmax over dim 1) pools like prefill
-    r, d = 4, 3
-    kv = randn(1, 2 * r, 2 * d, seed=54)
-    score = randn(1, 2 * r, 2 * d, seed=55)
-    exp = loop_compress(kv, score, r, True)[:, 1]
-    kv_state = gather_overlap_state(kv, r, d)
-    score_state = gather_overlap_state(score, r, d)
-    pooled = (kv_state * score_state.softmax(dim=1)).sum(dim=1)
-    close(pooled, exp, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,51 +1,67 @@
-"""Sparse attention over a selected set of kv rows with a per-head sink (V == K), and its masks.
+"""Sparse attention with a per-head sink (V == K) over a query's window entries plus its compressed entries.
 
-The selection is a boolean mask over the kv rows instead of an index list: the same set, so the same
-result, and a static shape for compiled decode.
+A query's keys come in two sets: `kv` [b, n, d], shared by the queries of a chunk and selected per query by a
+mask (the sliding window: the ring as it was before the chunk, then the chunk's own entries; HCA's closed
+entries), and `sel` [b, s, k, d], gathered per query by index (CSA: the indexer's top-k entries) with a
+validity mask. The cost per query is O(n + k), whatever the context.
 """
 
 from __future__ import annotations
 
 import torch
 
+ATTN_WORKSPACE = 128 << 20  # bytes of fp32 scores a prefill chunk's attention holds at once (queries in slices)
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """q [b,s,h,d], kv [b,n,d], sink [h] fp32, mask [b,s,n] bool -> o [b,s,h,d] in q's dtype.
 
-    p = softmax([q.k_j * scale ..., sink_h]) where the sink only adds to the denominator; o = sum_j p_j k_j.
-    Scores are fp32; the probabilities are rounded to kv's dtype before the PV product (as the reference
-    kernel does), which is a no-op in fp32.
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float,
+                sel: torch.Tensor | None = None, sel_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b,s,h,d], kv [b,n,d] with mask [b,s,n] bool, optional sel [b,s,k,d] with sel_mask [b,s,k], sink [h]
+    fp32 -> o [b,s,h,d] in q's dtype.
+
+    p = softmax([q.k_j * scale ..., sink_h]) over the valid keys of both sets, where the sink only adds to the
+    denominator; o = sum_j p_j k_j. Scores are fp32; the probabilities are rounded to kv's dtype before the
+    PV product (as the reference kernel does), which is a no-op in fp32.
     """
     scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    if sel is not None:
+        s_sel = torch.einsum("bshd,bskd->bshk", q.float(), sel.float()) * scale
+        scores = torch.cat([scores, s_sel.masked_fill(~sel_mask.unsqueeze(2), float("-inf"))], dim=-1)
     m = scores.amax(dim=-1, keepdim=True)  # every query sees at least itself
     e = torch.exp(scores - m)
     denom = e.sum(dim=-1, keepdim=True) + torch.exp(sink.view(1, 1, -1, 1).float() - m)
-    p = (e / denom).to(kv.dtype)
-    return torch.einsum("bshn,bnd->bshd", p.float(), kv.float()).to(q.dtype)
+    p = (e / denom).to(kv.dtype).float()
+    n = kv.size(1)
+    o = torch.einsum("bshn,bnd->bshd", p[..., :n], kv.float())
+    if sel is not None:
+        o = o + torch.einsum("bshk,bskd->bshd", p[..., n:], sel.float())
+    return o.to(q.dtype)
 
 
-def window_mask_prefill(seqlen: int, window: int, device=None) -> torch.Tensor:
-    """[s, s]: query t sees tokens (t - window, t]."""
-    t = torch.arange(seqlen, device=device)
-    d = t.unsqueeze(1) - t.unsqueeze(0)
-    return (d >= 0) & (d < window)
+def query_slices(s: int, heads: int, keys: int, workspace: int = ATTN_WORKSPACE) -> list[slice]:
+    """Slices of a chunk's s queries whose fp32 scores [slice, heads, keys] (and their exp) fit the workspace."""
+    step = max(1, workspace // max(1, 2 * 4 * heads * keys))
+    return [slice(i, min(i + step, s)) for i in range(0, s, step)]
 
 
-def compress_mask_prefill(seqlen: int, ratio: int, device=None) -> torch.Tensor:
-    """[s, s // ratio]: query t sees compressed entry j once its group is closed, j < (t + 1) // ratio."""
-    t = torch.arange(seqlen, device=device)
-    j = torch.arange(seqlen // ratio, device=device)
-    return j.unsqueeze(0) < ((t + 1) // ratio).unsqueeze(1)
+def window_mask(start: torch.Tensor, s: int, window: int) -> torch.Tensor:
+    """Which window keys each query of a chunk sees -> [b, s, window + s].
+
+    Keys: the ring's `window` slots as they were before the chunk (slot i holds the latest position before
+    `start` that is i mod window), then the chunk's s entries. Query t (at position start + t) sees the
+    positions (start + t - window, start + t]."""
+    t = torch.arange(s, device=start.device)
+    slot = torch.arange(window, device=start.device)
+    held = start.view(-1, 1) - 1 - (start.view(-1, 1) - 1 - slot) % window  # [b, window]: position in slot
+    ring = (held >= 0).unsqueeze(1) & (held.unsqueeze(1) > (start.view(-1, 1, 1) + t.view(1, -1, 1) - window))
+    d = t.view(-1, 1) - t.view(1, -1)
+    own = ((d >= 0) & (d < window)).unsqueeze(0).expand(start.size(0), -1, -1)
+    return torch.cat([ring, own], dim=-1)
 
 
-def window_mask_decode(pos: torch.Tensor, window: int) -> torch.Tensor:
-    """[b, window]: ring slot i holds a token of the window once any token reached it, i <= pos."""
-    return torch.arange(window, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
-
-
-def compress_mask_decode(pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
-    """[b, n_entries]: compressed entry j is closed at position pos when j < (pos + 1) // ratio."""
-    j = torch.arange(n_entries, device=pos.device)
-    return j.unsqueeze(0) < ((pos + 1) // ratio).unsqueeze(1)
+def closed_mask(start: torch.Tensor, s: int, n_entries: int, ratio: int) -> torch.Tensor:
+    """[b, s, n_entries]: query t (position start + t) sees compressed entry j once its group is closed,
+    j < (start + t + 1) // ratio."""
+    pos = start.view(-1, 1) + torch.arange(s, device=start.device)
+    j = torch.arange(n_entries, device=start.device)
+    return j.view(1, 1, -1) < ((pos + 1) // ratio).unsqueeze(-1)

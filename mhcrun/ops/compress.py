@@ -25,16 +25,35 @@ def pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
     return (kv * score.softmax(dim=dim)).sum(dim=dim)
 
 
-def compress_groups(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """Prefill pooling. kv, score [b, g*r, c*d] (score already + ape) -> [b, g, d]."""
-    kv = kv.unflatten(1, (-1, ratio))
-    score = score.unflatten(1, (-1, ratio))
+def compress_chunk(kv_state: torch.Tensor, score_state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                   start: torch.Tensor, ratio: int, overlap: bool):
+    """Add a chunk of s tokens to each row's open group and pool every group the chunk closes.
+
+    State [b, lead + r, C] (lead = r with overlap: the previous closed group, then the open group by position
+    mod r); kv, score [b, s, C] (score already + ape) at positions start [b] + [0, s).
+    -> pooled [b, G, d] for the buffer's groups, closed [b, G] (the groups this chunk closes), entry [b, G]
+    (their compressed entry index), and the new state (kv, score). Rows may start at different positions.
+    """
+    r, lead = ratio, ratio if overlap else 0
+    b, s, C = kv.shape
+    pre = start % r
+    n_slots = -(-(lead + 2 * r + s) // r) * r
+    buf_kv = kv.new_zeros(b, n_slots, C)
+    buf_score = score.new_full((b, n_slots, C), float("-inf"))
+    buf_kv[:, :lead + r] = kv_state
+    buf_score[:, :lead + r] = score_state
+    slot = (lead + pre.view(-1, 1) + torch.arange(s, device=kv.device)).unsqueeze(-1).expand(-1, -1, C)
+    buf_kv = buf_kv.scatter(1, slot, kv)
+    buf_score = buf_score.scatter(1, slot, score)
+    groups_kv, groups_score = buf_kv.unflatten(1, (-1, r)), buf_score.unflatten(1, (-1, r))
     if overlap:
-        kv = overlap_transform(kv, 0.0)
-        score = overlap_transform(score, float("-inf"))
-    return pool(kv, score, dim=2)
-
-
-def gather_overlap_state(state: torch.Tensor, ratio: int, d: int) -> torch.Tensor:
-    """Decode: state [b, 2r, 2d] -> [b, 2r, d]: previous group's first half, current group's second half."""
-    return torch.cat([state[:, :ratio, :d], state[:, ratio:, d:]], dim=1)
+        groups_kv = overlap_transform(groups_kv, 0.0)
+        groups_score = overlap_transform(groups_score, float("-inf"))
+    pooled = pool(groups_kv, groups_score, dim=2)  # [b, G, d]
+    g = torch.arange(n_slots // r, device=kv.device).unsqueeze(0)
+    end = lead + pre + s  # [b]: slots filled
+    closed = (g >= lead // r) & ((g + 1) * r <= end.unsqueeze(1))
+    entry = (start // r - lead // r).unsqueeze(1) + g
+    keep = ((end // r - lead // r) * r).unsqueeze(1) + torch.arange(lead + r, device=kv.device)  # the new state
+    keep = keep.unsqueeze(-1).expand(-1, -1, C)
+    return pooled, closed, entry, buf_kv.gather(1, keep), buf_score.gather(1, keep)

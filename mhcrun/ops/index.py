@@ -1,8 +1,21 @@
-"""Lightning indexer scoring and top-k selection of compressed kv rows (CSA layers)."""
+"""Lightning indexer scoring and top-k selection of compressed kv entries (CSA layers).
+
+Ties: ReLU'd index scores are exactly 0 whenever every index head is negative, so equal scores at the top-k
+boundary are common. mhcrun decides them one way on every path (eager, compiled regions, any chunk size,
+batch size or slicing): **among equal scores the lower entry index wins**. Each score becomes a unique int64
+rank key (the score's order in the high 32 bits, the inverted entry index in the low 32), so top-k has no ties
+left to decide and its result does not depend on how torch orders equal values.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+INDEX_WORKSPACE = 128 << 20  # bytes of per-head fp32 scores the indexer holds at once (entries in slices)
+_INVALID = torch.iinfo(torch.int64).min
+_LOW = 0xFFFFFFFF
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -11,13 +24,50 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return (s.relu() * w.unsqueeze(-1)).sum(dim=2)
 
 
-def select_topk(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
-    """Mask [b,s,n] of the top `topk` valid entries per query (all valid ones when fewer)."""
-    n = scores.size(-1)
-    k = min(topk, n)
-    if k == 0:
-        return torch.zeros_like(valid)
-    scores = scores.masked_fill(~valid, float("-inf"))
-    idx = scores.topk(k, dim=-1).indices
-    chosen = torch.zeros_like(valid).scatter_(-1, idx, True)
-    return chosen & valid
+def rank_keys(scores: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys that order (score descending, entry index ascending); invalid entries rank last.
+
+    scores [..., n] (any float dtype; -0.0 counts as 0.0), entries [n] or broadcastable int64 entry indices
+    (< 2**32), valid [..., n] bool."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 in the floats' order
+    key = (order.to(torch.int64) << 32) | (_LOW - entries)
+    return key.masked_fill(~valid, _INVALID)
+
+
+def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest rank keys along the last dim, largest first."""
+    return keys.topk(min(k, keys.size(-1)), dim=-1).values
+
+
+def keys_to_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank keys -> (entry indices, valid); an invalid key's index is 0."""
+    valid = keys != _INVALID
+    return torch.where(valid, _LOW - (keys & _LOW), 0), valid
+
+
+def select_topk(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top `topk` valid entries per query under the tie rule: scores [b,s,n], valid [b,s,n] ->
+    (entry indices [b,s,min(topk,n)], valid [b,s,min(topk,n)]); fewer valid entries than topk leave slots
+    marked invalid."""
+    entries = torch.arange(scores.size(-1), device=scores.device)
+    return keys_to_entries(top_keys(rank_keys(scores, entries, valid), topk))
+
+
+def select_topk_sliced(score_slice: Callable[[int, int], torch.Tensor], n: int, closed: torch.Tensor,
+                       topk: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_topk over n entries scored `step` at a time: score_slice(j0, j1) -> [b,s,j1-j0]; closed [b,s]
+    says how many entries each query may see (j < closed). The running top-k keys merge slice by slice, so
+    memory stays O(s * (step + topk)); the result equals select_topk on the whole score matrix."""
+    best = None
+    for j0 in range(0, n, step):
+        j1 = min(j0 + step, n)
+        entries = torch.arange(j0, j1, device=closed.device)
+        keys = rank_keys(score_slice(j0, j1), entries, entries.view(1, 1, -1) < closed.unsqueeze(-1))
+        best = top_keys(keys if best is None else torch.cat([best, keys], dim=-1), topk)
+    return keys_to_entries(best)
+
+
+def entry_step(s: int, heads: int, workspace: int = INDEX_WORKSPACE) -> int:
+    """Entries per slice so that a chunk's per-head fp32 scores [s, heads, step] fit the workspace."""
+    return max(1, workspace // max(1, 4 * s * heads))

@@ -60,15 +60,23 @@ from torch import Tensor
 from mhcrun.ops.qgemv import MAX_ROWS as qgemv_rows_max
 from mhcrun.ops.qgemv import act_quant_fp8, qgemv
 from mhcrun.ops.qgemv import applies as qgemv_applies
-from mhcrun.ops.quant import e8m0_to_float, fp8_simulate, quantize_act_fp8, scale_to_float, unpack_fp4
+from mhcrun.ops.quant import (
+    ACT_FP8_BLOCK as ACT_BLOCK,
+)
+from mhcrun.ops.quant import (
+    FP4_BLOCK,
+    e8m0_to_float,
+    fp8_simulate,
+    quantize_act_fp8,
+    scale_to_float,
+    unpack_fp4,
+)
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
 # small chunks: on a 2-core EPYC VM (1 MiB L2 a core, 32 MiB L3) 2-4 MiB beat 1 MiB by 1.3-1.5x for GEMVs
 # (benchmarks/bench_qgemm.py --chunks); the chunk and its temporaries stay in L3.
 CHUNK_BYTES = 4 << 20
 CHUNK_SPANS_BLOCKS = False  # fp8: chunks of at most one block row (so x can take the scales) unless tiny
-ACT_BLOCK = 128  # activation quantisation block (DeepSeek's act_quant)
-FP4_BLOCK = 32  # e2m1 scale group along `in`
 FORMATS = ("fp8", "fp4", "float")
 
 _E4M3_BITS = 0x87F00000 - (1 << 32)  # sign bit + the 7 exponent/mantissa bits after << 20, as int32

@@ -16,6 +16,11 @@ from torch import Tensor
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+# block sizes of the formats (the one place they are defined)
+FP4_BLOCK = 32  # FP4 e2m1 weights (routed experts): one e8m0 scale per 32 inputs
+ACT_FP8_BLOCK = 128  # the FP8 activation rounding before a GEMM over FP8/FP4 weights, along K
+KV_FP8_BLOCK = 64  # the FP8 simulation (and cache) of kv's non-rope channels: a scale per 64 values
+INDEX_FP4_BLOCK = 32  # the FP4 simulation (and cache) of the indexer's queries and keys: a scale per 32 values
 
 _FP8_AMAX_FLOOR = 1e-4  # activation simulation: the reference's floor on a block's amax
 _E8M0_MIN = 2.0**-127
@@ -109,11 +114,32 @@ def fp4_simulate(x: Tensor, block: int = 32) -> Tensor:
     """
     if x.shape[-1] == 0:
         return x.clone()
+    q, scale, n = _fp4_block_quant(x, block)
+    return _unblocked(q * scale, n).to(x.dtype)
+
+
+def _fp4_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor, int]:
+    """fp4_simulate's rounding: (e2m1 grid values [..., nb, block] fp32, fp32 scales [..., nb, 1], n)."""
     xb, n = _blocked(x.float(), block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_MAX * 2.0**-126)
     scale = pow2_ceil(amax / FP4_MAX)
-    q = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
-    return _unblocked(q * scale, n).to(x.dtype)
+    return round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX)), scale, n
+
+
+def quantize_act_fp4(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """The FP4 codes and scales behind fp4_simulate: (packed uint8 [..., n/2], fp32 [..., ceil(n/block)]).
+
+    dequantize_act(codes, scales) equals fp4_simulate(x, block) computed in fp32, bitwise (the same ops).
+    """
+    q, scale, n = _fp4_block_quant(x, block)
+    return pack_fp4(_unblocked(q, n), check=False).view(torch.uint8), scale[..., 0]
+
+
+def dequantize_act(values: Tensor, scale: Tensor, block: int) -> Tensor:
+    """Decoded codes [..., n] (fp32) times their block scales [..., ceil(n/block)] -> fp32 [..., n]: the
+    product fp8_simulate / fp4_simulate compute."""
+    vb, n = _blocked(values.float(), block)
+    return _unblocked(vb * scale.unsqueeze(-1), n)
 
 
 _HADAMARD_CACHE: dict[tuple[int, str], Tensor] = {}
@@ -213,8 +239,10 @@ def dequantize_fp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
     return _tile_expand(unpack_fp4(packed), scale_to_float(scale), 1, block)
 
 
-def pack_fp4(values: Tensor) -> Tensor:
-    """fp32 [..., in] already on the e2m1 grid -> int8 [..., in/2], low nibble first (-0.0 -> code 8)."""
+def pack_fp4(values: Tensor, check: bool = True) -> Tensor:
+    """fp32 [..., in] already on the e2m1 grid -> int8 [..., in/2], low nibble first (-0.0 -> code 8).
+    `check`: raise when a value is off the grid (a data-dependent test: off inside compiled graphs, where the
+    values come from round_e2m1)."""
     if values.shape[-1] % 2:
         raise ValueError(f"pack_fp4: last dim {values.shape[-1]} is odd")
     v = values.float()
@@ -223,7 +251,7 @@ def pack_fp4(values: Tensor) -> Tensor:
     idx = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0))
     idx = idx.clamp(0, 7).to(torch.int64)
     lut = _E2M1_LUT.to(v.device)
-    if not bool((lut[idx] == a).all()):
+    if check and not bool((lut[idx] == a).all()):
         raise ValueError("pack_fp4: values are not all on the e2m1 grid")
     codes = idx | (torch.signbit(v).to(torch.int64) << 3)
     codes = codes.reshape(*codes.shape[:-1], -1, 2)

@@ -21,15 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from mhcrun.model import grouped_output
+from mhcrun.model import finish_entry, grouped_output
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops.attention import compress_mask_decode, sparse_attn, window_mask_decode
-from mhcrun.ops.compress import gather_overlap_state, pool
+from mhcrun.ops import kvcache
+from mhcrun.ops.attention import closed_mask, sparse_attn, window_mask
+from mhcrun.ops.compress import compress_chunk
 from mhcrun.ops.index import index_scores, select_topk
+from mhcrun.ops.kvcache import CacheFormat
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_expert_set, qlinear
-from mhcrun.ops.quant import fp4_simulate, fp8_simulate, hadamard
+from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
 
 Carry = dict[str, torch.Tensor]
@@ -54,8 +56,10 @@ class AttnSpec:
     n_groups: int
     o_lora_rank: int
     norm_eps: float
-    pow2: bool
     quant_sim: bool
+    kv_fmt: CacheFormat  # how the KV cache stores an entry (FP8 with the simulation on)
+    idx_fmt: CacheFormat  # how the indexer's key cache stores an entry (FP4 with the simulation on)
+    max_seq: int  # the cache's context: the compressed entry slots are max_seq // ratio
     act_quant: frozenset[str]  # weight names whose GEMM rounds its activation to FP8 (quantised weights)
     formats: frozenset[tuple[str, str, int]]  # (name, fp8|fp4, block) of the weights kept quantised
     index_heads: int
@@ -123,105 +127,117 @@ def attn_mix(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
 
 
 def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
-    """Projections, cache and compressor/indexer state updates, sparse attention, grouped output."""
+    """Projections, cache and compressor/indexer state updates, sparse attention, grouped output: the eager
+    `Attention.forward` for a chunk of one token per row, on fixed shapes (the window's ring, then this token;
+    CSA's top-k gathered into a fixed [B, index_topk] set with a validity mask; HCA's entries under a mask)."""
     w, roots, layer, pos = inp["w"], inp["roots"], inp["layer"], inp["pos"]
     h = c["h"]  # [B, 1, d]
-    B = h.size(0)
-    rows = torch.arange(B, device=h.device)
-    lb = layer.expand(B)
+    B, dtype = h.size(0), h.dtype
+    at = cache_index(layer, B)
     cos, sin = inp["cos"][pos].unsqueeze(1), inp["sin"][pos].unsqueeze(1)  # [B, 1, rd/2]
-    rd, win = spec.rope_dim, spec.window
+    rd, win, fmt = spec.rope_dim, spec.window, spec.kv_fmt
 
     qr = rms_norm(lin(spec, w, "wq_a", h), w["q_norm"], spec.norm_eps)
     q = lin(spec, w, "wq_b", qr).unflatten(-1, (spec.n_heads, spec.head_dim))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + spec.norm_eps)
     q = apply_rope_tail_real(q, cos.unsqueeze(2), sin.unsqueeze(2), rd)
     kv = apply_rope_tail_real(rms_norm(lin(spec, w, "wkv", h), w["kv_norm"], spec.norm_eps), cos, sin, rd)
-    if spec.quant_sim:
-        kv = simulate_kv_fp8(kv, rd, spec.pow2)
-    roots["kv"].index_put_((lb, rows, pos % win), kv[:, 0])
+    stored = kvcache.encode(fmt, kv)
+    kv = kvcache.decode(fmt, stored, dtype)
+    ring = read_cache(roots, "kv", fmt, at(torch.arange(win, device=h.device)), dtype)  # before this token
+    keys, mask = torch.cat([ring, kv], dim=1), window_mask(pos, 1, win)
+    write_cache(roots, "kv", at((pos % win).unsqueeze(1)), stored)
 
-    mask = window_mask_decode(pos, win)
+    sel = sel_mask = None
+    if spec.ratio == 4:
+        chosen, valid = indexer_step(spec, h, qr, inp)  # [B, 1, k]
     if spec.ratio:
-        n_comp = roots["kv"].size(2) - win
-        if spec.ratio == 4:
-            chosen = indexer_step(spec, h, qr, inp)
-        compressor_step(spec, spec.ratio, spec.head_dim, False, h, inp, "comp", roots["kv"], win)
-        if spec.ratio != 4:
-            chosen = compress_mask_decode(pos, n_comp, spec.ratio)
-        mask = torch.cat([mask, chosen], dim=-1)
-    cache = roots["kv"].index_select(0, layer).squeeze(0)  # [B, window + n_comp, hd]
-    o = sparse_attn(q, cache, w["attn_sink"], mask.unsqueeze(1), spec.head_dim ** -0.5)
+        compressor_step(spec, spec.ratio, spec.head_dim, False, h, inp, "comp", "kv", fmt, win)
+    if spec.ratio == 4:
+        sel, sel_mask = read_cache(roots, "kv", fmt, at(win + chosen[:, 0]), dtype).unsqueeze(1), valid
+    elif spec.ratio:
+        n_comp = spec.max_seq // spec.ratio
+        comp = read_cache(roots, "kv", fmt, at(win + torch.arange(n_comp, device=h.device)), dtype)
+        keys, mask = torch.cat([keys, comp], dim=1), torch.cat([mask, closed_mask(pos, 1, n_comp, spec.ratio)], -1)
+    o = sparse_attn(q, keys, mask, w["attn_sink"], spec.head_dim ** -0.5, sel, sel_mask)
     o = apply_rope_tail_real(o, cos.unsqueeze(2), sin.unsqueeze(2), rd, inverse=True)
     o = o.reshape(B, 1, spec.n_groups, -1)
     o = grouped_output(o, w["wo_a"], w.get("wo_a_scale"), *weight_format(spec, "wo_a"), spec.n_groups)
     return {"x": c["x"], "y": lin(spec, w, "wo_b", o.flatten(2)), "post": c["post"], "comb": c["comb"]}
 
 
-def simulate_kv_fp8(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
-    nope, pe = kv.split([kv.size(-1) - rope_dim, rope_dim], dim=-1)
-    return torch.cat([fp8_simulate(nope, 64, pow2), pe], dim=-1)
+def cache_index(layer: torch.Tensor, B: int):
+    """-> at(slots [B, n]) = the index (layer, row, slot) of n cache entries per row in a kind's root buffers."""
+    lb, rows = layer.expand(B).unsqueeze(1), torch.arange(B, device=layer.device).unsqueeze(1)
+    return lambda slots: (lb, rows, slots)
+
+
+def read_cache(roots: dict, name: str, fmt: CacheFormat, index: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The entries at `index` of cache `name`, decoded (only those entries are read)."""
+    return kvcache.read(kvcache.parts_of(roots, name, fmt), fmt, index, dtype)
+
+
+def write_cache(roots: dict, name: str, index: tuple, stored: dict[str, torch.Tensor]) -> None:
+    for part, value in stored.items():
+        root = roots[kvcache.root_key(name, part)]
+        root.index_put_(index, value.to(root.dtype))
 
 
 def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: torch.Tensor, inp: Inputs,
-                    prefix: str, cache_root: torch.Tensor, cache_offset: int) -> None:
-    """Add this token to the open group; rows whose group closes write its pooled entry to the cache."""
+                    prefix: str, cache: str, fmt: CacheFormat, cache_offset: int) -> None:
+    """Add this token to the open group (`compress_chunk`, as the eager compressor); rows whose group closes
+    store its entry, the others write their current entry back unchanged."""
     w, roots, layer, pos = inp["w"], inp["roots"], inp["layer"], inp["pos"]
     B = h.size(0)
-    rows = torch.arange(B, device=h.device)
-    lb = layer.expand(B)
-    overlap, r = ratio == 4, ratio
+    at = cache_index(layer, B)
     x = h.float()
-    kv = qlinear(x, w[f"{prefix}_wkv"])[:, 0]
-    score = qlinear(x, w[f"{prefix}_wgate"])[:, 0] + w[f"{prefix}_ape"][pos % r]
-    slot = pos % r + (r if overlap else 0)
+    kv = qlinear(x, w[f"{prefix}_wkv"])
+    score = qlinear(x, w[f"{prefix}_wgate"]) + w[f"{prefix}_ape"][pos % ratio].unsqueeze(1)
     kv_root, score_root = roots[f"{prefix}_kv"], roots[f"{prefix}_score"]
-    kv_root.index_put_((lb, rows, slot), kv)
-    score_root.index_put_((lb, rows, slot), score)
-    kv_state = kv_root.index_select(0, layer).squeeze(0)  # [B, c*r, c*hd]
-    score_state = score_root.index_select(0, layer).squeeze(0)
-    if overlap:
-        pooled = pool(gather_overlap_state(kv_state, r, head_dim), gather_overlap_state(score_state, r, head_dim), 1)
-    else:
-        pooled = pool(kv_state, score_state, 1)
-    done = (pos + 1) % r == 0  # [B]
-    start = (pos + 1 - r).clamp(min=0)  # the closing group's first position
-    out = apply_rope_tail_real(rms_norm(pooled.to(h.dtype), w[f"{prefix}_norm"], spec.norm_eps),
-                               inp["cos"][start], inp["sin"][start], spec.rope_dim)
-    if rotate:
-        out = hadamard(out)
-        if spec.quant_sim:
-            out = fp4_simulate(out, 32)
-    elif spec.quant_sim:
-        out = simulate_kv_fp8(out, spec.rope_dim, spec.pow2)
-    # rows whose group is still open write their current entry back unchanged; clamp keeps a row at its
-    # last position inside the cache
-    entry = cache_offset + (pos // r).clamp(max=cache_root.size(2) - cache_offset - 1)
-    current = cache_root.index_select(0, layer).squeeze(0)[rows, entry]
-    cache_root.index_put_((lb, rows, entry), torch.where(done.unsqueeze(1), out.to(cache_root.dtype), current))
-    if overlap:  # the closed group becomes the previous group of the next entry
-        first = torch.arange(r, device=h.device).unsqueeze(0)
-        keep = done.view(B, 1, 1)
-        kv_root.index_put_((lb.unsqueeze(1), rows.unsqueeze(1), first),
-                           torch.where(keep, kv_state[:, r:], kv_state[:, :r]))
-        score_root.index_put_((lb.unsqueeze(1), rows.unsqueeze(1), first),
-                              torch.where(keep, score_state[:, r:], score_state[:, :r]))
+    fresh = (pos == 0).view(-1, 1, 1)
+    kv_state = kv_root.index_select(0, layer).squeeze(0).masked_fill(fresh, 0.0)  # [B, c*r, c*hd]
+    score_state = score_root.index_select(0, layer).squeeze(0).masked_fill(fresh, float("-inf"))
+    pooled, closed, entry, new_kv, new_score = compress_chunk(kv_state, score_state, kv, score, pos, ratio,
+                                                              ratio == 4)
+    state_at = (layer.expand(B), torch.arange(B, device=h.device))
+    kv_root.index_put_(state_at, new_kv)
+    score_root.index_put_(state_at, new_score)
+    g = 1 if ratio == 4 else 0  # the buffer group that holds this token (after the previous group with overlap)
+    done, entry = closed[:, g], entry[:, g]
+    cos, sin = inp["cos"][entry * ratio], inp["sin"][entry * ratio]
+    out = finish_entry(pooled[:, g].to(h.dtype), w[f"{prefix}_norm"], spec.norm_eps,
+                       lambda t: apply_rope_tail_real(t, cos, sin, spec.rope_dim), rotate)
+    # a row whose group is still open writes its current entry back; clamp keeps a row's last slot in the cache
+    slot = (cache_offset + entry.clamp(max=spec.max_seq // ratio - 1)).unsqueeze(1)
+    parts = kvcache.parts_of(roots, cache, fmt)
+    stored = {}
+    for p, v in kvcache.encode(fmt, out).items():
+        current = as_bytes(parts[p][at(slot)][:, 0])  # FP8 codes as their bytes: inductor cannot select float8
+        new = as_bytes(v.to(parts[p].dtype))
+        stored[p] = torch.where(done.view(-1, *[1] * (v.dim() - 1)), new, current).view(parts[p].dtype).unsqueeze(1)
+    write_cache(roots, cache, at(slot), stored)
 
 
-def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs) -> torch.Tensor:
-    """The indexer's compressor step, then the top-k closed entries for each row -> mask [B, n_comp]."""
-    w, roots, layer, pos = inp["w"], inp["roots"], inp["layer"], inp["pos"]
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's compressor step, then each row's top-k closed entries (the tie rule of `mhcrun.ops.index`)
+    among all its entry slots -> (entries, valid) [B, 1, min(index_topk, n_comp)]."""
+    w, roots, pos = inp["w"], inp["roots"], inp["pos"]
     cos, sin = inp["cos"][pos].view(-1, 1, 1, spec.rope_dim // 2), inp["sin"][pos].view(-1, 1, 1, spec.rope_dim // 2)
     q = lin(spec, w, "idx_wq_b", qr).unflatten(-1, (spec.index_heads, spec.index_head_dim))
     q = hadamard(apply_rope_tail_real(q, cos, sin, spec.rope_dim))
     if spec.quant_sim:
-        q = fp4_simulate(q, 32)
-    compressor_step(spec, 4, spec.index_head_dim, True, h, inp, "idx_comp", roots["idx_kv"], 0)
+        q = fp4_simulate(q, INDEX_FP4_BLOCK)
+    compressor_step(spec, 4, spec.index_head_dim, True, h, inp, "idx_comp", "idx_kv", spec.idx_fmt, 0)
     weights = lin(spec, w, "idx_weights_proj", h) * (spec.index_head_dim ** -0.5 * spec.index_heads ** -0.5)
-    keys = roots["idx_kv"].index_select(0, layer).squeeze(0)  # [B, n_comp, ihd]
+    n_comp = spec.max_seq // 4
+    at = cache_index(inp["layer"], h.size(0))
+    keys = read_cache(roots, "idx_kv", spec.idx_fmt, at(torch.arange(n_comp, device=h.device)), q.dtype)
     scores = index_scores(q, keys, weights)  # [B, 1, n_comp]
-    valid = compress_mask_decode(pos, keys.size(1), 4).unsqueeze(1)
-    return select_topk(scores, valid, spec.index_topk)[:, 0]
+    return select_topk(scores, closed_mask(pos, 1, n_comp, 4), spec.index_topk)
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -258,12 +274,12 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
         weight = data.float() if fmt == "float" else dequantize(data, w[f"{name}_scale"][idx], fmt, block)
         return torch.einsum("bkd,bkfd->bkf", xs.float().expand(-1, weight.size(1), -1), weight)
 
-    xq = fp8_simulate(x, 128) if quant else x
+    xq = fp8_simulate(x, ACT_FP8_BLOCK) if quant else x
     g = routed("w1", xq.unsqueeze(1)).to(x.dtype)  # [B, k, inter]
     u = routed("w3", xq.unsqueeze(1)).to(x.dtype)
     mid = (swiglu(g, u, spec.limit) * weights.unsqueeze(-1)).to(x.dtype)
     if quant:
-        mid = fp8_simulate(mid, 128)
+        mid = fp8_simulate(mid, ACT_FP8_BLOCK)
     y = routed("w2", mid).to(x.dtype).float().sum(dim=1)
     shared = lin(spec, w, "shared_w2", swiglu(lin(spec, w, "shared_w1", x), lin(spec, w, "shared_w3", x),
                                                 spec.limit).to(x.dtype))

@@ -263,7 +263,6 @@ class RegionDecoder:
         hadamard(torch.zeros(1, c.index_head_dim, device=model.device))  # fill its cache now, not while tracing
         hc = hc_spec(model)
         quant_sim = model.opts.quant_sim
-        pow2 = c.scale_fmt is not None
         freqs = model.freqs
         self.cos = {k: f.real.contiguous() for k, f in freqs.items()}
         self.sin = {k: f.imag.contiguous() for k, f in freqs.items()}
@@ -276,7 +275,8 @@ class RegionDecoder:
             akind = attn_kind(model, ratio)
             aw, aq, af = attn_inputs(block)
             specs[akind] = AttnSpec(ratio, c.window_size, c.n_heads, c.head_dim, c.rope_head_dim, c.o_groups,
-                                    c.o_lora_rank, c.norm_eps, pow2, quant_sim, aq, af, c.index_n_heads,
+                                    c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
+                                    model.formats["idx_kv"], model.max_seq, aq, af, c.index_n_heads,
                                     c.index_head_dim, c.index_topk, hc)
             freq_key = "compressed" if ratio else 0
             ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
