@@ -39,6 +39,14 @@ DequantizeOpt = typer.Option(False, "--dequantize", help="Dequantise FP8/FP4 wei
 MemoryLimitOpt = typer.Option(None, "--memory-limit", help="Memory the plan must fit in (e.g. 24G, 512MiB); "
                               "default: what this machine has available.")
 StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.")
+PrefillChunkOpt = typer.Option(None, "--prefill-chunk", help="Prefill prompts this many tokens at a time (default: "
+                               "chosen so that a chunk's activations stay within a fixed budget; `info` says which).")
+
+
+def prefill_chunk_option(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise InputError(f"--prefill-chunk must be >= 1, got {value}")
+    return value
 
 
 def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
@@ -134,11 +142,12 @@ def generate(
     layers: int = LayersOpt,
     dequantize: bool = DequantizeOpt,
     memory_limit: str = MemoryLimitOpt,
+    prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
-    """Generate text: eager prefill, then decode; reports tokens/s, compile time and peak memory."""
+    """Generate text: eager prefill in chunks, then decode; reports tokens/s, compile time and peak memory."""
 
     def body() -> None:
         from mhcrun.generate import SamplingOptions, check_prompts
@@ -156,13 +165,15 @@ def generate(
             raise InputError(f"--seed must be in [0, 2**63), got {seed}")
         mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         limit = memory_limit_option(memory_limit)
+        chunk = prefill_chunk_option(prefill_chunk)
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
         names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
         cfg = runner.config
         check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
         longest = max(len(i) for i in ids)
         if not force:
-            check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit), str(runner.path))
+            check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit, chunk),
+                       str(runner.path))
         load_weights(runner, quiet=as_json)
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
@@ -176,7 +187,7 @@ def generate(
 
         results = run_generate(runner.model, ids, max_new_tokens, eos,
                                SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                               graph_mode=mode, stages=plan)
+                               graph_mode=mode, stages=plan, prefill_chunk=chunk)
         if stream is not None:
             out.print(stream.flush(), markup=False)
         kernel = None
@@ -214,6 +225,7 @@ def golden_record(
     quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim"),
     top_k: int = typer.Option(5, "--top-k", help="Log-probs kept per step."),
     tolerance: float = typer.Option(0.01, "--tolerance", help="Near-tie tolerance on the logit margin."),
+    prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
     debug: bool = DebugOpt,
 ) -> None:
@@ -229,6 +241,7 @@ def golden_record(
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if top_k < 2:
             raise InputError(f"--top-k must be >= 2, got {top_k}")
+        chunk = prefill_chunk_option(prefill_chunk)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         runner = open_runner(model, dtype, quant_sim)
         from mhcrun.prompts import read_prompts_file
@@ -237,7 +250,12 @@ def golden_record(
         ids = [p.ids if p.ids is not None else runner.require_tokenizer().encode(p.text) for p in items]
         load_weights(runner)
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
-        results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k)
+        from mhcrun.generate import check_prompts
+
+        check_prompts(ids, max_new_tokens, runner.config.vocab_size, runner.config.max_position_embeddings,
+                      [p.id for p in items])
+        results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k,
+                               prefill_chunk=chunk)
         settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
                     "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
         golden = golden_from_results(runner.identity, settings, items, results, tolerance)
@@ -255,6 +273,7 @@ def golden_check(
     model: str = ModelOpt,
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
+    prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -268,6 +287,7 @@ def golden_check(
 
         golden = load_golden(golden_path)
         mode, plan = graph_mode_option(graph_mode), stages_option(stages)
+        chunk = prefill_chunk_option(prefill_chunk)
         s = golden["settings"]
         runner = open_runner(model, s["dtype"], s["quant_sim"])
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
@@ -276,7 +296,7 @@ def golden_check(
         load_weights(runner, quiet=as_json)
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
-                               record_topk=2, graph_mode=mode, stages=plan)
+                               record_topk=2, graph_mode=mode, stages=plan, prefill_chunk=chunk)
         report = compare(golden, results)
         if as_json:
             print(json.dumps({"golden": str(golden_path), "graph_mode": mode, **report_to_json(report)}))
@@ -297,6 +317,9 @@ def info(
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
     dequantize: bool = DequantizeOpt,
+    quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim", help="Plan the KV cache stored as the "
+                                   "simulation rounds it (FP8 kv, FP4 indexer keys), or in the activation dtype."),
+    prefill_chunk: int = PrefillChunkOpt,
     memory_limit: str = MemoryLimitOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -309,14 +332,15 @@ def info(
         from mhcrun.memory import format_bytes
         from mhcrun.runner import open_runner
 
-        runner = open_runner(model, dtype, layers=layers, dequantize=dequantize)
+        chunk = prefill_chunk_option(prefill_chunk)
+        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
         if batch < 1 or not 1 <= tokens <= longest:
             raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
                              f"got {batch} and {tokens}")
         desc = inspect_checkpoint(runner.path, layers)
-        mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit))
+        mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit), prefill_chunk=chunk)
         desc["memory_plan"] = mp.to_dict()
         if as_json:
             print(json.dumps(desc))
@@ -332,15 +356,19 @@ def info(
         out.print(kinds)
         out.print(f"parameters: {desc['params']:,}")
         plan = Table("memory plan", "bytes", "", title=f"{mp.layers} layers, batch {mp.batch}, context {mp.context}, "
-                     f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}")
+                     f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}, KV cache "
+                     f"{'FP8 (kv) / FP4 (indexer keys)' if mp.quant_sim else mp.dtype}")
         for name, n in mp.disk_by_dtype.items():
             plan.add_row(f"on disk: {name}", f"{n:,}", format_bytes(n))
         rows = [("weights in memory", mp.weights)] + [(k.replace("_", " "), v) for k, v in mp.state.items()]
-        rows += [("activations (prefill of the whole context)", mp.activations), ("runtime", mp.runtime),
-                 ("total", mp.total), ("available", mp.available)]
+        rows += [(f"activations (a prefill chunk of {mp.prefill_chunk} tokens)", mp.activations),
+                 ("runtime", mp.runtime), ("total", mp.total), ("available", mp.available)]
         for name, n in rows:
             plan.add_row(name, "" if n is None else f"{n:,}", format_bytes(n))
         out.print(plan)
+        kv_total = mp.kv_bytes_per_token * mp.context * mp.batch
+        out.print(f"KV bytes per token: {mp.kv_bytes_per_token:,.1f} (all layers; {format_bytes(int(kv_total))} "
+                  f"for {mp.context:,} tokens x batch {mp.batch}, plus the window's ring)", markup=False)
         verdict = "fits" if mp.fits else "does NOT fit"
         out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
 

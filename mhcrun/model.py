@@ -18,7 +18,7 @@ from torch import nn
 from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
-from mhcrun.ops.attention import closed_mask, query_slices, sparse_attn, window_mask
+from mhcrun.ops.attention import closed_mask, query_bytes, query_slices, sparse_attn, window_mask
 from mhcrun.ops.compress import compress_chunk
 from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
@@ -233,24 +233,35 @@ class Attention(nn.Module):
         stored = kvcache.encode(self.fmt, kv)
         kv = kvcache.decode(self.fmt, stored, dtype)  # what the cache gives back: the reference's FP8 rounding
         ring = kvcache.read(self.window_cache, self.fmt, (rows.view(-1, 1), torch.arange(win, device=dev)), dtype)
-        keys, mask = torch.cat([ring, kv], dim=1), window_mask(start, s, win)
         chosen = valid = None
         if self.ratio == 4:
             chosen, valid = self.indexer(x, qr, rows, start, freqs)
         if self.ratio:
             self.compressor(x, rows, start)
+        comp = comp_mask = None
         if self.ratio and self.ratio != 4:  # HCA: every closed entry
             n = int((start + s).max()) // self.ratio
             comp = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
-            keys, mask = torch.cat([keys, comp], dim=1), torch.cat([mask, closed_mask(start, s, n, self.ratio)], -1)
+            comp_mask = closed_mask(start, s, n, self.ratio)
+        mask = window_mask(start, s, win)
         o = torch.empty_like(q)
         n_sel = 0 if chosen is None else chosen.size(-1)
-        for sl in query_slices(s, self.n_heads, keys.size(1) + n_sel):
+        n_comp = 0 if comp is None else comp.size(1)
+        per_query = query_bytes(self.n_heads, 2 * win + n_comp, n_sel, self.head_dim)
+        for sl in query_slices(s, per_query, max_len=win):
+            # the slice's window keys: the ring, then the chunk's entries from `window` before the slice to its end
+            lo = max(0, sl.start - win + 1)
+            keys = [ring, kv[:, lo:sl.stop]]
+            km = [mask[:, sl, :win], mask[:, sl, win + lo:win + sl.stop]]
+            if comp is not None:
+                keys.append(comp)
+                km.append(comp_mask[:, sl])
             sel = sel_mask = None
             if n_sel:  # CSA: the chosen entries, gathered (and dequantised) per query
                 sel = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1, 1), chosen[:, sl]), dtype)
                 sel_mask = valid[:, sl]
-            o[:, sl] = sparse_attn(q[:, sl], keys, mask[:, sl], self.attn_sink, self.scale, sel, sel_mask)
+            o[:, sl] = sparse_attn(q[:, sl], torch.cat(keys, dim=1), torch.cat(km, dim=-1), self.attn_sink,
+                                   self.scale, sel, sel_mask)
         last = slice(max(0, s - win), s)  # the chunk's last `window` tokens go into the ring
         kvcache.store(self.window_cache, (rows.view(-1, 1), pos[:, last] % win),
                       {p: t[:, last] for p, t in stored.items()})

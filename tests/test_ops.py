@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from mhcrun.ops.attention import (
     closed_mask,
+    query_bytes,
     query_slices,
     sparse_attn,
     window_mask,
@@ -633,9 +634,11 @@ def test_sparse_attn_gathered_keys_equal_the_same_keys_shared():
 
 def test_query_slices_cover_the_chunk_within_the_workspace():
     for s, heads, keys, ws in ((1, 4, 10, 1 << 20), (100, 16, 640, 1 << 20), (7, 1, 1, 8), (5000, 64, 9000, 1 << 27)):
-        sl = query_slices(s, heads, keys, ws)
+        per = query_bytes(heads, keys, 64, 512)
+        assert per == 20 * heads * (keys + 64) + 12 * 64 * 512
+        sl = query_slices(s, per, ws)
         assert [t for x in sl for t in range(x.start, x.stop)] == list(range(s))
-        assert all((x.stop - x.start) * 8 * heads * keys <= ws for x in sl) or len(sl) == s
+        assert all((x.stop - x.start) * per <= ws for x in sl) or len(sl) == s
 
 
 def loop_window(start: int, s: int, w: int) -> list[list[bool]]:
@@ -787,7 +790,7 @@ def test_select_topk_sliced_equals_whole(step):
 
 
 def test_entry_step_bounds_the_workspace():
-    assert entry_step(1, 64, 1 << 20) == (1 << 20) // 256
+    assert entry_step(1, 64, 1 << 20) == (1 << 20) // (3 * 256)
     assert entry_step(10**6, 64, 1 << 20) == 1
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-ATTN_WORKSPACE = 128 << 20  # bytes of fp32 scores a prefill chunk's attention holds at once (queries in slices)
+ATTN_WORKSPACE = 192 << 20  # bytes a prefill chunk's attention takes at once (its queries go in slices)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float,
@@ -38,9 +38,15 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: tor
     return o.to(q.dtype)
 
 
-def query_slices(s: int, heads: int, keys: int, workspace: int = ATTN_WORKSPACE) -> list[slice]:
-    """Slices of a chunk's s queries whose fp32 scores [slice, heads, keys] (and their exp) fit the workspace."""
-    step = max(1, workspace // max(1, 2 * 4 * heads * keys))
+def query_bytes(heads: int, keys: int, gathered: int, dim: int) -> int:
+    """Workspace bytes one query takes: its fp32 scores over `keys` + `gathered` keys (about five copies live:
+    scores, masked, exp, probabilities, cast) and its gathered keys decoded to fp32 (about three copies)."""
+    return 5 * 4 * heads * (keys + gathered) + 3 * 4 * gathered * dim
+
+
+def query_slices(s: int, per_query: int, workspace: int = ATTN_WORKSPACE, max_len: int | None = None) -> list[slice]:
+    """Slices of a chunk's s queries (at most `max_len` each) whose workspace (`per_query` bytes each) fits."""
+    step = max(1, min(workspace // max(1, per_query), max_len or s))
     return [slice(i, min(i + step, s)) for i in range(0, s, step)]
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-INDEX_WORKSPACE = 128 << 20  # bytes of per-head fp32 scores the indexer holds at once (entries in slices)
+INDEX_WORKSPACE = 192 << 20  # bytes the indexer's per-head fp32 scores and their copies take at once (entries
+# in slices; three [s, heads, slice] tensors live at once: the dot products, their ReLU and the weighted ones)
 _INVALID = torch.iinfo(torch.int64).min
 _LOW = 0xFFFFFFFF
 
@@ -69,5 +70,5 @@ def select_topk_sliced(score_slice: Callable[[int, int], torch.Tensor], n: int, 
 
 
 def entry_step(s: int, heads: int, workspace: int = INDEX_WORKSPACE) -> int:
-    """Entries per slice so that a chunk's per-head fp32 scores [s, heads, step] fit the workspace."""
-    return max(1, workspace // max(1, 4 * s * heads))
+    """Entries per slice so that a chunk's per-head fp32 scores [s, heads, step] (three copies) fit the workspace."""
+    return max(1, workspace // max(1, 3 * 4 * s * heads))
