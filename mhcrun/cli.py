@@ -366,9 +366,13 @@ def info(
         for name, n in rows:
             plan.add_row(name, "" if n is None else f"{n:,}", format_bytes(n))
         out.print(plan)
-        kv_total = mp.kv_bytes_per_token * mp.context * mp.batch
-        out.print(f"KV bytes per token: {mp.kv_bytes_per_token:,.1f} (all layers; {format_bytes(int(kv_total))} "
-                  f"for {mp.context:,} tokens x batch {mp.batch}, plus the window's ring)", markup=False)
+        for what, per_token in ((f"these {mp.layers} layers", mp.kv_bytes_per_token),
+                                (f"all {runner.config.n_layers} layers", mp.kv_bytes_per_token_model)):
+            total = format_bytes(int(per_token * mp.context * mp.batch))
+            out.print(f"KV bytes per token, {what}: {per_token:,.1f} ({total} for {mp.context:,} tokens x batch "
+                      f"{mp.batch}, plus the windows' rings)", markup=False)
+            if mp.layers == runner.config.n_layers:
+                break
         verdict = "fits" if mp.fits else "does NOT fit"
         out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
 

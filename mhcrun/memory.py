@@ -39,7 +39,8 @@ class MemoryPlan:
     disk_by_dtype: dict[str, int]  # on-disk bytes of the tensors that load, by stored dtype (scales included)
     weights: int  # bytes the weights take in memory: mapped shard bytes plus cast copies (or fp32 dequantised)
     state: dict[str, int] = field(default_factory=dict)  # KV cache, compressor and indexer state, rope tables
-    kv_bytes_per_token: float = 0.0  # KV and indexer cache bytes one more token of context adds (all layers)
+    kv_bytes_per_token: float = 0.0  # KV and indexer cache bytes one more token of context adds (these layers)
+    kv_bytes_per_token_model: float = 0.0  # the same for every layer of the model (when --layers runs fewer)
     activations: int = 0  # the largest transient: one prefill chunk's activations and score workspaces
     runtime: int = RUNTIME_BYTES
     available: int | None = None  # bytes this machine (or the given limit) allows
@@ -56,6 +57,7 @@ class MemoryPlan:
         return {"layers": self.layers, "batch": self.batch, "context": self.context, "prompt_len": self.prompt_len,
                 "prefill_chunk": self.prefill_chunk, "dtype": self.dtype, "dequantize": self.dequantize,
                 "quant_sim": self.quant_sim, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
                 "disk_by_dtype": dict(sorted(
                     self.disk_by_dtype.items())), "disk_bytes": sum(self.disk_by_dtype.values()),
                 "weights_bytes": self.weights, "state_bytes": self.state, "activation_bytes": self.activations,
@@ -217,6 +219,7 @@ def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, pro
         disk_by_dtype=dict(plan.bytes_by_dtype), weights=weight_bytes(plan, dtype, dequantize),
         state=state_bytes(cfg, layers, batch, context, dtype, quant_sim),
         kv_bytes_per_token=kv_bytes_per_token(cfg, layers, dtype, quant_sim),
+        kv_bytes_per_token_model=kv_bytes_per_token(cfg, cfg.n_layers, dtype, quant_sim),
         activations=activation_bytes(cfg, chunk), available=available if available is not None else available_bytes())
 
 
