@@ -21,3 +21,9 @@ class InputError(MhcrunError):
 
 class GoldenError(MhcrunError):
     """A golden file that is missing, not JSON, of the wrong schema or of another model."""
+
+
+class NonFiniteError(MhcrunError):
+    """A run whose logits turned NaN or Inf: a failed run (exit 3), never turned into tokens."""
+
+    exit_code = 3

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mhcrun.errors import InputError
+from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
@@ -70,6 +70,18 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
         if len(ids) + max_new_tokens > context:
             raise InputError(f"{name}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context "
                              f"of {context}")
+
+
+def check_finite(logits: torch.Tensor, rows: list[int], step: int) -> None:
+    """NonFiniteError naming the first row (prompt) and step whose logits [b, V] hold NaN or Inf: argmax would
+    turn them into plausible-looking token ids."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        kind = "NaN" if bool(torch.isnan(logits[i]).any()) else "Inf"
+        what = "prefill" if step == 0 else f"decode step {step}"
+        raise NonFiniteError(f"prompt {rows[i]}: the logits of step {step} ({what}) hold {kind}; no token was "
+                             f"emitted from them")
 
 
 def sample(logits: torch.Tensor, opts: SamplingOptions, gen: torch.Generator) -> torch.Tensor:
@@ -149,6 +161,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         t0 = time.perf_counter()
         logits = prefill(model, ids, row, chunk)
         prefill_s.append(time.perf_counter() - t0)
+        check_finite(logits, [row], 0)
         accept(row, logits[0], int(sample(logits, sampling, gen)[0]))
 
     decoder = None
@@ -171,6 +184,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             pos = torch.tensor([len(p) + len(res.tokens) - 1 for p, res in zip(prompts, results, strict=True)],
                                device=dev)
             logits = decoder(tokens, pos)[torch.tensor(active, device=dev)]
+        check_finite(logits, active, len(results[active[0]].tokens))
         next_ids = sample(logits, sampling, gen).tolist()
         step_s.append(time.perf_counter() - t0)
         decode_tokens += len(active)
