@@ -65,3 +65,20 @@ def test_cli_generate_with_a_nan_weight_exits_3_with_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: prompt 0: the logits of step 0") and "NaN" in lines[0]
     assert r.stdout == ""  # no tokens were printed
+
+
+def test_golden_record_refuses_a_non_finite_run_and_writes_nothing(tmp_path):
+    ckpt = tmp_path / "nan"
+    shutil.copytree(DEFAULT_MODEL, ckpt)
+    name = "layers.0.attn.wkv.weight"
+    for shard in ckpt.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            tensors[name][1, 2] = float("inf")
+            save_file(tensors, shard, metadata={"format": "pt"})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [0, 5, 6]}\n')
+    out = tmp_path / "g.json"
+    r = CLI.invoke(app, ["golden-record", "-m", str(ckpt), "--prompts-file", str(prompts), "--out", str(out)])
+    assert r.exit_code == 3 and not out.exists(), r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "the logits of step 0" in r.stderr
