@@ -232,7 +232,7 @@ class Attention(nn.Module):
         qr, q, kv = self.project(x, freqs)
         stored = kvcache.encode(self.fmt, kv)
         kv = kvcache.decode(self.fmt, stored, dtype)  # what the cache gives back: the reference's FP8 rounding
-        ring = kvcache.read(self.window_cache, self.fmt, (rows.view(-1, 1), torch.arange(win, device=dev)), dtype)
+        ring = kvcache.read(self.window_cache, self.fmt, (rows,), dtype)  # [b, window, hd]
         chosen = valid = None
         if self.ratio == 4:
             chosen, valid = self.indexer(x, qr, rows, start, freqs)
@@ -241,7 +241,7 @@ class Attention(nn.Module):
         comp = comp_mask = None
         if self.ratio and self.ratio != 4:  # HCA: every closed entry
             n = int((start + s).max()) // self.ratio
-            comp = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
+            comp = kvcache.read(self.comp_cache, self.fmt, (rows, slice(0, n)), dtype)
             comp_mask = closed_mask(start, s, n, self.ratio)
         mask = window_mask(start, s, win)
         o = torch.empty_like(q)
@@ -430,7 +430,7 @@ class Transformer(nn.Module):
                                                c.rope_factor, c.beta_fast, c.beta_slow).to(self.device),
         }
         self.roots: dict[int, dict[str, torch.Tensor]] = {}
-        self.formats = cache_formats(c, self.opts.quant_sim)
+        self.formats, self.cache_quant_sim = cache_formats(c, self.opts.quant_sim), self.opts.quant_sim
         for ratio, layer_ids in self.layers_by_ratio().items():
             roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype, self.device,
                                      self.opts.quant_sim)
@@ -453,7 +453,7 @@ class Transformer(nn.Module):
         """tokens [b, s] at positions start [b] (or an int for every row) + [0, s) of cache rows `rows` [b]
         -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row."""
         c = self.cfg
-        if self.formats != cache_formats(c, self.opts.quant_sim):
+        if self.opts.quant_sim != self.cache_quant_sim:
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
         start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
         x = hc_ops.hc_expand(self.embed(tokens).to(self.dtype), c.hc_mult)

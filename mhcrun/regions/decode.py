@@ -146,7 +146,7 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     kv = kvcache.decode(fmt, stored, dtype)
     ring = read_cache(roots, "kv", fmt, at(torch.arange(win, device=h.device)), dtype)  # before this token
     keys, mask = torch.cat([ring, kv], dim=1), window_mask(pos, 1, win)
-    write_cache(roots, "kv", at((pos % win).unsqueeze(1)), stored)
+    kvcache.store(kvcache.parts_of(roots, "kv", fmt), at((pos % win).unsqueeze(1)), stored)
 
     sel = sel_mask = None
     if spec.ratio == 4:
@@ -175,12 +175,6 @@ def cache_index(layer: torch.Tensor, B: int):
 def read_cache(roots: dict, name: str, fmt: CacheFormat, index: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The entries at `index` of cache `name`, decoded (only those entries are read)."""
     return kvcache.read(kvcache.parts_of(roots, name, fmt), fmt, index, dtype)
-
-
-def write_cache(roots: dict, name: str, index: tuple, stored: dict[str, torch.Tensor]) -> None:
-    for part, value in stored.items():
-        root = roots[kvcache.root_key(name, part)]
-        root.index_put_(index, value.to(root.dtype))
 
 
 def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: torch.Tensor, inp: Inputs,
@@ -215,7 +209,7 @@ def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: 
         current = as_bytes(parts[p][at(slot)][:, 0])  # FP8 codes as their bytes: inductor cannot select float8
         new = as_bytes(v.to(parts[p].dtype))
         stored[p] = torch.where(done.view(-1, *[1] * (v.dim() - 1)), new, current).view(parts[p].dtype).unsqueeze(1)
-    write_cache(roots, cache, at(slot), stored)
+    kvcache.store(parts, at(slot), stored)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
