@@ -13,7 +13,7 @@ import functools
 import hashlib
 import json
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,6 +412,25 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     quantized = {p.spec.name for p in plan.plans if p.fmt in ("fp8", "fp4")}
     return LoadedCheckpoint(plan.root, cfg, tensors, quantized, scales, plan.bytes_by_dtype, plan.unused,
                             [Path(name) for name in plan.shards])
+
+
+def stored_tensors(plan: CheckpointPlan) -> Iterator[tuple[str, str, str, torch.Tensor]]:
+    """Every tensor a run loads and every scale, as stored (views of the mapped shards, one shard at a time, in
+    file order) -> (name, role, weight format, tensor): role "float", "codes" (FP8 e4m3 data), "packed" (FP4
+    data: every code is a number), "scale" or "index"."""
+    items: dict[Path, list[tuple[str, str, str, _Shard]]] = {}
+    for p in plan.plans:
+        role = {"fp8": "codes", "fp4": "packed"}.get(p.fmt, p.fmt)
+        items.setdefault(p.shard.path, []).append((p.spec.name, role, p.fmt, p.shard))
+        if p.scale_shard is not None:
+            items.setdefault(p.scale_shard.path, []).append((scale_name(p.spec.name), "scale", p.fmt,
+                                                             p.scale_shard))
+    for path in sorted(items):
+        mapped = None
+        for name, role, fmt, shard in items[path]:
+            if mapped is None:
+                mapped = _map_shard(shard)
+            yield name, role, fmt, _view(mapped, shard, name)
 
 
 def inspect_checkpoint(path: str | Path, n_layers: int | None = None) -> dict[str, Any]:

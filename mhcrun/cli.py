@@ -95,6 +95,27 @@ def load_weights(runner, quiet: bool = False) -> None:
         runner.load(lambda done, total: progress.update(task, completed=done, total=total))
 
 
+def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
+    """`--check-weights`: scan every stored tensor (`mhcrun.weightcheck`), with a progress bar on stderr.
+    -> (bad tensors, bytes read, seconds)."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from mhcrun.weightcheck import check_weights
+
+    columns = (TextColumn("checking {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    t0 = time.perf_counter()
+    with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
+        task = progress.add_task(runner.path.name, total=None)
+        bad = check_weights(runner.plan, lambda done, total: progress.update(task, completed=done, total=total))
+    return bad, sum(runner.plan.bytes_by_dtype.values()), time.perf_counter() - t0
+
+
+CheckWeightsOpt = typer.Option(False, "--check-weights", help="Scan every stored tensor first: NaN/Inf floats, FP8 "
+                               "NaN codes, NaN/Inf or overflowing scales (exit 3 naming each bad tensor).")
+
+
 def memory_limit_option(value: str | None) -> int | None:
     from mhcrun.memory import parse_size
 
@@ -144,6 +165,7 @@ def generate(
     memory_limit: str = MemoryLimitOpt,
     prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
+    check_weights: bool = CheckWeightsOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -174,6 +196,10 @@ def generate(
         if not force:
             check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit, chunk),
                        str(runner.path))
+        if check_weights:
+            from mhcrun.weightcheck import raise_if_bad
+
+            raise_if_bad(scan_weights(runner, quiet=as_json)[0], str(runner.path))
         load_weights(runner, quiet=as_json)
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
@@ -185,11 +211,13 @@ def generate(
             if stream is not None:
                 out.print(stream.push(token), end="", markup=False)
 
-        results = run_generate(runner.model, ids, max_new_tokens, eos,
-                               SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                               graph_mode=mode, stages=plan, prefill_chunk=chunk)
-        if stream is not None:
-            out.print(stream.flush(), markup=False)
+        try:
+            results = run_generate(runner.model, ids, max_new_tokens, eos,
+                                   SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
+                                   graph_mode=mode, stages=plan, prefill_chunk=chunk)
+        finally:
+            if stream is not None:  # end the streamed line, also when the run fails
+                out.print(stream.flush(), markup=False)
         kernel = None
         if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
             from mhcrun.ops import qgemv
@@ -271,6 +299,16 @@ def golden_record(
 def golden_check(
     golden_path: Path = typer.Argument(..., metavar="GOLDEN", help="Golden JSON file."),
     model: str = ModelOpt,
+    teacher_forced: bool = typer.Option(True, "--teacher-forced/--free-running", help="Feed the golden tokens and "
+                                        "compare every step's log-probs (default), or generate freely and compare "
+                                        "tokens."),
+    logprob_tol: float = typer.Option(None, "--logprob-tol", help="Largest |log-prob difference| that passes "
+                                      "(default: by path, see the README)."),
+    locate: bool = typer.Option(False, "--locate", help="For each failing prompt, run its first failing step on "
+                                "the eager fp32 reference and on this path and name the first region that differs."),
+    dtype: str = typer.Option(None, "--dtype", help="Activations of the path under test (default: the golden's)."),
+    dequantize: bool = DequantizeOpt,
+    device: str = typer.Option("cpu", "--device"),
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
     prefill_chunk: int = PrefillChunkOpt,
@@ -278,34 +316,92 @@ def golden_check(
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
-    """Re-generate a golden file's prompts and report the first divergence. Exit 0 match, 1 mismatch, 2 bad input."""
+    """Re-run a golden file's prompts and compare. Exit 0 pass, 1 mismatch, 2 bad input, 3 non-finite logits."""
 
     def body() -> int:
         from mhcrun.generate import generate as run_generate
-        from mhcrun.golden import check_model_identity, compare, load_golden, render_report, report_to_json
+        from mhcrun.golden import (
+            TOLERANCES,
+            check_model_identity,
+            compare,
+            load_golden,
+            path_kind,
+            render_report,
+            report_to_json,
+        )
         from mhcrun.runner import open_runner
 
         golden = load_golden(golden_path)
-        mode, plan = graph_mode_option(graph_mode), stages_option(stages)
+        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         chunk = prefill_chunk_option(prefill_chunk)
+        if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
+            raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
-        runner = open_runner(model, s["dtype"], s["quant_sim"])
+        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize)
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
-        ids = [p["prompt_ids"] for p in golden["prompts"]]
+        entries = golden["prompts"]
+        ids = [p["prompt_ids"] for p in entries]
         load_weights(runner, quiet=as_json)
+        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.scales))
+        tol = logprob_tol if logprob_tol is not None else TOLERANCES[kind][0]
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
-        results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
-                               record_topk=2, graph_mode=mode, stages=plan, prefill_chunk=chunk)
-        report = compare(golden, results)
+        forced = [[] for _ in entries]  # per prompt, per step: (log-probs of the golden candidates, argmax)
+
+        def observe(row: int, step: int, logits) -> None:
+            logp = logits.float().log_softmax(dim=-1)
+            cands = [t for t, _ in entries[row]["steps"][step]["top"]]
+            forced[row].append((logp[cands].tolist(), int(logits.argmax())))
+
+        common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk, on_nonfinite="stop")
+        if teacher_forced:
+            results = run_generate(runner.model, ids, s["max_new_tokens"], eos, forced=[e["tokens"] for e in entries],
+                                   on_logits=observe, **common)
+        else:
+            results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
+                                   record_topk=s["top_k"], **common)
+        report = compare(golden, results, tol, forced if teacher_forced else None)
+        if locate:
+            locate_failures(report, golden, runner, mode, plan, chunk, TOLERANCES[kind][1], quiet=as_json)
         if as_json:
             print(json.dumps({"golden": str(golden_path), "graph_mode": mode, **report_to_json(report)}))
         else:
             decode = runner.tokenizer.decode if runner.tokenizer else None
-            render_report(report, out, decode)
-        return 0 if report.ok else 1
+            render_report(report, out if out.is_terminal else Console(highlight=False, width=160), decode)
+        return report.exit_code
 
     run_guarded(debug, body)
+
+
+def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: int | None, tol: float,
+                    quiet: bool) -> None:
+    """--locate: each failing prompt's first failing step again, on the eager fp32 reference (dequantised
+    weights, on cpu) and on the path under test, every region captured; the first region beyond the tolerance
+    goes into the report."""
+    from mhcrun.generate import capture_step
+    from mhcrun.memory import default_prefill_chunk
+    from mhcrun.probes import first_difference, region_diffs
+    from mhcrun.runner import open_runner
+
+    failing = [(i, p) for i, p in enumerate(report.prompts) if p.status == "mismatch" and p.step is not None]
+    if not failing:
+        return
+    s = golden["settings"]
+    ref = open_runner(str(runner.path), "fp32", s["quant_sim"], "cpu", runner.layers, dequantize=True)
+    load_weights(ref, quiet=quiet)
+    max_seq = max(len(p["prompt_ids"]) for p in golden["prompts"]) + s["max_new_tokens"]
+    chunk = chunk or default_prefill_chunk(runner.config)
+    for i, check in failing:
+        entry = golden["prompts"][i]
+        tokens = entry["tokens"][:check.step]
+        want = capture_step(ref.model, entry["prompt_ids"], tokens, max_seq, chunk)
+        got = capture_step(runner.model, entry["prompt_ids"], tokens, max_seq, chunk, mode, stages=plan)
+        first, before = first_difference(region_diffs(want, got), tol)
+        if first is None:
+            check.first_region = f"no region beyond {tol:g} at step {check.step} (largest {before:.1e})"
+        else:
+            check.first_region = (f"{first.region}: max |diff| {first.max_abs:.1e} (relative {first.rel:.1e}; the "
+                                  f"regions before it within {before:.0e}) at step {check.step}")
 
 
 @app.command()
@@ -321,13 +417,15 @@ def info(
                                    "simulation rounds it (FP8 kv, FP4 indexer keys), or in the activation dtype."),
     prefill_chunk: int = PrefillChunkOpt,
     memory_limit: str = MemoryLimitOpt,
+    check_weights: bool = CheckWeightsOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Describe a checkpoint and plan its memory: config, layer kinds, parameters, bytes by dtype, and the
-    weights, KV and state bytes for a context and batch (reads headers only)."""
+    weights, KV and state bytes for a context and batch (reads headers only; `--check-weights` reads every
+    tensor once)."""
 
-    def body() -> None:
+    def body() -> int:
         from mhcrun.checkpoint import inspect_checkpoint
         from mhcrun.memory import format_bytes
         from mhcrun.runner import open_runner
@@ -342,9 +440,14 @@ def info(
         desc = inspect_checkpoint(runner.path, layers)
         mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit), prefill_chunk=chunk)
         desc["memory_plan"] = mp.to_dict()
+        bad = None
+        if check_weights:
+            bad, nbytes, secs = scan_weights(runner, quiet=as_json)
+            desc["weights_check"] = {"bad": [{"tensor": b.name, "index": b.index, "what": b.what} for b in bad],
+                                     "bytes": nbytes, "seconds": secs}
         if as_json:
             print(json.dumps(desc))
-            return
+            return weights_verdict(bad, runner)
         c = desc["config"]
         out.print(f"[bold]{desc['path']}[/]")
         out.print(f"dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads x {c['head_dim']}, "
@@ -375,8 +478,23 @@ def info(
                 break
         verdict = "fits" if mp.fits else "does NOT fit"
         out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
+        if bad is not None:
+            for b in bad:
+                out.print(f"bad weight: {b.line()}", markup=False, soft_wrap=True)
+            rate = f"{nbytes / secs / 1e9:.1f} GB/s" if secs > 0 else "-"
+            out.print(f"weights check: {format_bytes(nbytes)} read in {secs:.2f} s ({rate}): "
+                      + (f"{len(bad)} bad tensor(s)" if bad else "every tensor is finite, every scale in range"),
+                      markup=False, soft_wrap=True)
+        return weights_verdict(bad, runner)
 
     run_guarded(debug, body)
+
+
+def weights_verdict(bad: list | None, runner) -> int:
+    from mhcrun.weightcheck import raise_if_bad
+
+    raise_if_bad(bad or [], str(runner.path))
+    return 0
 
 
 @app.command("compile-regions")

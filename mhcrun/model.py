@@ -10,6 +10,8 @@ belongs to one sequence, and a chunk at start 0 begins a new sequence in its row
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,12 @@ from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import qlinear, qlinear_grouped
 from mhcrun.ops.quant import FP4_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
+
+# Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
+# half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions call it with the same
+# names (`mhcrun.regions`), so two paths can be compared region by region.
+Probe = Callable[[str, torch.Tensor], None]
+ATTN_KINDS = {0: "window", 4: "csa"}
 
 
 @dataclass
@@ -333,7 +341,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer: mHC site -> attention -> mHC post, then mHC site -> MoE -> mHC post."""
+    """One layer in two halves (`Transformer.forward` runs them): mHC site -> attention -> mHC post, then
+    mHC site -> MoE -> mHC post."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
@@ -353,15 +362,17 @@ class Block(nn.Module):
                                getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), c.hc_mult,
                                c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
-                start: torch.Tensor) -> torch.Tensor:
+    def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         # x [b, s, n, d] at positions start [b] + [0, s)
         pre, post, comb = self.mixes(x, "attn")
         h = self.attn(self.attn_norm(hc_ops.hc_collapse(x, pre)), rows, start)
-        x = hc_ops.hc_post(h, x, post, comb)
+        return hc_ops.hc_post(h, x, post, comb)
+
+    def ffn_half(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         pre, post, comb = self.mixes(x, "ffn")
         h = self.ffn(self.ffn_norm(hc_ops.hc_collapse(x, pre)), token_ids)
         return hc_ops.hc_post(h, x, post, comb)
+
 
 
 def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
@@ -439,9 +450,24 @@ class Transformer(nn.Module):
                 self.layers[i].attn.bind(roots, j, self.formats, self.freqs["compressed" if ratio else 0])
         self.max_batch, self.max_seq = max_batch, max_seq
 
+    def clear_row(self, row: int) -> None:
+        """Zero cache row `row` of every state buffer: a run again of a sequence that left NaN in its caches must
+        not read them (a masked key still multiplies its value by 0, and 0 * NaN is NaN)."""
+        for roots in self.roots.values():
+            for t in roots.values():
+                t[:, row].zero_()
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @functools.cached_property
+    def region_kinds(self) -> list[tuple[str, str]]:
+        """Per layer, the region kinds of its two halves: attn:window|csa|hca (hca<ratio> when a model has
+        several HCA ratios) and moe:hash|routed. Compiled regions compile one graph per kind."""
+        hca = {layer.attn.ratio for layer in self.layers} - {0, 4}
+        return [("attn:" + ATTN_KINDS.get(b.attn.ratio, "hca" if len(hca) == 1 else f"hca{b.attn.ratio}"),
+                 "moe:hash" if b.ffn.gate.hash else "moe:routed") for b in self.layers]
 
     def layers_by_ratio(self) -> dict[int, list[int]]:
         kinds: dict[int, list[int]] = {}
@@ -449,19 +475,32 @@ class Transformer(nn.Module):
             kinds.setdefault(layer.attn.ratio, []).append(i)
         return kinds
 
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor | int = 0,
+                probe: Probe | None = None) -> torch.Tensor:
         """tokens [b, s] at positions start [b] (or an int for every row) + [0, s) of cache rows `rows` [b]
-        -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row."""
+        -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row.
+        `probe` sees every region's output (see `Probe`)."""
         c = self.cfg
         if self.opts.quant_sim != self.cache_quant_sim:
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
+        probe = probe or skip_probe
         start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
         x = hc_ops.hc_expand(self.embed(tokens).to(self.dtype), c.hc_mult)
-        for layer in self.layers:
-            x = layer(x, tokens, rows, start)
+        probe("embed", x)
+        for i, (layer, (akind, mkind)) in enumerate(zip(self.layers, self.region_kinds, strict=True)):
+            x = layer.attn_half(x, rows, start)
+            probe(f"layer {i} {akind}", x)
+            x = layer.ffn_half(x, tokens)
+            probe(f"layer {i} {mkind}", x)
         h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
                            c.hc_eps, c.norm_eps)
-        return qlinear(self.norm(h)[:, -1].float(), self.head.weight, None, "float", 0)
+        logits = qlinear(self.norm(h)[:, -1].float(), self.head.weight, None, "float", 0)
+        probe("head", logits)
+        return logits
+
+
+def skip_probe(name: str, t: torch.Tensor) -> None:
+    """The probe of a run that looks at nothing."""
 
 
 def fp32_param(name: str) -> bool:

@@ -7,27 +7,25 @@ torch's OpenMP threads. It covers FP8 e4m3 with tile scales, packed FP4 e2m1 wit
 weights, for a few rows of x (decode); `qlinear` keeps its torch path as the reference and for everything
 else (prefill, other CPUs, a weight holding NaN codes or overflowing scales).
 
-Build: `$CXX` (default g++) with OpenMP, into `$MHCRUN_KERNEL_CACHE` (default ~/.cache/mhcrun/kernels), one
-file per source/compiler/flags hash, written atomically. It runs AVX-512 where the CPU has it, else AVX2
-(`MHCRUN_CPU_KERNEL=avx2` picks AVX2 on an AVX-512 CPU, to compare or test both). Without a compiler, on a CPU
-with neither, or with `MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns None; `status()` says
-why.
+Build: `mhcrun.ops.native` (`$CXX` with OpenMP, cached in `$MHCRUN_KERNEL_CACHE`). It runs AVX-512 where the
+CPU has it, else AVX2 (`MHCRUN_CPU_KERNEL=avx2` picks AVX2 on an AVX-512 CPU, to compare or test both). Without
+a compiler, on a CPU with neither, or with `MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns
+None; `status()` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from mhcrun.ops import native
+
 SOURCE = Path(__file__).with_name("qgemv.cpp")
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 _FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
 
@@ -49,40 +47,9 @@ def _chosen_isa() -> int:
     return min(want, _isa)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("MHCRUN_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
-
-
-def _compiler_id(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True)
-    return out.stdout
-
-
 def build(cache: Path | None = None) -> Path:
     """Compile qgemv.cpp (once per source, compiler and flags) and return the shared library's path."""
-    cxx = os.environ.get("CXX", "g++")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + cxx.encode() + " ".join(FLAGS).encode() + _compiler_id(cxx).encode())
-    cache = cache or _cache_dir()
-    path = cache / f"qgemv-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qgemv-", suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-        if res.returncode:
-            err = (res.stderr.strip().splitlines() or ["no output"])[0]
-            raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {err}")
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own temp file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return native.build(SOURCE, cache)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mhcrun.errors import InputError
-from mhcrun.model import Block, Linear, Transformer
+from mhcrun.model import Block, Linear, Probe, Transformer, skip_probe
 from mhcrun.nki import ops as hc_ops
 from mhcrun.nki.ops import hc_expand
 from mhcrun.ops import qgemv
@@ -31,7 +31,6 @@ STAGE_PLANS = {
     "whole": {"attn": [["mix", "core", "post"]], "moe": [["mix", "core", "post"]], "head": [["head"]]},
     "split": {"attn": [["mix"], ["core"], ["post"]], "moe": [["mix"], ["core"], ["post"]], "head": [["head"]]},
 }
-ATTN_KINDS = {0: "window", 4: "csa"}
 
 
 @dataclass
@@ -142,11 +141,6 @@ def is_compile_error(e: Exception) -> bool:
 def hc_spec(model: Transformer) -> HcSpec:
     c = model.cfg
     return HcSpec(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
-
-
-def attn_kind(model: Transformer, ratio: int) -> str:
-    hca = sorted({layer.attn.ratio for layer in model.layers} - {0, 4})
-    return "attn:" + ATTN_KINDS.get(ratio, "hca" if len(hca) == 1 else f"hca{ratio}")
 
 
 Formats = frozenset[tuple[str, str, int]]
@@ -270,9 +264,8 @@ class RegionDecoder:
         specs: dict[str, object] = {}
         layers_of: dict[str, list[int]] = {}
         row = {ratio: 0 for ratio in model.roots}
-        for i, block in enumerate(model.layers):
+        for i, (block, (akind, mkind)) in enumerate(zip(model.layers, model.region_kinds, strict=True)):
             ratio = block.attn.ratio
-            akind = attn_kind(model, ratio)
             aw, aq, af = attn_inputs(block)
             specs[akind] = AttnSpec(ratio, c.window_size, c.n_heads, c.head_dim, c.rope_head_dim, c.o_groups,
                                     c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
@@ -282,7 +275,6 @@ class RegionDecoder:
             ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
                     "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
             row[ratio] += 1
-            mkind = "moe:" + block.ffn.gate.hash * "hash" + (not block.ffn.gate.hash) * "routed"
             mw, mq, mf = moe_inputs(block)
             specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
                                    c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc, c.moe_inter_dim)
@@ -329,28 +321,36 @@ class RegionDecoder:
                 for ak, ai, mk, mi in self.layer_inputs]
 
     def run_layers(self, groups: dict[str, list[Callable]], x: torch.Tensor, layer_inputs: list,
-                   head_inp: dict) -> torch.Tensor:
-        for akind, ainp, mkind, minp in layer_inputs:
+                   head_inp: dict, probe: Probe | None = None) -> torch.Tensor:
+        """The layers' regions, then the head; `probe` sees each region's output (outside the graphs), under
+        the eager model's names."""
+        probe = probe or skip_probe
+        for i, (akind, ainp, mkind, minp) in enumerate(layer_inputs):
             carry = {"x": x}
             for g in groups[akind]:
                 carry = g(carry, ainp)
+            probe(f"layer {i} {akind}", carry["x"])
             for g in groups[mkind]:
                 carry = g(carry, minp)
             x = carry["x"]
+            probe(f"layer {i} {mkind}", x)
         for g in groups["head"]:
             x = g({"x": x}, head_inp)
+        probe("head", x["logits"])
         return x["logits"]
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]."""
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None = None) -> torch.Tensor:
+        """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]; `probe` as the eager model's."""
         model = self.model
         x = hc_expand(model.embed(tokens.view(-1, 1)).to(model.dtype), model.cfg.hc_mult)
+        if probe is not None:
+            probe("embed", x)
         layer_inputs = self.inputs(tokens, pos)
         if self.mode == "step":
             logits = self.step_fn(x, layer_inputs, self.head_inp)
         else:
-            logits = self.run_layers(self.groups, x, layer_inputs, self.head_inp)
+            logits = self.run_layers(self.groups, x, layer_inputs, self.head_inp, probe)
         self.count_torch_hc_calls(tokens.device.type)
         return logits
 
