@@ -388,11 +388,12 @@ TOLERANCES = {
 }
 
 
-def path_kind(dtype: str, golden_dtype: str, quant_sim: bool, kept_quantised: bool) -> str:
-    """Which TOLERANCES entry a path under test takes."""
+def path_kind(dtype: str, golden_dtype: str, quant_sim: bool, quantised_weights: bool) -> str:
+    """Which TOLERANCES entry a path under test takes: quantised_weights when the checkpoint stores FP8/FP4
+    weights (the golden or this run may have kept them quantised, summing in the kernel's order)."""
     if "bf16" in (dtype, golden_dtype):
         return "bf16"
-    return "fp32-kernel" if quant_sim and kept_quantised else "fp32"
+    return "fp32-kernel" if quant_sim and quantised_weights else "fp32"
 
 
 def _logprobs(pairs: Sequence[Sequence[Any]]) -> dict[int, float]:
