@@ -6,6 +6,7 @@ prints one line too unless `--debug` asks for the traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -373,6 +374,20 @@ def golden_check(
     run_guarded(debug, body)
 
 
+@contextlib.contextmanager
+def torch_hc_steps():
+    """MHCRUN_NKI_HC=0 while the block runs: the hyper-connection steps take the torch reference."""
+    before = os.environ.get("MHCRUN_NKI_HC")
+    os.environ["MHCRUN_NKI_HC"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MHCRUN_NKI_HC")
+        else:
+            os.environ["MHCRUN_NKI_HC"] = before
+
+
 def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: int | None, tol: float,
                     quiet: bool) -> None:
     """--locate: each failing prompt's first failing step again, on the eager fp32 reference (dequantised
@@ -394,7 +409,8 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
     for i, check in failing:
         entry = golden["prompts"][i]
         tokens = entry["tokens"][:check.step]
-        want = capture_step(ref.model, entry["prompt_ids"], tokens, max_seq, chunk)
+        with torch_hc_steps():  # the reference's hc steps in plain torch, also under MHCRUN_NKI_SIM=1
+            want = capture_step(ref.model, entry["prompt_ids"], tokens, max_seq, chunk)
         got = capture_step(runner.model, entry["prompt_ids"], tokens, max_seq, chunk, mode, stages=plan)
         first, before = first_difference(region_diffs(want, got), tol)
         if first is None:

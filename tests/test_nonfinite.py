@@ -116,6 +116,7 @@ PLANTED = [
     ("tiny", "layers.1.attn.wq_a.weight", (3, 5), float("nan"), "NaN/Inf (nan)", "layer 1 attn:csa"),
     ("tiny", "layers.2.attn.wkv.weight", (0, 1), float("inf"), "NaN/Inf (inf)", "layer 2 attn:hca"),
     ("tiny", "layers.0.ffn_norm.weight", (7,), float("nan"), "NaN/Inf (nan)", "layer 0 moe:hash"),
+    ("tiny", "layers.2.attn.kv_norm.weight", (3,), float("inf"), "NaN/Inf (inf)", None),
     ("tiny", "layers.3.hc_ffn_fn", (2, 9), float("nan"), "NaN/Inf (nan)", "layer 3 moe:routed"),
     ("tiny", "layers.3.hc_attn_base", (5,), float("inf"), "NaN/Inf (inf)", None),  # saturates a sigmoid: finite
     ("fp8", "layers.1.attn.wq_b.weight", (4, 4), 0x7F, "an e4m3 NaN code (0x7f)", "layer 1 attn:csa"),
