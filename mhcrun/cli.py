@@ -123,6 +123,26 @@ def memory_limit_option(value: str | None) -> int | None:
     return None if value is None else parse_size(value)
 
 
+ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.")
+EffortOpt = typer.Option("high", "--reasoning-effort", help="Thinking mode's reasoning-effort preamble: high or max.")
+
+
+def chat_ids(runner, text: str) -> list[int]:
+    """A chat prompt's token ids from the model's tokenizer (BOS is in the text). A tokenizer without V4's chat
+    tokens (the bundled tiny one) encodes their spellings as plain text: said once on stderr."""
+    from mhcrun.chat import SPECIAL_TOKENS
+
+    tok = runner.require_tokenizer()
+    if not tok.has_tokens(SPECIAL_TOKENS) and runner.path not in WARNED:
+        WARNED.add(runner.path)
+        err.print(f"warning: {runner.path}'s tokenizer has no DeepSeek V4 chat tokens: the chat markers are encoded "
+                  f"as plain text (a released V4 checkpoint's tokenizer.json has them)", markup=False, soft_wrap=True)
+    return tok.encode(text, add_bos=False)
+
+
+WARNED: set = set()  # checkpoints whose tokenizer lacks the chat tokens, said once
+
+
 def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):
     """-> (names, texts or None, token id lists) from exactly one prompt source."""
     from mhcrun.prompts import parse_prompt_ids, read_prompts_file
@@ -150,6 +170,10 @@ def generate(
     prompt_ids: str = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used as given."),
     prompts_file: Path = typer.Option(None, "--prompts-file", help="JSON Lines: {\"prompt\": ...} or "
                                       "{\"prompt_ids\": [...]} per line; run as one batch."),
+    messages: Path = typer.Option(None, "--messages", help="A conversation (OpenAI-style JSON) in DeepSeek V4's chat "
+                                  "format: generates the assistant's reply (--json adds it parsed as `message`)."),
+    chat_mode: str = ModeOpt,
+    reasoning_effort: str = EffortOpt,
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -190,7 +214,15 @@ def generate(
         limit = memory_limit_option(memory_limit)
         chunk = prefill_chunk_option(prefill_chunk)
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
-        names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
+        if messages is not None:
+            from mhcrun.chat import encode_chat, read_messages
+
+            if any(x is not None for x in (prompt, prompt_ids, prompts_file)):
+                raise InputError("give --messages alone, not together with --prompt, --prompt-ids or --prompts-file")
+            text = encode_chat(read_messages(messages), chat_mode, reasoning_effort)
+            names, texts, ids = ["messages"], [""], [chat_ids(runner, text)]
+        else:
+            names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
         cfg = runner.config
         check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
         longest = max(len(i) for i in ids)
@@ -204,7 +236,7 @@ def generate(
         load_weights(runner, quiet=as_json)
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
-        stream = tok.stream() if tok and len(ids) == 1 and not as_json else None
+        stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 
@@ -226,10 +258,15 @@ def generate(
             for res in results:
                 res.stats["cpu_gemv_kernel"] = kernel
         for name, text, res in zip(names, texts, results, strict=True):
-            res.text = tok.decode(res.tokens) if tok else ""
+            res.text = tok.decode(res.tokens, keep_special=messages is not None) if tok else ""
             if as_json:
-                print(json.dumps({"id": name, "tokens": res.tokens, "prompt_tokens": len(res.prompt_ids),
-                                  "prompt_ids": res.prompt_ids, "text": res.text, "stats": res.stats}))
+                row = {"id": name, "tokens": res.tokens, "prompt_tokens": len(res.prompt_ids),
+                       "prompt_ids": res.prompt_ids, "text": res.text, "stats": res.stats}
+                if messages is not None:
+                    from mhcrun.chat import parse_reply
+
+                    row["message"] = parse_reply(res.text, chat_mode)
+                print(json.dumps(row, ensure_ascii=False))
                 continue
             if stream is None:
                 out.print(f"[bold]{name}[/]: ", end="")
@@ -418,6 +455,64 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
         else:
             check.first_region = (f"{first.region}: max |diff| {first.max_abs:.1e} (relative {first.rel:.1e}; the "
                                   f"regions before it within {before:.0e}) at step {check.step}")
+
+
+@app.command("chat-prompt")
+def chat_prompt(
+    messages: Path = typer.Argument(..., metavar="MESSAGES", help="OpenAI-style JSON: a list of messages, or "
+                                    "{\"messages\": [...], \"tools\": [...]}."),
+    mode: str = ModeOpt,
+    reasoning_effort: str = EffortOpt,
+    ids: bool = typer.Option(False, "--ids", help="Print the token ids (from the model's tokenizer) instead."),
+    model: str = ModelOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Print the exact prompt a conversation becomes in DeepSeek V4's chat format (nothing else on stdout)."""
+
+    def body() -> None:
+        from mhcrun.chat import encode_chat, read_messages
+
+        text = encode_chat(read_messages(messages), mode, reasoning_effort)
+        if not ids:
+            sys.stdout.write(text)
+            return
+        from mhcrun.runner import open_runner
+
+        print(",".join(map(str, chat_ids(open_runner(model), text))))
+
+    run_guarded(debug, body)
+
+
+@app.command()
+def chat(
+    model: str = ModelOpt,
+    mode: str = ModeOpt,
+    reasoning_effort: str = EffortOpt,
+    system: str = typer.Option(None, "--system", help="A system message to start the conversation with."),
+    hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning, only the answer."),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Longest reply."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    dtype: str = typer.Option("fp32", "--dtype"),
+    device: str = typer.Option("cpu", "--device"),
+    layers: int = LayersOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns;
+    /reset, /mode chat|thinking, /exit; Ctrl-C stops a reply."""
+
+    def body() -> None:
+        from mhcrun.chatloop import run_chat
+        from mhcrun.runner import open_runner
+
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        runner = open_runner(model, dtype, True, device, layers)
+        runner.require_tokenizer()
+        load_weights(runner)
+        run_chat(runner, out, err, mode, reasoning_effort, system, hide_thinking, max_new_tokens, temperature,
+                 lambda text: chat_ids(runner, text))
+
+    run_guarded(debug, body)
 
 
 @app.command()

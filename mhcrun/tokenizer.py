@@ -102,9 +102,14 @@ class Tokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else list(ids)
 
-    def decode(self, ids: list[int]) -> str:
-        """Decode, leaving out special tokens (BOS, EOS, padding)."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], keep_special: bool = False) -> str:
+        """Decode, leaving out special tokens (BOS, EOS, padding) unless `keep_special` (a chat reply's
+        `</think>` and DSML markers are special tokens)."""
+        return self._tok.decode(list(ids), skip_special_tokens=not keep_special)
+
+    def has_tokens(self, spellings: tuple[str, ...]) -> bool:
+        """Whether every one of `spellings` is a single token of this vocabulary (a chat format's markers)."""
+        return all(self._tok.token_to_id(s) is not None for s in spellings)
 
     def token_text(self, token_id: int) -> str:
         """One token as text for display: its decoded form, or its name when it is a special token."""
@@ -114,8 +119,8 @@ class Tokenizer:
             return name if name is not None else ""
         return text
 
-    def stream(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream(self, keep_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, keep_special)
 
 
 class StreamDecoder:
@@ -126,14 +131,15 @@ class StreamDecoder:
     `push` results plus `flush()` equals `decode(all ids)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
         self._tokenizer = tokenizer
+        self._keep = keep_special
         self._pending: list[int] = []  # ids since the last point where the text was complete
         self._emitted = 0  # characters of decode(_pending) already returned
 
     def push(self, token_id: int) -> str:
         self._pending.append(int(token_id))
-        text = self._tokenizer.decode(self._pending)
+        text = self._tokenizer.decode(self._pending, self._keep)
         if text.endswith(_REPLACEMENT):
             # only the final U+FFFD can still change; anything before it is settled
             ready = text[:-1]
@@ -147,7 +153,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Return whatever is still held back (an incomplete character decodes as U+FFFD)."""
-        text = self._tokenizer.decode(self._pending)
+        text = self._tokenizer.decode(self._pending, self._keep)
         out = text[self._emitted:]
         self._pending = []
         self._emitted = 0

@@ -1,0 +1,125 @@
+"""`mhcrun chat`: an interactive conversation with a checkpoint in DeepSeek V4's chat format.
+
+Each turn encodes the whole history (`mhcrun.chat`; earlier turns' reasoning dropped as the format says) and
+generates the reply, streamed: in thinking mode the reasoning is shown dimmed (or hidden) until `</think>`, then
+the answer. Ctrl-C stops a reply and keeps what was generated; /reset, /mode chat|thinking and /exit (or Ctrl-D)
+are the commands.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+
+from mhcrun.chat import EFFORTS, END_THINK, EOS, MODES, THINK, Chat, Message, encode_chat, history_message, parse_reply
+from mhcrun.generate import SamplingOptions, generate
+
+HELP = "commands: /reset (forget the conversation), /mode chat|thinking, /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+class ReplyView:
+    """Streams a reply's text: reasoning dimmed (or hidden) until </think>, then the answer; EOS not shown."""
+
+    def __init__(self, out: Console, thinking: bool, hide_thinking: bool, stream):
+        self.out, self.hide, self.stream = out, hide_thinking, stream
+        self.reasoning = thinking  # a thinking-mode prompt ends with <think>: the reply starts in its reasoning
+        self.tokens: list[int] = []
+        self.t0, self.first, self.last = time.perf_counter(), 0.0, 0.0
+        if thinking and not hide_thinking:
+            out.print("thinking: ", style="dim italic", end="")
+
+    def push(self, row: int, token: int) -> None:
+        """generate's on_token: one more token of the reply."""
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        self.tokens.append(token)
+        self.show(self.stream.push(token))
+
+    def finish(self) -> None:
+        self.show(self.stream.flush())
+        self.out.print()
+
+    def prefill_rate(self, prompt_tokens: int) -> float:
+        return prompt_tokens / (self.first - self.t0) if self.first > self.t0 else 0.0
+
+    def decode_rate(self) -> float:
+        return (len(self.tokens) - 1) / (self.last - self.first) if self.last > self.first else 0.0
+
+    def show(self, text: str) -> None:
+        text = text.replace(EOS, "")
+        if self.reasoning and END_THINK in text:
+            before, text = text.split(END_THINK, 1)
+            self.emit(before.removeprefix(THINK))
+            self.reasoning = False
+            if not self.hide:
+                self.out.print()
+        self.emit(text)
+
+    def emit(self, text: str) -> None:
+        if not text:
+            return
+        if self.reasoning:
+            if not self.hide:
+                self.out.print(text, style="dim", end="", markup=False, highlight=False)
+        else:
+            self.out.print(text, end="", markup=False, highlight=False)
+
+
+def run_chat(runner, out: Console, err: Console, mode: str, effort: str, system: str | None, hide_thinking: bool,
+             max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]]) -> None:
+    tok = runner.require_tokenizer()
+    encode_chat(Chat([Message("user", "")]), mode, effort)  # a bad --mode or --reasoning-effort fails now
+    start = [Message("system", system)] if system else []
+    history = list(start)
+    context = runner.config.max_position_embeddings
+    out.print(f"[bold]mhcrun chat[/] on {runner.path.name} ({mode} mode). {HELP}", highlight=False)
+    while True:
+        try:
+            line = out.input("[bold green]you>[/] ")
+        except EOFError:
+            out.print()
+            return
+        except KeyboardInterrupt:
+            out.print()
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd == "/exit":
+                return
+            if cmd == "/reset":
+                history = list(start)
+                out.print("[dim](conversation reset)[/]")
+            elif cmd == "/mode" and arg.strip() in MODES:
+                mode = arg.strip()
+                out.print(f"[dim](mode {mode})[/]")
+            elif cmd == "/effort" and arg.strip() in EFFORTS:
+                effort = arg.strip()
+                out.print(f"[dim](reasoning effort {effort})[/]")
+            else:
+                out.print(f"[dim]unknown command {line!r}; {HELP}[/]", highlight=False)
+            continue
+        history.append(Message("user", line))
+        ids = to_ids(encode_chat(Chat(history), mode, effort))
+        budget = min(max_new_tokens, context - len(ids))
+        if budget < 1:
+            history.pop()
+            err.print(f"error: the conversation ({len(ids)} tokens) no longer fits the context of {context}: /reset",
+                      markup=False)
+            continue
+        view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
+        stopped = False
+        try:
+            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature), on_token=view.push)
+        except KeyboardInterrupt:
+            stopped = True
+        view.finish()
+        reply = parse_reply(tok.decode(view.tokens, keep_special=True), mode)
+        history.append(history_message(reply))
+        out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens, prefill "
+                  f"{view.prefill_rate(len(ids)):.1f} tok/s | {len(view.tokens)} tokens, decode "
+                  f"{view.decode_rate():.1f} tok/s[/]", highlight=False)
