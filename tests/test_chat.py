@@ -273,3 +273,28 @@ def test_chat_on_the_tiny_model_says_its_tokenizer_lacks_the_chat_tokens():
     c = CLI.invoke(app, ["chat", "-n", "2", "--mode", "chat"], input="Hi\n")
     assert c.exit_code == 0, c.stdout + c.stderr
     assert "has no DeepSeek V4 chat tokens" in c.stderr and c.stdout.count("prompt tokens, prefill") == 1
+
+
+def test_ctrl_c_stops_a_reply_and_the_session_goes_on(monkeypatch, v4_checkpoint):
+    """A KeyboardInterrupt during a reply keeps what was generated (in the history too) and returns to the prompt."""
+    from mhcrun import chatloop
+
+    real = chatloop.generate
+    calls = []
+
+    def interrupted(model, prompts, n, eos, sampling, on_token):
+        calls.append(prompts[0])
+        if len(calls) == 1:
+            for token in (19923, 3):  # "Hello" "!" in V4's vocabulary
+                on_token(0, token)
+            raise KeyboardInterrupt
+        return real(model, prompts, n, eos, sampling, on_token=on_token)
+
+    monkeypatch.setattr(chatloop, "generate", interrupted)
+    c = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "-n", "3", "--mode", "chat"], input="Hi\nMore\n/exit\n")
+    assert c.exit_code == 0, c.stdout + c.stderr
+    assert "Hello!" in c.stdout and "(stopped) " in c.stdout and c.stdout.count("prompt tokens, prefill") == 2
+    from mhcrun.tokenizer import Tokenizer
+
+    second = Tokenizer.from_file(v4_checkpoint).decode(calls[1], keep_special=True)
+    assert second.endswith(f"{U}Hi{A}</think>Hello!{EOS}{U}More{A}</think>")  # the stopped reply is history
