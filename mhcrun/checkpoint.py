@@ -25,6 +25,7 @@ from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
 from mhcrun.ops.quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8
+from mhcrun.parallel import SINGLE, Shard, check_divides
 from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -205,10 +206,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str], map_file: Path,
-          shards: dict[str, _Shard]) -> tuple[list[_Plan], dict[str, int]]:
-    """Check every required tensor (and scale) against the headers; no data is read here."""
+          shards: dict[str, _Shard], tp: Shard = SINGLE) -> tuple[list[_Plan], dict[str, int]]:
+    """Check every required tensor (and scale) against the headers; no data is read here. Under --tp (`tp`) the
+    bytes are this rank's share: 1/N of a split tensor, only its own routed experts."""
     plans: list[_Plan] = []
     bytes_by_dtype: dict[str, int] = {}
+    share = 1
 
     def locate(name: str, what: str = "tensor") -> _Shard:
         if name not in weight_map:
@@ -216,14 +219,21 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
         return shards[weight_map[name]]
 
     def count(entry: _HeaderEntry) -> None:
-        bytes_by_dtype[entry.dtype] = bytes_by_dtype.get(entry.dtype, 0) + entry.nbytes
+        bytes_by_dtype[entry.dtype] = bytes_by_dtype.get(entry.dtype, 0) + entry.nbytes // share
 
     for spec in specs:  # an odd FP4 inner size is a config problem: report it before any tensor
         if stored_format(cfg, spec) == "fp4" and spec.shape[1] % 2:
             where = f" in {shards[weight_map[spec.name]].path}" if spec.name in weight_map else ""
             raise _fail(f"{spec.name}{where}: FP4 inner size {spec.shape[1]} is odd")
+    owned = tp.experts(cfg.n_routed_experts)
     for spec in specs:
+        if spec.expert is not None and spec.expert not in owned:
+            continue
         fmt = stored_format(cfg, spec)
+        share = tp.world if spec.split is not None else 1
+        if fmt == "fp8" and share > 1 and (spec.shape[spec.split] // share) % cfg.weight_block_size:
+            raise _fail(f"{spec.name}: --tp {share} would cut its FP8 scale blocks of {cfg.weight_block_size} "
+                        f"(dimension {spec.split} of {spec.shape[spec.split]} into {share} parts)")
         shard = locate(spec.name)
         scale_shard = None
         if fmt == "float":
@@ -324,11 +334,12 @@ class CheckpointPlan:
     config: ModelConfig
     plans: list[_Plan]
     shards: dict[str, _Shard]
-    bytes_by_dtype: dict[str, int]  # of the tensors generation loads (scales included)
+    bytes_by_dtype: dict[str, int]  # of the tensors generation loads (scales included); under --tp this rank's share
     unused: list[str]
+    tp: Shard = SINGLE
 
 
-def plan_checkpoint(path: str | Path, n_layers: int | None = None) -> CheckpointPlan:
+def plan_checkpoint(path: str | Path, n_layers: int | None = None, tp: Shard = SINGLE) -> CheckpointPlan:
     """Validate a checkpoint directory from its config, index and shard headers alone."""
     root = Path(path)
     if not root.exists():
@@ -348,18 +359,21 @@ def plan_checkpoint(path: str | Path, n_layers: int | None = None) -> Checkpoint
             raise _fail(f"{shard_path}: shard listed in {map_file.name} is missing")
         shards[shard_file] = _read_shard_header(shard_path)
 
-    plans, bytes_by_dtype = _plan(cfg, tensor_specs(cfg, n_layers), weight_map, map_file, shards)
+    if tp.world > 1:
+        check_divides(cfg, tp.world)
+    plans, bytes_by_dtype = _plan(cfg, tensor_specs(cfg, n_layers), weight_map, map_file, shards, tp)
     known: set[str] = set()
     for spec in tensor_specs(cfg):
         known.add(spec.name)
         if stored_format(cfg, spec) in ("fp8", "fp4"):
             known.add(scale_name(spec.name))
     unused = sorted(n for n in weight_map if n not in known and not n.startswith("mtp."))
-    return CheckpointPlan(root, cfg, plans, shards, bytes_by_dtype, unused)
+    return CheckpointPlan(root, cfg, plans, shards, bytes_by_dtype, unused, tp)
 
 
 def load_checkpoint(path: str | Path, n_layers: int | None = None,
-                    progress: Callable[[int, int], None] | None = None, dequantize: bool = False) -> LoadedCheckpoint:
+                    progress: Callable[[int, int], None] | None = None, dequantize: bool = False,
+                    tp: Shard = SINGLE) -> LoadedCheckpoint:
     """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
 
     All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
@@ -369,7 +383,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     is dequantised to fp32 (the reference the quantised path is checked against).
     `progress(done_bytes, total_bytes)` is called after each tensor.
     """
-    plan = plan_checkpoint(path, n_layers)
+    plan = plan_checkpoint(path, n_layers, tp)
     cfg = plan.config
     by_shard: dict[Path, list[_Plan]] = {}
     for p in plan.plans:
@@ -389,13 +403,13 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     for shard_path in sorted(by_shard):  # shard by shard, in file order
         for p in by_shard[shard_path]:
             name = p.spec.name
-            t = view(shard_of[shard_path], name)
+            t = take_share(view(shard_of[shard_path], name), p.spec.split, tp)
             done += p.shard.entries[name].nbytes
             if p.fmt == "index":
                 t = _check_index(t, p, cfg)
             elif p.fmt in ("fp8", "fp4"):
                 assert p.scale_shard is not None
-                scale = view(p.scale_shard, scale_name(name))
+                scale = take_share(view(p.scale_shard, scale_name(name)), p.spec.split, tp)
                 done += p.scale_shard.entries[scale_name(name)].nbytes
                 if dequantize:
                     t = _dequantize(p, t, scale, cfg)
@@ -431,6 +445,16 @@ def stored_tensors(plan: CheckpointPlan) -> Iterator[tuple[str, str, str, torch.
             if mapped is None:
                 mapped = _map_shard(shard)
             yield name, role, fmt, _view(mapped, shard, name)
+
+
+def take_share(t: torch.Tensor, split: int | None, tp: Shard) -> torch.Tensor:
+    """This rank's part of a stored tensor along `split` (a view: only its pages are ever read; a column share is
+    made contiguous, a copy of the share alone). A scale splits with its weight: its blocks are the same share."""
+    if split is None or tp.world == 1:
+        return t
+    part = tp.part(t.shape[split])
+    t = t.narrow(split, part.start, part.stop - part.start)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def inspect_checkpoint(path: str | Path, n_layers: int | None = None) -> dict[str, Any]:

@@ -44,6 +44,44 @@ PrefillChunkOpt = typer.Option(None, "--prefill-chunk", help="Prefill prompts th
                                "chosen so that a chunk's activations stay within a fixed budget; `info` says which).")
 
 
+TpOpt = typer.Option(1, "--tp", help="Run across N ranks of torch.distributed (gloo on cpu, nccl on cuda), sharded "
+                     "as DeepSeek's reference shards V4; mhcrun starts the ranks itself (or run under torchrun).")
+
+
+def start_tp(tp: int, model: str | None, device: str):
+    """--tp: in the user's process, check that N divides what it splits, start the N ranks and return
+    (None, their exit code); in a rank (started so, or by torchrun) join the group and return (its shard, None).
+    Only rank 0 prints."""
+    from mhcrun.parallel import SINGLE, check_divides, env_shard, init_workers, launch
+
+    shard = env_shard()
+    if shard is None:
+        if tp < 1:
+            raise InputError(f"--tp must be >= 1, got {tp}")
+        if tp == 1:
+            return SINGLE, None
+        from mhcrun.config import load_config
+        from mhcrun.runner import DEVICES, check_choice, resolve_model_path
+
+        check_choice("--device", device, DEVICES)
+        check_divides(load_config(resolve_model_path(model)), tp)
+        if device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise InputError(f"--tp {tp}: this machine has {torch.cuda.device_count()} CUDA devices")
+        if device == "neuron":
+            raise InputError("--tp on --device neuron needs the Neuron SDK's torch.distributed backend, which is "
+                             "not wired yet")
+        return None, launch(tp, sys.argv[1:])
+    if tp not in (1, shard.world):
+        raise InputError(f"--tp {tp} but this process is one of WORLD_SIZE={shard.world} ranks")
+    init_workers(shard, device)
+    if shard.rank:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    return shard, None
+
+
 def prefill_chunk_option(value: int | None) -> int | None:
     if value is not None and value < 1:
         raise InputError(f"--prefill-chunk must be >= 1, got {value}")
@@ -191,12 +229,13 @@ def generate(
     prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
     check_weights: bool = CheckWeightsOpt,
+    tp: int = TpOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Generate text: eager prefill in chunks, then decode; reports tokens/s, compile time and peak memory."""
 
-    def body() -> None:
+    def body() -> int | None:
         from mhcrun.generate import SamplingOptions, check_prompts
         from mhcrun.generate import generate as run_generate
         from mhcrun.memory import check_fits
@@ -213,7 +252,12 @@ def generate(
         mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         limit = memory_limit_option(memory_limit)
         chunk = prefill_chunk_option(prefill_chunk)
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
+        if tp > 1 and mode == "regions":
+            raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
+        shard, code = start_tp(tp, model, device)
+        if code is not None:
+            return code
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
         if messages is not None:
             from mhcrun.chat import encode_chat, read_messages
 
@@ -292,12 +336,13 @@ def golden_record(
     top_k: int = typer.Option(5, "--top-k", help="Log-probs kept per step."),
     tolerance: float = typer.Option(0.01, "--tolerance", help="Near-tie tolerance on the logit margin."),
     prefill_chunk: int = PrefillChunkOpt,
+    tp: int = TpOpt,
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
     debug: bool = DebugOpt,
 ) -> None:
     """Record greedy tokens (eager path) and per-step top-k log-probs into a golden file."""
 
-    def body() -> None:
+    def body() -> int | None:
         from mhcrun.fileio import check_writable
         from mhcrun.generate import generate as run_generate
         from mhcrun.golden import golden_from_results, write_golden
@@ -309,7 +354,10 @@ def golden_record(
             raise InputError(f"--top-k must be >= 2, got {top_k}")
         chunk = prefill_chunk_option(prefill_chunk)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
-        runner = open_runner(model, dtype, quant_sim)
+        shard, code = start_tp(tp, model, "cpu")
+        if code is not None:
+            return code
+        runner = open_runner(model, dtype, quant_sim, tp=shard)
         from mhcrun.prompts import read_prompts_file
 
         items = read_prompts_file(prompts_file, runner.config.vocab_size)
@@ -325,6 +373,8 @@ def golden_record(
         settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
                     "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
         golden = golden_from_results(runner.identity, settings, items, results, tolerance)
+        if shard.rank:
+            return None  # rank 0 writes the file
         write_golden(out_path, golden, force)
         margins = sorted(m for r in results for m in r.margins)
         out.print(f"wrote {out_path}: {len(items)} prompts x {max_new_tokens} tokens "
@@ -350,6 +400,7 @@ def golden_check(
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
     prefill_chunk: int = PrefillChunkOpt,
+    tp: int = TpOpt,
     force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -375,7 +426,14 @@ def golden_check(
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
-        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize)
+        if locate and tp > 1:
+            raise InputError("--locate under --tp is not built yet: locate on one rank")
+        if tp > 1 and mode == "regions":
+            raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
+        shard, code = start_tp(tp, model, device)
+        if code is not None:
+            return code
+        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard)
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
         entries = golden["prompts"]
@@ -529,6 +587,7 @@ def info(
     prefill_chunk: int = PrefillChunkOpt,
     memory_limit: str = MemoryLimitOpt,
     check_weights: bool = CheckWeightsOpt,
+    tp: int = typer.Option(1, "--tp", help="Plan the memory of one rank of N (each maps its share)."),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -542,7 +601,11 @@ def info(
         from mhcrun.runner import open_runner
 
         chunk = prefill_chunk_option(prefill_chunk)
-        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize)
+        from mhcrun.parallel import Shard
+
+        if tp < 1:
+            raise InputError(f"--tp must be >= 1, got {tp}")
+        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp))
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
         if batch < 1 or not 1 <= tokens <= longest:
@@ -569,7 +632,9 @@ def info(
             kinds.add_row(str(k["layer"]), k["attention"], str(k["ratio"]), k["moe"])
         out.print(kinds)
         out.print(f"parameters: {desc['params']:,}")
-        plan = Table("memory plan", "bytes", "", title=f"{mp.layers} layers, batch {mp.batch}, context {mp.context}, "
+        per_rank = f"one rank of --tp {tp}, " if tp > 1 else ""
+        plan = Table("memory plan", "bytes", "", title=f"{per_rank}{mp.layers} layers, batch {mp.batch}, context "
+                     f"{mp.context}, "
                      f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}, KV cache "
                      f"{'FP8 (kv) / FP4 (indexer keys)' if mp.quant_sim else mp.dtype}")
         for name, n in mp.disk_by_dtype.items():

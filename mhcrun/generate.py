@@ -18,6 +18,7 @@ from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Probe, Transformer
 from mhcrun.nki import ops as hc_ops
+from mhcrun.parallel import gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 
 
@@ -236,7 +237,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     if max_new_tokens == 0:
         for res in results:
-            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb()}
+            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb(),
+                         "tp": model.opts.tp.world}
         return results
     if forced is not None and (len(forced) != len(prompts) or any(len(f) > max_new_tokens for f in forced)):
         raise InputError(f"teacher forcing needs one token list per prompt of at most {max_new_tokens} tokens")
@@ -297,6 +299,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if bad and on_nonfinite == "raise":
             break
 
+    if graph_mode == "regions" and model.opts.tp.world > 1:
+        raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
     decode_tokens = 0
@@ -334,6 +338,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     decode_s = sum(step_s) - compile_s
 
     rss = peak_rss_mb()
+    per_rank = gather_values([rss], model.opts.tp)  # a collective: every rank gets here in step
     for row, res in enumerate(results):
         res.stats = {
             "prefill_tok_s": len(prompts[row]) / prefill_s[row] if row < len(prefill_s) and prefill_s[row] > 0
@@ -342,5 +347,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             "compile_s": compile_s,
             "peak_rss_mb": rss,
             "kernels": hc_ops.kernel_stats(),  # calls per kernel and backend (torch, nki-sim, nki), whole batch
+            "tp": model.opts.tp.world,
+            "peak_rss_mb_per_rank": per_rank,
         }
     return results

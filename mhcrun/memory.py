@@ -74,10 +74,11 @@ def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> 
 
     Kept quantised: every shard byte that loads stays mapped (it is touched when used), plus the copies of
     the float tensors cast to their run-time dtype. Dequantised: every tensor as its fp32 (or run dtype) copy.
+    Under --tp, one rank's: its share of the split tensors and its own experts (`plan.tp`).
     """
     total = 0 if dequantize else sum(plan.bytes_by_dtype.values())
     for p in plan.plans:
-        name, n = p.spec.name, numel(p.spec.shape)
+        name, n = p.spec.name, numel(p.spec.shape) // (plan.tp.world if p.spec.split is not None else 1)
         if p.fmt == "index":
             total += 8 * n
         elif p.fmt in ("fp8", "fp4"):

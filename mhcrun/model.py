@@ -29,6 +29,7 @@ from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import qlinear, qlinear_grouped
 from mhcrun.ops.quant import FP4_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
+from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
 # half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions call it with the same
@@ -42,6 +43,7 @@ class RunOptions:
     """Settings every module reads at run time (one shared instance per model)."""
 
     quant_sim: bool = True
+    tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
 
 
 def empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
@@ -133,13 +135,14 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
+        self.n_heads = cfg.index_n_heads // opts.tp.world  # this rank's index heads
+        self.head_dim, self.rope_dim = cfg.index_head_dim, cfg.rope_head_dim
         self.topk = cfg.index_topk
         self.opts = opts
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, opts)
         self.weights_proj = Linear(cfg.dim, self.n_heads, opts)
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.weight_scale = self.head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
     def bind(self, roots: dict[str, torch.Tensor], j: int, fmt: CacheFormat, freqs: torch.Tensor) -> None:
         self.cache = {p: t[j] for p, t in kvcache.parts_of(roots, "idx_kv", fmt).items()}  # [B, max_seq // 4, ...]
@@ -165,7 +168,7 @@ class Indexer(nn.Module):
         def score_slice(j0: int, j1: int) -> torch.Tensor:
             keys = kvcache.read(self.cache, self.fmt, (rows.view(-1, 1), torch.arange(j0, j1, device=x.device)),
                                 q.dtype)
-            return index_scores(q, keys, w)
+            return all_reduce(index_scores(q, keys, w), self.opts.tp)  # every rank's heads, before the top-k
 
         if n == 0:
             empty_idx = torch.zeros(b, s, 0, dtype=torch.long, device=x.device)
@@ -178,13 +181,14 @@ class Attention(nn.Module):
 
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        world = opts.tp.world  # this rank's heads and o_groups
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads // world, cfg.head_dim, cfg.rope_head_dim
         self.window, self.ratio = cfg.window_size, cfg.compress_ratios[layer_id]
-        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.n_groups, self.o_lora_rank = cfg.o_groups // world, cfg.o_lora_rank
         self.eps = cfg.norm_eps
         self.opts = opts
         self.scale = self.head_dim ** -0.5
-        hd, H = cfg.head_dim, cfg.n_heads
+        hd, H = cfg.head_dim, self.n_heads
         self.attn_sink = empty(H)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, opts)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
@@ -227,7 +231,7 @@ class Attention(nn.Module):
         o = o.reshape(b, s, self.n_groups, -1)
         wo_a = self.wo_a  # never act-quantised
         o = grouped_output(o, wo_a.weight, wo_a.scale, wo_a.fmt, wo_a.block, self.n_groups)
-        return self.wo_b(o.flatten(2))
+        return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """x [b, s, d] at positions start [b] + [0, s) -> [b, s, d]. Each query attends to its window (the ring
@@ -321,9 +325,12 @@ class MoE(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
         self.dim, self.n_experts = cfg.dim, cfg.n_routed_experts
+        self.opts = opts
         self.gate = Gate(layer_id, cfg)
+        self.owned = opts.tp.experts(cfg.n_routed_experts)  # this rank's block of experts; the others hold nothing
         self.experts = nn.ModuleList(
-            Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts) for _ in range(cfg.n_routed_experts))
+            Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts) if e in self.owned else nn.Identity()
+            for e in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -332,10 +339,11 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, token_ids.reshape(-1))
         y = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
-        for e, count in enumerate(counts):  # only the experts some token routes to
-            if count:
+        for e in self.owned:  # only the experts some token routes to
+            if counts[e]:
                 tok, slot = torch.where(idx == e)
                 y[tok] += self.experts[e](x[tok], weights[tok, slot, None])
+        y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
         y += self.shared_experts(x)
         return y.type_as(x).view(shape)
 
@@ -410,16 +418,17 @@ def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int
 class Transformer(nn.Module):
     """embed -> mHC expand -> blocks -> mHC head -> logits of the last position (fp32)."""
 
-    def __init__(self, cfg: ModelConfig, n_layers: int | None = None):
+    def __init__(self, cfg: ModelConfig, n_layers: int | None = None, tp: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.opts = RunOptions()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device="meta")
+        self.opts = RunOptions(tp=tp)
+        self.vocab = tp.part(cfg.vocab_size)  # this rank's vocabulary rows of the embedding and the head
+        self.embed = nn.Embedding(self.vocab.stop - self.vocab.start, cfg.dim, device="meta")
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = Linear(cfg.dim, cfg.vocab_size, self.opts, act_quant=False)
+        self.head = Linear(cfg.dim, self.vocab.stop - self.vocab.start, self.opts, act_quant=False)
         self.hc_head_fn = empty(cfg.hc_mult, cfg.hc_mult * cfg.dim)
         self.hc_head_base = empty(cfg.hc_mult)
         self.hc_head_scale = empty(1)
@@ -485,7 +494,7 @@ class Transformer(nn.Module):
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
         probe = probe or skip_probe
         start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
-        x = hc_ops.hc_expand(self.embed(tokens).to(self.dtype), c.hc_mult)
+        x = hc_ops.hc_expand(self.embedding(tokens), c.hc_mult)
         probe("embed", x)
         for i, (layer, (akind, mkind)) in enumerate(zip(self.layers, self.region_kinds, strict=True)):
             x = layer.attn_half(x, rows, start)
@@ -494,9 +503,24 @@ class Transformer(nn.Module):
             probe(f"layer {i} {mkind}", x)
         h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
                            c.hc_eps, c.norm_eps)
-        logits = qlinear(self.norm(h)[:, -1].float(), self.head.weight, None, "float", 0)
+        logits = self.logits(self.norm(h)[:, -1].float())
         probe("head", logits)
         return logits
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> [b, s, d] in the activation dtype; under --tp each rank looks up its vocabulary rows
+        (zeros elsewhere) and the ranks' rows are summed."""
+        if self.opts.tp.world == 1:
+            return self.embed(tokens).to(self.dtype)
+        local = tokens - self.vocab.start
+        mine = (local >= 0) & (local < self.embed.num_embeddings)
+        e = self.embed(local.clamp(0, self.embed.num_embeddings - 1)) * mine.unsqueeze(-1)
+        return all_reduce(e.float(), self.opts.tp).to(self.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [b, d] (fp32) -> logits [b, vocab] (fp32); under --tp every rank's vocabulary rows, gathered."""
+        local = qlinear(h, self.head.weight, None, "float", 0)
+        return gather_vocab(local, self.opts.tp, self.cfg.vocab_size)
 
 
 def skip_probe(name: str, t: torch.Tensor) -> None:
@@ -518,7 +542,8 @@ STORED_DTYPE = ("embed.weight", "head.weight")
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],
                 dtype: torch.dtype = torch.float32, n_layers: int | None = None,
-                device: torch.device | str = "cpu", scales: dict[str, torch.Tensor] | None = None) -> Transformer:
+                device: torch.device | str = "cpu", scales: dict[str, torch.Tensor] | None = None,
+                tp: Shard = SINGLE) -> Transformer:
     """Make a Transformer and place the checkpoint's tensors in it.
 
     A weight named in `scales` stays quantised: its stored bytes (a view of the mapped shard on cpu) and
@@ -526,7 +551,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
     other tensor is copied, cast to its run-time dtype.
     """
     scales = scales or {}
-    model = Transformer(cfg, n_layers)
+    model = Transformer(cfg, n_layers, tp)
     model.dtype = dtype
     state = {}
     for name, p in model.state_dict(keep_vars=True).items():

@@ -23,6 +23,7 @@ from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.ops import qgemv
+from mhcrun.parallel import SINGLE, Shard
 from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
@@ -44,6 +45,7 @@ class Runner:
     device: str = "cpu"
     layers: int | None = None  # run the first N layers (then the head); None = all
     dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
+    tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -78,10 +80,10 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize)
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
-                                 c.scales)
+                                 c.scales, self.tp)
         self.model.opts.quant_sim = self.quant_sim
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
@@ -146,7 +148,7 @@ def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
 
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
-                layers: int | None = None, dequantize: bool = False) -> Runner:
+                layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE) -> Runner:
     """Check everything that can be checked before loading: options, config, index, shard headers."""
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
@@ -156,15 +158,15 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
         from mhcrun.config import load_config
 
         check_layers(layers, load_config(path), path)
-    plan = plan_checkpoint(path, layers)
+    plan = plan_checkpoint(path, layers, tp)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize)
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp)
 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize)
+                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp)
     runner.load(progress)
     return runner

@@ -6,7 +6,10 @@ Kinds:
 - "expert": a routed-expert weight [out, in]; FP4 (int8-packed) or FP8 per `expert_dtype`, else as "linear".
 - "index":  an integer table (`tid2eid`).
 `act_quant` says whether DeepSeek's reference quantises the activation to FP8 before this GEMM when the
-weight is quantised (wo_a is dequantised to bf16 by the reference's converter, so it is not).
+weight is quantised (wo_a is dequantised to bf16 by the reference's converter, so it is not). `split` and `expert`
+say how `--tp` shares it out, as DeepSeek's reference does (`mhcrun.parallel`): attention heads (wq_b rows,
+attn_sink), o_groups (wo_a rows, wo_b columns), index heads (wq_b, weights_proj), vocabulary rows (embed, head),
+routed experts in contiguous blocks; everything else replicated.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     kind: str = "float"
     act_quant: bool = True
+    split: int | None = None  # under --tp: the dimension split across ranks (0 rows, 1 columns), else replicated
+    expert: int | None = None  # a routed expert's weight: the expert (each rank holds a contiguous block)
 
 
 def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
@@ -42,12 +47,13 @@ def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     specs += [
         TensorSpec(a + "wq_a.weight", (cfg.q_lora_rank, d), "linear"),
         TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,)),
-        TensorSpec(a + "wq_b.weight", (H * hd, cfg.q_lora_rank), "linear"),
+        TensorSpec(a + "wq_b.weight", (H * hd, cfg.q_lora_rank), "linear", split=0),  # heads
         TensorSpec(a + "wkv.weight", (hd, d), "linear"),
         TensorSpec(a + "kv_norm.weight", (hd,)),
-        TensorSpec(a + "wo_a.weight", (G * cfg.o_lora_rank, H * hd // G), "linear", act_quant=False),
-        TensorSpec(a + "wo_b.weight", (d, G * cfg.o_lora_rank), "linear"),
-        TensorSpec(a + "attn_sink", (H,)),
+        TensorSpec(a + "wo_a.weight", (G * cfg.o_lora_rank, H * hd // G), "linear", act_quant=False,
+                   split=0),  # o_groups
+        TensorSpec(a + "wo_b.weight", (d, G * cfg.o_lora_rank), "linear", split=1),  # o_groups, then all-reduce
+        TensorSpec(a + "attn_sink", (H,), split=0),
     ]
     ratio = cfg.compress_ratios[i]
     if ratio:
@@ -55,8 +61,8 @@ def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     if ratio == 4:
         ihd = cfg.index_head_dim
         specs += [
-            TensorSpec(a + "indexer.wq_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank), "linear"),
-            TensorSpec(a + "indexer.weights_proj.weight", (cfg.index_n_heads, d)),
+            TensorSpec(a + "indexer.wq_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank), "linear", split=0),
+            TensorSpec(a + "indexer.weights_proj.weight", (cfg.index_n_heads, d), split=0),  # index heads
         ]
         specs += compressor_specs(a + "indexer.compressor.", d, ratio, ihd)
     f = p + "ffn."
@@ -66,7 +72,7 @@ def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     else:
         specs.append(TensorSpec(f + "gate.bias", (cfg.n_routed_experts,)))
     for e in range(cfg.n_routed_experts):
-        specs += expert_specs(f + f"experts.{e}.", d, cfg.moe_inter_dim, "expert")
+        specs += expert_specs(f + f"experts.{e}.", d, cfg.moe_inter_dim, "expert", e)
     specs += expert_specs(f + "shared_experts.", d, cfg.moe_inter_dim, "linear")
     return specs
 
@@ -81,11 +87,11 @@ def compressor_specs(prefix: str, dim: int, ratio: int, head_dim: int) -> list[T
     ]
 
 
-def expert_specs(prefix: str, dim: int, inter: int, kind: str) -> list[TensorSpec]:
+def expert_specs(prefix: str, dim: int, inter: int, kind: str, expert: int | None = None) -> list[TensorSpec]:
     return [
-        TensorSpec(prefix + "w1.weight", (inter, dim), kind),
-        TensorSpec(prefix + "w2.weight", (dim, inter), kind),
-        TensorSpec(prefix + "w3.weight", (inter, dim), kind),
+        TensorSpec(prefix + "w1.weight", (inter, dim), kind, expert=expert),
+        TensorSpec(prefix + "w2.weight", (dim, inter), kind, expert=expert),
+        TensorSpec(prefix + "w3.weight", (inter, dim), kind, expert=expert),
     ]
 
 
@@ -93,8 +99,8 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     """Every tensor generation needs, in a stable order (model-level first, then layer by layer)."""
     d, n = cfg.dim, cfg.hc_mult
     specs = [
-        TensorSpec("embed.weight", (cfg.vocab_size, d)),
-        TensorSpec("head.weight", (cfg.vocab_size, d)),
+        TensorSpec("embed.weight", (cfg.vocab_size, d), split=0),  # vocabulary rows, then all-reduce
+        TensorSpec("head.weight", (cfg.vocab_size, d), split=0),  # vocabulary rows, then gathered
         TensorSpec("norm.weight", (d,)),
         TensorSpec("hc_head_fn", (n, n * d)),
         TensorSpec("hc_head_base", (n,)),

@@ -1,0 +1,195 @@
+"""Tensor and expert parallel over torch.distributed: which share of a weight a rank holds, the collectives the
+model calls, and the launcher behind `--tp N`.
+
+A rank holds 1/N of the split weights (`mhcrun.weights` says which dimension each weight splits along) and a
+contiguous block of the routed experts; everything else is replicated. The model calls `all_reduce` after the
+attention output (wo_b's columns), the index scores (before top-k, so every rank picks the same entries), the MoE
+(each rank's experts), the embedding (vocabulary rows); `gather_vocab` joins the head's vocabulary rows. Both
+reduce in fp32 (gloo has no bf16 reductions) and never call all_gather (it fails on gloo under inference_mode):
+a gather is an all-reduce of a zero tensor each rank fills its own slice of, which is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mhcrun.errors import InputError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place: rank `rank` of `world` (world 1: no parallelism)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def part(self, n: int) -> slice:
+        """Rank's contiguous share of n (n divisible by world, checked by `check_divides`)."""
+        k = n // self.world
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def experts(self, n_experts: int) -> range:
+        s = self.part(n_experts)
+        return range(s.start, s.stop)
+
+
+SINGLE = Shard()
+
+
+def check_divides(cfg, world: int) -> None:
+    """--tp N must divide what it splits: one line naming which, before any worker starts."""
+    if world < 1:
+        raise InputError(f"--tp must be >= 1, got {world}")
+    for what, n in (("attention heads", cfg.n_heads), ("o_groups", cfg.o_groups),
+                    ("index heads", cfg.index_n_heads), ("routed experts", cfg.n_routed_experts),
+                    ("the vocabulary", cfg.vocab_size)):
+        if n % world:
+            raise InputError(f"--tp {world} does not divide {what} ({n})")
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+def all_reduce(t: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The sum of t over the ranks (in fp32), in t's dtype."""
+    if shard.world == 1:
+        return t
+    import torch.distributed as dist
+
+    x = t.float().contiguous() if t.dtype != torch.float32 else t.contiguous().clone()
+    dist.all_reduce(x)
+    return x.to(t.dtype)
+
+
+def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
+    """Each rank's logits [b, V/N] of its vocabulary rows -> the full [b, V] on every rank (exact)."""
+    if shard.world == 1:
+        return local
+    full = torch.zeros(*local.shape[:-1], vocab, dtype=torch.float32, device=local.device)
+    full[..., shard.part(vocab)] = local.float()
+    return all_reduce(full, shard)
+
+
+def gather_values(values: list[float], shard: Shard) -> list[float]:
+    """One float per rank, in rank order, on every rank (peak RSS per rank)."""
+    if shard.world == 1:
+        return list(values)
+    x = torch.zeros(shard.world, dtype=torch.float64)
+    x[shard.rank] = values[0]
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x.tolist()
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+def env_shard() -> Shard | None:
+    """The shard torchrun (or mhcrun's launcher) set in the environment, or None outside a launch."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return Shard(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    return None
+
+
+def init_workers(shard: Shard, device: str) -> None:
+    """Join the process group (gloo on cpu, nccl on cuda); a peer that never comes ends this rank in 60 s."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(device, "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", shard.rank)))
+    dist.init_process_group(backend, rank=shard.rank, world_size=shard.world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_error_line(path: Path) -> str | None:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    return errors[-1] if errors else (lines[-1] if lines else None)
+
+
+def launch(world: int, argv: list[str]) -> int:
+    """Run `mhcrun argv` as `world` ranks on this machine and wait. Rank 0's stdout and stderr are this
+    process's; the other ranks' stdout is dropped and their stderr kept in a file. When a rank fails, every
+    other rank is ended at once (no hang, no orphan) and the failing rank's error line is shown (rank 0's own,
+    or `error: rank K: ...`); the exit code is the failing rank's."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               MHCRUN_TP_LAUNCHED="1")
+    logs = Path(tempfile.mkdtemp(prefix="mhcrun-tp-"))
+    procs: list[subprocess.Popen] = []
+    cmd = [sys.executable, "-m", "mhcrun.cli", *argv]
+    try:
+        for rank in range(world):
+            e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            if rank == 0:
+                procs.append(subprocess.Popen(cmd, env=e))
+            else:
+                with open(logs / f"rank{rank}.err", "wb") as errf:
+                    procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.DEVNULL, stderr=errf,
+                                                  stdin=subprocess.DEVNULL))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                if rank != 0:  # the same bad input fails every rank: then rank 0's own line is the one to show
+                    try:
+                        first = procs[0].wait(1.0)
+                    except subprocess.TimeoutExpired:
+                        first = None
+                    if first not in (None, 0):
+                        rank, code = 0, first
+                stop(procs)
+                if rank != 0:
+                    line = last_error_line(logs / f"rank{rank}.err")
+                    msg = line.removeprefix("error: ") if line else f"exited with code {code}"
+                    print(f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
+                return code if code > 0 else 3
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        stop(procs)
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stop(procs)
+        for f in logs.glob("*"):
+            f.unlink()
+        logs.rmdir()
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """End every rank still running: SIGTERM, then SIGKILL after 3 s."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 3
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

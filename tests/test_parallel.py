@@ -1,0 +1,229 @@
+"""--tp N on torch.distributed (gloo, 2 processes): shares reassemble to the stored tensors, every region of the
+sharded model equals the single-rank one, tokens equal one rank's, and a failing rank ends every rank with one
+line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from typer.testing import CliRunner
+
+from mhcrun.checkpoint import load_checkpoint, plan_checkpoint, take_share
+from mhcrun.cli import app
+from mhcrun.parallel import SINGLE, Shard, free_port
+from mhcrun.runner import DEFAULT_MODEL
+from mhcrun.tiny import make_tiny
+from mhcrun.weights import tensor_specs
+
+try:
+    CLI = CliRunner(mix_stderr=False)
+except TypeError:
+    CLI = CliRunner()
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("fp8") / "tiny-fp8", 0, True, False)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "fp8"])
+def test_shares_reassemble_to_the_stored_tensors(kind, fp8_tiny):
+    path = DEFAULT_MODEL if kind == "tiny" else fp8_tiny
+    whole = load_checkpoint(path)
+    parts = [load_checkpoint(path, tp=Shard(r, 2)) for r in range(2)]
+    split = {s.name: s.split for s in tensor_specs(whole.config)}
+    for name, t in whole.tensors.items():
+        if ".experts." in name and ".shared_experts." not in name:  # each expert on exactly one rank
+            owners = [p for p in parts if name in p.tensors]
+            assert len(owners) == 1 and torch.equal(owners[0].tensors[name].view(torch.uint8),
+                                                    t.view(torch.uint8)), name
+            continue
+        if split[name] is None:
+            assert all(torch.equal(p.tensors[name].view(torch.uint8), t.view(torch.uint8)) for p in parts), name
+            continue
+        joined = torch.cat([p.tensors[name] for p in parts], dim=split[name])
+        assert torch.equal(joined.view(torch.uint8), t.view(torch.uint8)), name
+        if name in whole.scales:  # a scale splits with its weight
+            js = torch.cat([p.scales[name] for p in parts], dim=split[name])
+            assert torch.equal(js.view(torch.uint8), whole.scales[name].view(torch.uint8)), name
+    owned = [sorted(int(n.split(".")[4]) for n in p.tensors if ".ffn.experts." in n and n.startswith("layers.1."))
+             for p in parts]
+    assert owned == [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3], [4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]]
+    t = torch.arange(12).view(3, 4)
+    assert torch.equal(take_share(t, 1, Shard(1, 2)), t[:, 2:]) and take_share(t, None, Shard(1, 2)) is t
+
+
+def test_a_split_that_cuts_a_scale_block_names_the_tensor_the_block_and_n(fp8_tiny, monkeypatch):
+    """--tp 4 on the fp8 tiny model: its o_groups (2) already refuse it; past that check, wo_a's 64 rows in 4 parts
+    would cut its 32-row FP8 scale blocks."""
+    import mhcrun.checkpoint as ck
+    from mhcrun.errors import CheckpointError, InputError
+
+    with pytest.raises(InputError, match=r"--tp 4 does not divide o_groups \(2\)"):
+        plan_checkpoint(fp8_tiny, tp=Shard(0, 4))
+    monkeypatch.setattr(ck, "check_divides", lambda cfg, n: None)
+    with pytest.raises(CheckpointError, match=r"layers.0.attn.wo_a.weight: --tp 4 would cut its FP8 scale blocks "
+                                              r"of 32 \(dimension 0 of 64 into 4 parts\)"):
+        plan_checkpoint(fp8_tiny, tp=Shard(0, 4))
+
+
+def _regions_worker(rank: int, world: int, port: int, path: str, quant_sim: bool, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from mhcrun.generate import capture_step, generate
+    from mhcrun.runner import load_runner
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    runner = load_runner(path, quant_sim=quant_sim, tp=Shard(rank, world))
+    prompts = [[0, 5, 9, 11, 7, 300, 41, 2, 19, 23, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 17]]
+    res = generate(runner.model, prompts, 12, 1, ignore_eos=True, record_topk=3)
+    caps = {step: capture_step(runner.model, prompts[0], res[0].tokens[:step], 40, 7) for step in (0, 3)}
+    if rank == 0:
+        torch.save({"tokens": [r.tokens for r in res], "top": [r.top_logprobs for r in res], "caps": caps,
+                    "stats": res[0].stats}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind,quant_sim", [("tiny", False), ("tiny", True), ("fp8", False)])
+def test_two_ranks_equal_one_region_by_region(tmp_path, fp8_tiny, kind, quant_sim):
+    """Every region of the sharded model (embedding, each attention half with its indexer, each MoE half, the
+    head) equals the single-rank model's, prefill and decode; greedy tokens are the same."""
+    from mhcrun.generate import capture_step, generate
+    from mhcrun.probes import region_diffs
+    from mhcrun.runner import load_runner
+
+    path = str(DEFAULT_MODEL if kind == "tiny" else fp8_tiny)
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_regions_worker, args=(2, free_port(), path, quant_sim, str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    got = torch.load(out)
+    one = load_runner(path, quant_sim=quant_sim)
+    prompts = [[0, 5, 9, 11, 7, 300, 41, 2, 19, 23, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 17]]
+    res = generate(one.model, prompts, 12, 1, ignore_eos=True, record_topk=3)
+    assert got["tokens"] == [r.tokens for r in res]
+    for a, b in zip(got["top"], [r.top_logprobs for r in res], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x, y, strict=True)) < 1e-4
+    for step in (0, 3):
+        want = capture_step(one.model, prompts[0], res[0].tokens[:step], 40, 7)
+        diffs = region_diffs(want, got["caps"][step])
+        assert len(diffs) == 1 + 2 * 4 + 1 and all(d.rel < 1e-5 for d in diffs), diffs
+    assert got["stats"]["tp"] == 2 and len(got["stats"]["peak_rss_mb_per_rank"]) == 2
+
+
+def mhcrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mhcrun.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_generate_tp2_prints_the_single_rank_format_and_tokens(fp8_tiny):
+    one = json.loads(mhcrun("generate", "-m", str(fp8_tiny), "-n", "12", "--json", "--no-quant-sim").stdout)
+    two = mhcrun("generate", "-m", str(fp8_tiny), "-n", "12", "--json", "--no-quant-sim", "--tp", "2")
+    assert two.returncode == 0, two.stderr
+    rows = [json.loads(line) for line in two.stdout.splitlines()]
+    assert len(rows) == 1 and rows[0]["tokens"] == one["tokens"] and rows[0]["text"] == one["text"]
+    assert set(rows[0]) == set(one) and set(rows[0]["stats"]) == set(one["stats"])
+    assert rows[0]["stats"]["tp"] == 2 and len(rows[0]["stats"]["peak_rss_mb_per_rank"]) == 2
+    text = mhcrun("generate", "--tp", "2", "-n", "6")
+    assert text.returncode == 0 and text.stdout == mhcrun("generate", "-n", "6").stdout
+
+
+def test_golden_check_tp2_passes(tmp_path):
+    from mhcrun.golden import load_golden, write_golden
+
+    g = load_golden(ROOT / "tests/golden/tiny.json")
+    g["prompts"] = [dict(p, tokens=p["tokens"][:12], steps=p["steps"][:12]) for p in g["prompts"][:4]]
+    g["settings"]["max_new_tokens"] = 12
+    small = tmp_path / "small.json"
+    write_golden(small, g, force=False)
+    r = mhcrun("golden-check", str(small), "--tp", "2", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["ok"] and rep["counts"]["match"] == 4 and r.stdout.count("\n") == 1
+
+
+def test_tp_that_does_not_divide_is_one_line_before_any_worker():
+    for n, what in (("3", "attention heads (4)"), ("4", "o_groups (2)")):
+        r = CLI.invoke(app, ["generate", "--tp", n])
+        assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
+    r = CLI.invoke(app, ["generate", "--tp", "2", "--graph-mode", "regions"])
+    assert r.exit_code == 2 and "not built yet" in r.stderr
+
+
+def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
+    """Rank 1 needs an expert the index does not list; rank 0 does not and would wait for it in a collective:
+    both end within seconds, the user sees rank 1's error, exit 2, and no rank is left running."""
+    ckpt = tmp_path / "half"
+    shutil.copytree(DEFAULT_MODEL, ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["layers.2.ffn.experts.6.w1.weight"]  # rank 1 of 2 holds experts 4..7
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    t0 = time.time()
+    r = mhcrun("generate", "-m", str(ckpt), "--tp", "2", "-n", "4", timeout=120)
+    assert r.returncode == 2 and time.time() - t0 < 60, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"error: rank 1: layers.2.ffn.experts.6.w1.weight: tensor missing from {ckpt}/"
+                     f"model.safetensors.index.json"], lines
+    assert not _ranks_alive(str(ckpt))
+
+
+def test_a_killed_rank_ends_the_others(tmp_path):
+    """A rank that dies (here: SIGKILL, as the OOM killer does) ends the run: no hang, exit non-zero."""
+    p = subprocess.Popen([sys.executable, "-m", "mhcrun.cli", "generate", "--tp", "2", "-n", "400", "--ignore-eos",
+                          "--no-quant-sim"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    rank1 = None
+    while rank1 is None and time.time() < deadline:
+        rank1 = next((pid for pid in _children(p.pid) if _env(pid).get("RANK") == "1"), None)
+        time.sleep(0.2)
+    assert rank1 is not None
+    time.sleep(3)  # let it load and join the group
+    os.kill(rank1, 9)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and err.strip().splitlines()[-1].startswith("error: rank 1: exited with code -9"), err
+    assert not _children(p.pid)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _env(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _ranks_alive(marker: str) -> bool:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def test_info_plans_one_rank(fp8_tiny):
+    one = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json"]).stdout)["memory_plan"]
+    two = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json", "--tp", "2"]).stdout)["memory_plan"]
+    assert two["weights_bytes"] < one["weights_bytes"] and SINGLE.world == 1
