@@ -18,7 +18,7 @@ from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Probe, Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.parallel import gather_values
+from mhcrun.parallel import MOVED, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 
 
@@ -304,6 +304,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
     decode_tokens = 0
+    moved0 = MOVED["bytes"]
     active = [r for r in range(len(prompts)) if r < len(prefill_s) and not finished(r)]
     while active and not (bad and on_nonfinite == "raise"):
         t0 = time.perf_counter()
@@ -350,4 +351,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             "tp": model.opts.tp.world,
             "peak_rss_mb_per_rank": per_rank,
         }
+        if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
+            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
     return results

@@ -190,6 +190,33 @@ def parse_size(text: str, what: str = "--memory-limit") -> int:
     return int(value)
 
 
+def stored_bytes_per_rank(cfg: ModelConfig, world: int = 1) -> int:
+    """Bytes of a released checkpoint's tensors one rank of --tp `world` maps, from the config alone (no
+    checkpoint needed): FP8 e4m3 bytes plus an e8m0 byte per block, packed FP4 plus an e8m0 byte per 32, fp32
+    for the parameters the release keeps in fp32, bf16 for the other float tensors, int32 tables; 1/world of
+    the split tensors and 1/world of the routed experts."""
+    from mhcrun.ops.quant import FP4_BLOCK
+    from mhcrun.weights import stored_format, tensor_specs
+
+    b, total = cfg.weight_block_size, 0
+    for spec in tensor_specs(cfg):
+        out, inner = (spec.shape + (1,))[:2]
+        n = math.prod(spec.shape)
+        fmt = stored_format(cfg, spec)
+        if fmt == "fp8":
+            size = n + math.ceil(out / b) * math.ceil(inner / b)
+        elif fmt == "fp4":
+            size = n // 2 + out * math.ceil(inner / FP4_BLOCK)
+        elif fmt == "index":
+            size = 4 * n
+        else:
+            size = n * (4 if fp32_param(spec.name) and spec.name not in STORED_DTYPE else 2)
+        if spec.split is not None or spec.expert is not None:
+            size //= world
+        total += size
+    return total
+
+
 def kv_bytes_per_token(cfg: ModelConfig, layers: int, dtype: torch.dtype, quant_sim: bool = True) -> float:
     """KV and indexer cache bytes per token of context, summed over the first `layers` layers: a compressed
     layer stores one entry per `ratio` tokens (a CSA layer also one indexer key per 4); the window's ring is a

@@ -44,6 +44,7 @@ class Shard:
 
 
 SINGLE = Shard()
+MOVED = {"bytes": 0}  # bytes this rank has put into all-reduces (its input), for the per-token report
 
 
 def check_divides(cfg, world: int) -> None:
@@ -66,6 +67,7 @@ def all_reduce(t: torch.Tensor, shard: Shard) -> torch.Tensor:
     import torch.distributed as dist
 
     x = t.float().contiguous() if t.dtype != torch.float32 else t.contiguous().clone()
+    MOVED["bytes"] += x.numel() * x.element_size()
     dist.all_reduce(x)
     return x.to(t.dtype)
 
@@ -135,8 +137,9 @@ def launch(world: int, argv: list[str]) -> int:
     process's; the other ranks' stdout is dropped and their stderr kept in a file. When a rank fails, every
     other rank is ended at once (no hang, no orphan) and the failing rank's error line is shown (rank 0's own,
     or `error: rank K: ...`); the exit code is the failing rank's."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               MHCRUN_TP_LAUNCHED="1")
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    # the ranks share this machine's cores (torchrun sets 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     logs = Path(tempfile.mkdtemp(prefix="mhcrun-tp-"))
     procs: list[subprocess.Popen] = []
     cmd = [sys.executable, "-m", "mhcrun.cli", *argv]
