@@ -252,8 +252,6 @@ def generate(
         mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         limit = memory_limit_option(memory_limit)
         chunk = prefill_chunk_option(prefill_chunk)
-        if tp > 1 and mode == "regions":
-            raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
@@ -428,8 +426,6 @@ def golden_check(
         s = golden["settings"]
         if locate and tp > 1:
             raise InputError("--locate under --tp is not built yet: locate on one rank")
-        if tp > 1 and mode == "regions":
-            raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
@@ -680,13 +676,14 @@ def compile_regions(
     stages: str = StagesOpt,
     batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for."),
     context: int = typer.Option(256, "--context", help="Context (cache length) the graphs are compiled for."),
+    tp: int = TpOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Compile every region kind of a model once and report the graphs (torch's compile cache makes a
     second run faster)."""
 
-    def body() -> None:
+    def body() -> int | None:
         from rich.progress import Progress
 
         from mhcrun.regions.runner import compile_all
@@ -695,7 +692,10 @@ def compile_regions(
         plan = stages_option(stages)
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
-        runner = open_runner(model, "fp32", True, device)
+        shard, code = start_tp(tp, model, device)
+        if code is not None:
+            return code
+        runner = open_runner(model, "fp32", True, device, tp=shard)
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

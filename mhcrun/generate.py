@@ -299,8 +299,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if bad and on_nonfinite == "raise":
             break
 
-    if graph_mode == "regions" and model.opts.tp.world > 1:
-        raise InputError("--graph-mode regions under --tp is not built yet: run --tp with --graph-mode eager")
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
     decode_tokens = 0

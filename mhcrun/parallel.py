@@ -66,6 +66,10 @@ def all_reduce(t: torch.Tensor, shard: Shard) -> torch.Tensor:
         return t
     import torch.distributed as dist
 
+    if torch.compiler.is_compiling():  # inside a compiled region: the functional collective, which traces
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(t.float(), "sum", dist.group.WORLD).to(t.dtype)
     x = t.float().contiguous() if t.dtype != torch.float32 else t.contiguous().clone()
     MOVED["bytes"] += x.numel() * x.element_size()
     dist.all_reduce(x)

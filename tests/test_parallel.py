@@ -90,16 +90,23 @@ def _regions_worker(rank: int, world: int, port: int, path: str, quant_sim: bool
     prompts = [[0, 5, 9, 11, 7, 300, 41, 2, 19, 23, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 17]]
     res = generate(runner.model, prompts, 12, 1, ignore_eos=True, record_topk=3)
     caps = {step: capture_step(runner.model, prompts[0], res[0].tokens[:step], 40, 7) for step in (0, 3)}
+    regions = generate(runner.model, prompts, 12, 1, ignore_eos=True, record_topk=3, graph_mode="regions",
+                       backend="aot_eager")
+    from mhcrun.regions.runner import compile_all
+
+    graphs = compile_all(runner.model, 2, 64, backend="aot_eager")["graphs"]
     if rank == 0:
         torch.save({"tokens": [r.tokens for r in res], "top": [r.top_logprobs for r in res], "caps": caps,
-                    "stats": res[0].stats}, out)
+                    "stats": res[0].stats, "regions": [r.tokens for r in regions],
+                    "regions_top": [r.top_logprobs for r in regions], "graphs": graphs}, out)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind,quant_sim", [("tiny", False), ("tiny", True), ("fp8", False)])
 def test_two_ranks_equal_one_region_by_region(tmp_path, fp8_tiny, kind, quant_sim):
     """Every region of the sharded model (embedding, each attention half with its indexer, each MoE half, the
-    head) equals the single-rank model's, prefill and decode; greedy tokens are the same."""
+    head) equals the single-rank model's, prefill and decode; greedy tokens are the same, eager and through
+    compiled regions (their collectives traced), which compile as many graphs as on one rank."""
     from mhcrun.generate import capture_step, generate
     from mhcrun.probes import region_diffs
     from mhcrun.runner import load_runner
@@ -112,8 +119,11 @@ def test_two_ranks_equal_one_region_by_region(tmp_path, fp8_tiny, kind, quant_si
     one = load_runner(path, quant_sim=quant_sim)
     prompts = [[0, 5, 9, 11, 7, 300, 41, 2, 19, 23, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 17]]
     res = generate(one.model, prompts, 12, 1, ignore_eos=True, record_topk=3)
-    assert got["tokens"] == [r.tokens for r in res]
-    for a, b in zip(got["top"], [r.top_logprobs for r in res], strict=True):
+    assert got["tokens"] == [r.tokens for r in res] == got["regions"]  # eager and compiled regions under --tp
+    from mhcrun.regions.runner import compile_all
+
+    assert got["graphs"] == compile_all(one.model, 2, 64, backend="aot_eager")["graphs"]  # the same graphs
+    for a, b in zip(got["top"] + got["regions_top"], [r.top_logprobs for r in res] * 2, strict=True):
         for x, y in zip(a, b, strict=True):
             assert [t for t, _ in x] == [t for t, _ in y]
             assert max(abs(p - q) for (_, p), (_, q) in zip(x, y, strict=True)) < 1e-4
@@ -159,8 +169,8 @@ def test_tp_that_does_not_divide_is_one_line_before_any_worker():
     for n, what in (("3", "attention heads (4)"), ("4", "o_groups (2)")):
         r = CLI.invoke(app, ["generate", "--tp", n])
         assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
-    r = CLI.invoke(app, ["generate", "--tp", "2", "--graph-mode", "regions"])
-    assert r.exit_code == 2 and "not built yet" in r.stderr
+    r = CLI.invoke(app, ["golden-check", "tests/golden/tiny.json", "--tp", "2", "--locate"])
+    assert r.exit_code == 2 and "--locate under --tp is not built yet" in r.stderr
 
 
 def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):

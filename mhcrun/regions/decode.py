@@ -33,6 +33,7 @@ from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_expert_set, qlinear
 from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, fp8_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail_real
+from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
 
 Carry = dict[str, torch.Tensor]
 Inputs = dict
@@ -48,6 +49,8 @@ class HcSpec:
 
 @dataclass(frozen=True)
 class AttnSpec:
+    """Under --tp, n_heads, n_groups and index_heads are this rank's (`tp`), and its outputs are all-reduced."""
+
     ratio: int
     window: int
     n_heads: int
@@ -65,7 +68,9 @@ class AttnSpec:
     index_heads: int
     index_head_dim: int
     index_topk: int
+    index_weight_scale: float  # index_head_dim ** -0.5 * (every rank's index heads) ** -0.5
     hc: HcSpec
+    tp: Shard = SINGLE
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,15 @@ class MoeSpec:
     formats: frozenset[tuple[str, str, int]]
     hc: HcSpec
     inter: int  # routed experts' inner size
+    experts: tuple[int, int] = (0, 0)  # [first, end) of this rank's routed experts (all of them on one rank)
+    tp: Shard = SINGLE
 
 
 @dataclass(frozen=True)
 class HeadSpec:
     hc: HcSpec
+    vocab: int = 0  # the whole vocabulary (each rank's head holds its rows under --tp)
+    tp: Shard = SINGLE
 
 
 def weight_format(spec: AttnSpec | MoeSpec, name: str) -> tuple[str, int]:
@@ -163,7 +172,8 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     o = apply_rope_tail_real(o, cos.unsqueeze(2), sin.unsqueeze(2), rd, inverse=True)
     o = o.reshape(B, 1, spec.n_groups, -1)
     o = grouped_output(o, w["wo_a"], w.get("wo_a_scale"), *weight_format(spec, "wo_a"), spec.n_groups)
-    return {"x": c["x"], "y": lin(spec, w, "wo_b", o.flatten(2)), "post": c["post"], "comb": c["comb"]}
+    y = all_reduce(lin(spec, w, "wo_b", o.flatten(2)), spec.tp)  # every rank's o_groups
+    return {"x": c["x"], "y": y, "post": c["post"], "comb": c["comb"]}
 
 
 def cache_index(layer: torch.Tensor, B: int):
@@ -226,11 +236,11 @@ def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs)
     if spec.quant_sim:
         q = fp4_simulate(q, INDEX_FP4_BLOCK)
     compressor_step(spec, 4, spec.index_head_dim, True, h, inp, "idx_comp", "idx_kv", spec.idx_fmt, 0)
-    weights = lin(spec, w, "idx_weights_proj", h) * (spec.index_head_dim ** -0.5 * spec.index_heads ** -0.5)
+    weights = lin(spec, w, "idx_weights_proj", h) * spec.index_weight_scale
     n_comp = spec.max_seq // 4
     at = cache_index(inp["layer"], h.size(0))
     keys = read_cache(roots, "idx_kv", spec.idx_fmt, at(torch.arange(n_comp, device=h.device)), q.dtype)
-    scores = index_scores(q, keys, weights)  # [B, 1, n_comp]
+    scores = all_reduce(index_scores(q, keys, weights), spec.tp)  # [B, 1, n_comp], every rank's heads
     return select_topk(scores, closed_mask(pos, 1, n_comp, 4), spec.index_topk)
 
 
@@ -256,6 +266,10 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
         weights, idx = route(scores, spec.topk, spec.route_scale, spec.score_func, bias=w["gate_bias"])
     quant = spec.quant_sim and "experts" in spec.act_quant
     fmt, block = weight_format(spec, "experts")
+    if spec.tp.world > 1:  # this rank's experts only: the others' routes weigh nothing here
+        e0, e1 = spec.experts
+        weights = weights * ((idx >= e0) & (idx < e1))
+        idx = (idx - e0).clamp(0, e1 - e0 - 1)
 
     def routed(name: str, xs: torch.Tensor) -> torch.Tensor:
         """xs [B, k or 1, in] through each row's k routed experts' weights `name` -> [B, k, out] (fp32)."""
@@ -274,7 +288,7 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     mid = (swiglu(g, u, spec.limit) * weights.unsqueeze(-1)).to(x.dtype)
     if quant:
         mid = fp8_simulate(mid, ACT_FP8_BLOCK)
-    y = routed("w2", mid).to(x.dtype).float().sum(dim=1)
+    y = all_reduce(routed("w2", mid).to(x.dtype).float().sum(dim=1), spec.tp)  # every rank's experts
     shared = lin(spec, w, "shared_w2", swiglu(lin(spec, w, "shared_w1", x), lin(spec, w, "shared_w3", x),
                                                 spec.limit).to(x.dtype))
     y = (y + shared).to(x.dtype).view(B, 1, d)
@@ -290,7 +304,7 @@ def head(spec: HeadSpec, c: Carry, inp: Inputs) -> Carry:
     h = hc_ops.hc_head(c["x"], w["hc_head_fn"], w["hc_head_fn_hi"], w["hc_head_fn_lo"], w["hc_head_scale"],
                        w["hc_head_base"], hc.eps, hc.norm_eps)
     h = rms_norm(h, w["norm"], hc.norm_eps)[:, -1]
-    return {"logits": qlinear(h.float(), w["head"])}
+    return {"logits": gather_vocab(qlinear(h.float(), w["head"]), spec.tp, spec.vocab)}
 
 
 STAGES = {

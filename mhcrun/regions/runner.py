@@ -196,7 +196,7 @@ def expert_inputs(block: Block) -> dict[str, torch.Tensor]:
     weight name (`name_set`, `qlinear.register_experts`), the experts read in place. Otherwise stacked
     [E, out, in] (and scales) once, the experts keeping views of the stack: kept-quantised weights are stacked
     as stored, so this copies their bytes."""
-    experts = block.ffn.experts
+    experts = [block.ffn.experts[e] for e in block.ffn.owned]  # this rank's (all of them on one rank)
     out = {}
     for name in ("w1", "w2", "w3"):
         first = getattr(experts[0], name)
@@ -231,7 +231,7 @@ def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], F
           "hc_ffn_scale": block.hc_ffn_scale, "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
     w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
     w |= expert_inputs(block)
-    first = f.experts[0].w1
+    first = f.experts[f.owned.start].w1
     if first.quantized:
         quant.add("experts")
     if first.scale is not None:
@@ -256,7 +256,7 @@ class RegionDecoder:
         c = model.cfg
         hadamard(torch.zeros(1, c.index_head_dim, device=model.device))  # fill its cache now, not while tracing
         hc = hc_spec(model)
-        quant_sim = model.opts.quant_sim
+        quant_sim, tp = model.opts.quant_sim, model.opts.tp
         freqs = model.freqs
         self.cos = {k: f.real.contiguous() for k, f in freqs.items()}
         self.sin = {k: f.imag.contiguous() for k, f in freqs.items()}
@@ -267,21 +267,25 @@ class RegionDecoder:
         for i, (block, (akind, mkind)) in enumerate(zip(model.layers, model.region_kinds, strict=True)):
             ratio = block.attn.ratio
             aw, aq, af = attn_inputs(block)
-            specs[akind] = AttnSpec(ratio, c.window_size, c.n_heads, c.head_dim, c.rope_head_dim, c.o_groups,
+            a = block.attn  # this rank's heads, o_groups and index heads under --tp
+            specs[akind] = AttnSpec(ratio, c.window_size, a.n_heads, c.head_dim, c.rope_head_dim, a.n_groups,
                                     c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
-                                    model.formats["idx_kv"], model.max_seq, aq, af, c.index_n_heads,
-                                    c.index_head_dim, c.index_topk, hc)
+                                    model.formats["idx_kv"], model.max_seq, aq, af,
+                                    a.indexer.n_heads if ratio == 4 else c.index_n_heads, c.index_head_dim,
+                                    c.index_topk, c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5, hc, tp)
             freq_key = "compressed" if ratio else 0
             ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
                     "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
             row[ratio] += 1
             mw, mq, mf = moe_inputs(block)
+            owned = block.ffn.owned
             specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
-                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc, c.moe_inter_dim)
+                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc, c.moe_inter_dim,
+                                   (owned.start, owned.stop), tp)
             self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
             layers_of.setdefault(akind, []).append(i)
             layers_of.setdefault(mkind, []).append(i)
-        specs["head"] = HeadSpec(hc)
+        specs["head"] = HeadSpec(hc, c.vocab_size, tp)
         layers_of["head"] = [len(model.layers)]
         self.head_inp = {"w": {"hc_head_fn": model.hc_head_fn, "hc_head_fn_hi": model.fn_split[0],
                                "hc_head_fn_lo": model.fn_split[1], "hc_head_scale": model.hc_head_scale,
@@ -343,7 +347,7 @@ class RegionDecoder:
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None = None) -> torch.Tensor:
         """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]; `probe` as the eager model's."""
         model = self.model
-        x = hc_expand(model.embed(tokens.view(-1, 1)).to(model.dtype), model.cfg.hc_mult)
+        x = hc_expand(model.embedding(tokens.view(-1, 1)), model.cfg.hc_mult)
         if probe is not None:
             probe("embed", x)
         layer_inputs = self.inputs(tokens, pos)
@@ -395,7 +399,7 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        x = hc_expand(model.embed(tokens.view(-1, 1)).to(model.dtype), model.cfg.hc_mult)
+        x = hc_expand(model.embedding(tokens.view(-1, 1)), model.cfg.hc_mult)
         groups = {kind: [timed(g) for g in gs] for kind, gs in dec.groups.items()}
         dec.run_layers(groups, x, dec.inputs(tokens, pos), dec.head_inp)
     total_s = time.perf_counter() - t0
