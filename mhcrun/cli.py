@@ -71,8 +71,9 @@ def start_tp(tp: int, model: str | None, device: str):
             if torch.cuda.device_count() < tp:
                 raise InputError(f"--tp {tp}: this machine has {torch.cuda.device_count()} CUDA devices")
         if device == "neuron":
-            raise InputError("--tp on --device neuron needs the Neuron SDK's torch.distributed backend, which is "
-                             "not wired yet")
+            from mhcrun.runner import check_device
+
+            check_device(device)  # the Neuron SDK must be there before any worker starts
         return None, launch(tp, sys.argv[1:])
     if tp not in (1, shard.world):
         raise InputError(f"--tp {tp} but this process is one of WORLD_SIZE={shard.world} ranks")
