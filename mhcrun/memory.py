@@ -18,7 +18,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import STORED_DTYPE, cache_formats, fp32_param, make_state_roots
 from mhcrun.ops.attention import ATTN_WORKSPACE
 from mhcrun.ops.index import INDEX_WORKSPACE
-from mhcrun.weights import scale_name
+from mhcrun.weights import dequantized_dtype, scale_name
 
 PREFILL_BUDGET = 512 << 20  # what a prefill chunk's activations may grow to (chooses the default chunk)
 RUNTIME_BYTES = 400 << 20  # python, torch and the tokenizer, measured ~0.3 GB; rounded up
@@ -83,7 +83,7 @@ def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> 
             total += 8 * n
         elif p.fmt in ("fp8", "fp4"):
             if dequantize:
-                total += n * (dtype.itemsize if name.endswith("wo_a.weight") else 4)
+                total += n * dequantized_dtype(p.spec, dtype).itemsize
         elif dequantize or name not in STORED_DTYPE:  # dequantised, the vocabulary tensors are fp32 too
             total += n * (4 if fp32_param(name) or name in STORED_DTYPE else dtype.itemsize)
     return total
@@ -107,7 +107,7 @@ def decode_bytes_per_token(plan: CheckpointPlan, dtype: torch.dtype = torch.floa
         if p.fmt in ("fp8", "fp4") and not dequantize:
             size = p.shard.entries[name].nbytes + p.scale_shard.entries[scale_name(name)].nbytes
         elif p.fmt in ("fp8", "fp4"):
-            size = n * (dtype.itemsize if name.endswith("wo_a.weight") else 4)
+            size = n * dequantized_dtype(p.spec, dtype).itemsize
         elif name in STORED_DTYPE and not dequantize:
             size = p.shard.entries[name].nbytes
         else:

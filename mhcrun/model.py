@@ -30,6 +30,7 @@ from mhcrun.ops.qlinear import qlinear, qlinear_grouped
 from mhcrun.ops.quant import FP4_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
+from mhcrun.weights import dequantized_dtype, spec_table
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
 # half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions call it with the same
@@ -58,13 +59,13 @@ class Linear(nn.Module):
     `scale` [out/block, in/block]) or "fp4" (int8 [out, in/2], `scale` [out, in/32]); the GEMM dequantises
     block by block as it goes (`mhcrun.ops.qlinear`)."""
 
-    def __init__(self, in_features: int, out_features: int, opts: RunOptions, act_quant: bool = True):
+    def __init__(self, in_features: int, out_features: int, opts: RunOptions):
         super().__init__()
         self.weight = empty(out_features, in_features)
         self.register_buffer("scale", None, persistent=False)
         self.fmt, self.block = "float", 0
         self.opts = opts
-        self.act_quant = act_quant
+        self.act_quant = True  # from the weight's TensorSpec, at build_model
         self.quantized = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +196,7 @@ class Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, H * hd, opts)
         self.wkv = Linear(cfg.dim, hd, opts)
         self.kv_norm = RMSNorm(hd, cfg.norm_eps)
-        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * cfg.o_lora_rank, opts, act_quant=False)
+        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * cfg.o_lora_rank, opts)
         self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim, opts)
         if self.ratio:
             self.compressor = Compressor(cfg, self.ratio, hd, opts)
@@ -229,7 +230,7 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = apply_rope_tail(o, freqs.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
-        wo_a = self.wo_a  # never act-quantised
+        wo_a = self.wo_a
         o = grouped_output(o, wo_a.weight, wo_a.scale, wo_a.fmt, wo_a.block, self.n_groups)
         return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's
 
@@ -428,7 +429,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = Linear(cfg.dim, self.vocab.stop - self.vocab.start, self.opts, act_quant=False)
+        self.head = Linear(cfg.dim, self.vocab.stop - self.vocab.start, self.opts)
         self.hc_head_fn = empty(cfg.hc_mult, cfg.hc_mult * cfg.dim)
         self.hc_head_base = empty(cfg.hc_mult)
         self.hc_head_scale = empty(1)
@@ -553,6 +554,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
     scales = scales or {}
     model = Transformer(cfg, n_layers, tp)
     model.dtype = dtype
+    specs = spec_table(cfg, n_layers)
     state = {}
     for name, p in model.state_dict(keep_vars=True).items():
         t = tensors[name]
@@ -563,7 +565,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
             continue
         if p.dtype == torch.int64:
             want = torch.int64
-        elif (name in quantized and not name.endswith("wo_a.weight")) or fp32_param(name):
+        elif name in quantized:
+            want = dequantized_dtype(specs[name], dtype)
+        elif fp32_param(name):
             want = torch.float32
         else:
             want = dtype
@@ -573,6 +577,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: s
     for name, m in model.named_modules():
         if isinstance(m, Linear):
             m.quantized = f"{name}.weight" in quantized
+            m.act_quant = specs[f"{name}.weight"].act_quant
             if f"{name}.weight" in scales:
                 keep_quantized(m, tensors[f"{name}.weight"], scales[f"{name}.weight"], cfg, device)
     # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)

@@ -111,6 +111,19 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     return specs
 
 
+def spec_table(cfg: ModelConfig, n_layers: int | None = None) -> dict[str, TensorSpec]:
+    """tensor_specs by name."""
+    return {s.name: s for s in tensor_specs(cfg, n_layers)}
+
+
+def dequantized_dtype(spec: TensorSpec, dtype):
+    """The dtype a quantised weight takes when dequantised at load: fp32, except the one DeepSeek's converter
+    dequantises to the activation dtype (act_quant False: wo_a), which keeps `dtype`."""
+    import torch
+
+    return torch.float32 if spec.act_quant else dtype
+
+
 def scale_name(weight_name: str) -> str:
     """`layers.0.attn.wq_a.weight` -> `layers.0.attn.wq_a.scale` (DeepSeek's naming)."""
     return weight_name[: -len("weight")] + "scale"

@@ -106,7 +106,7 @@ def round_e2m1(x: Tensor) -> Tensor:
     return torch.copysign(r, x)
 
 
-def fp4_simulate(x: Tensor, block: int = 32) -> Tensor:
+def fp4_simulate(x: Tensor, block: int = INDEX_FP4_BLOCK) -> Tensor:
     """Quantise to FP4 e2m1 and back in blocks of `block` along the last dim (last block may be partial).
 
     Per block: scale = pow2_ceil(max(amax, 6 * 2**-126) / 6), q = round_e2m1(clamp(x / scale, +-6));
@@ -126,7 +126,7 @@ def _fp4_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor, int]:
     return round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX)), scale, n
 
 
-def quantize_act_fp4(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+def quantize_act_fp4(x: Tensor, block: int = INDEX_FP4_BLOCK) -> tuple[Tensor, Tensor]:
     """The FP4 codes and scales behind fp4_simulate: (packed uint8 [..., n/2], fp32 [..., ceil(n/block)]).
 
     dequantize_act(codes, scales) equals fp4_simulate(x, block) computed in fp32, bitwise (the same ops).
@@ -232,7 +232,7 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     return _E2M1_LUT.to(packed.device)[codes]
 
 
-def dequantize_fp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
+def dequantize_fp4(packed: Tensor, scale: Tensor, block: int = FP4_BLOCK) -> Tensor:
     """packed int8 [out, in/2], scale [out, in/block] (e8m0 or fp32) -> fp32 [out, in]."""
     if packed.dim() != 2:
         raise ValueError(f"dequantize_fp4: expected a 2-D weight, got shape {list(packed.shape)}")
@@ -293,7 +293,7 @@ def quantize_weight_fp8(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
     return q, float_to_e8m0(scale)
 
 
-def quantize_weight_fp4(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+def quantize_weight_fp4(w: Tensor, block: int = FP4_BLOCK) -> tuple[Tensor, Tensor]:
     """w [out, in] -> (int8 packed [out, in/2], float8_e8m0fnu scale [out, ceil(in/block)]).
 
     Per row and `block` values along in: scale = pow2_ceil(amax / 6), values round_e2m1(w / scale).

@@ -155,7 +155,7 @@ def linear_inputs(linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], 
         if m.scale is not None:
             w[f"{name}_scale"] = graph_scale(m.scale)
             formats.add((name, m.fmt, m.block))
-        if m.quantized:
+        if m.quantized and m.act_quant:
             quant.add(name)
     return w, quant, formats
 
@@ -173,7 +173,6 @@ def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], 
     if a.ratio == 4:
         linears |= {"idx_wq_b": a.indexer.wq_b}
     w, quant, formats = linear_inputs(linears)
-    quant.discard("wo_a")  # never act-quantised
     w |= {"hc_attn_fn": block.hc_attn_fn, "hc_attn_fn_hi": block.fn_split["attn"][0],
           "hc_attn_fn_lo": block.fn_split["attn"][1], "hc_attn_base": block.hc_attn_base,
           "hc_attn_scale": block.hc_attn_scale, "attn_norm": block.attn_norm.weight, "q_norm": a.q_norm.weight,
