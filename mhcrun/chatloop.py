@@ -2,8 +2,8 @@
 
 Each turn encodes the whole history (`mhcrun.chat`; earlier turns' reasoning dropped as the format says) and
 generates the reply, streamed: in thinking mode the reasoning is shown dimmed (or hidden) until `</think>`, then
-the answer. Ctrl-C stops a reply and keeps what was generated; /reset, /mode chat|thinking and /exit (or Ctrl-D)
-are the commands.
+the answer. Ctrl-C stops a reply and keeps what was generated; /reset, /mode chat|thinking, /effort high|max and
+/exit (or Ctrl-D) are the commands.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from rich.console import Console
 from mhcrun.chat import EFFORTS, END_THINK, EOS, MODES, THINK, Chat, Message, encode_chat, history_message, parse_reply
 from mhcrun.generate import SamplingOptions, generate
 
-HELP = "commands: /reset (forget the conversation), /mode chat|thinking, /exit (or Ctrl-D); Ctrl-C stops a reply"
+HELP = ("commands: /reset (forget the conversation), /mode chat|thinking, /effort high|max, /exit (or Ctrl-D); "
+        "Ctrl-C stops a reply")
 
 
 class ReplyView:

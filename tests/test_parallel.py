@@ -145,7 +145,8 @@ def test_generate_tp2_prints_the_single_rank_format_and_tokens(fp8_tiny):
     assert two.returncode == 0, two.stderr
     rows = [json.loads(line) for line in two.stdout.splitlines()]
     assert len(rows) == 1 and rows[0]["tokens"] == one["tokens"] and rows[0]["text"] == one["text"]
-    assert set(rows[0]) == set(one) and set(rows[0]["stats"]) == set(one["stats"])
+    assert set(rows[0]) == set(one) and set(rows[0]["stats"]) == set(one["stats"]) | {"collective_bytes_per_token"}
+    assert rows[0]["stats"]["collective_bytes_per_token"] > 0
     assert rows[0]["stats"]["tp"] == 2 and len(rows[0]["stats"]["peak_rss_mb_per_rank"]) == 2
     text = mhcrun("generate", "--tp", "2", "-n", "6")
     assert text.returncode == 0 and text.stdout == mhcrun("generate", "-n", "6").stdout
