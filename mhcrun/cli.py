@@ -78,8 +78,9 @@ def start_tp(tp: int, model: str | None, device: str):
     if tp not in (1, shard.world):
         raise InputError(f"--tp {tp} but this process is one of WORLD_SIZE={shard.world} ranks")
     init_workers(shard, device)
-    if shard.rank:
+    if shard.rank:  # only rank 0 prints; an error line still goes out (say_error)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        err.quiet = True
     return shard, None
 
 
@@ -89,6 +90,11 @@ def prefill_chunk_option(value: int | None) -> int | None:
     return value
 
 
+def say_error(line: str) -> None:
+    """The one error line, on stderr, whatever the rank (`err` is quiet on ranks other than 0)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     """Run a command body; turn errors into one line and an exit code."""
     try:
@@ -96,16 +102,19 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     except MhcrunError as e:
         if debug:
             raise
-        err.print(f"error: {e}", markup=False, soft_wrap=True)
+        say_error(f"error: {e}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err.print("error: interrupted", markup=False)
+        say_error("error: interrupted")
         raise typer.Exit(130) from None
     except Exception as e:  # a bug: still one line unless --debug
         if debug:
             raise
-        err.print(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-                  markup=False, soft_wrap=True)
+        from mhcrun.parallel import ECHO, peer_lost
+
+        if peer_lost(e):  # another rank failed first: mhcrun's launcher shows that rank's line, not this echo
+            raise typer.Exit(ECHO) from None
+        say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         raise typer.Exit(3) from None
     raise typer.Exit(code)
 

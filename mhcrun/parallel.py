@@ -124,6 +124,22 @@ def init_workers(shard: Shard, device: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
 
 
+ECHO = 4  # the exit code of a rank whose collective lost a peer (`peer_lost`)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether e is this rank's echo of another rank's failure (its collective lost the peer), in a rank that mhcrun's
+    launcher started: the launcher then reports the rank that failed first."""
+    if os.environ.get("MHCRUN_TP_LAUNCHED") != "1":
+        return False
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistBackendError", ())) or (
+        isinstance(e, RuntimeError) and any(m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                                                                 "gloo", "Timed out")))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,7 +160,8 @@ def launch(world: int, argv: list[str]) -> int:
     process's; the other ranks' stdout is dropped and their stderr kept in a file. When a rank fails, every
     other rank is ended at once (no hang, no orphan) and the failing rank's error line is shown (rank 0's own,
     or `error: rank K: ...`); the exit code is the failing rank's."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               MHCRUN_TP_LAUNCHED="1")
     # the ranks share this machine's cores (torchrun sets 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     logs = Path(tempfile.mkdtemp(prefix="mhcrun-tp-"))
@@ -161,7 +178,8 @@ def launch(world: int, argv: list[str]) -> int:
                                                   stdin=subprocess.DEVNULL))
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            # a rank that lost its peer exits with ECHO: it is never the failure to report
+            failed = sorted(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] == ECHO)
             if failed:
                 rank, code = failed[0]
                 if rank != 0:  # the same bad input fails every rank: then rank 0's own line is the one to show
@@ -169,12 +187,13 @@ def launch(world: int, argv: list[str]) -> int:
                         first = procs[0].wait(1.0)
                     except subprocess.TimeoutExpired:
                         first = None
-                    if first not in (None, 0):
+                    if first not in (None, 0, ECHO):
                         rank, code = 0, first
                 stop(procs)
-                if rank != 0:
-                    line = last_error_line(logs / f"rank{rank}.err")
-                    msg = line.removeprefix("error: ") if line else f"exited with code {code}"
+                if rank != 0 or code == ECHO:
+                    line = last_error_line(logs / f"rank{rank}.err") if rank and code != ECHO else None
+                    msg = line.removeprefix("error: ") if line else (
+                        "a collective lost its peers" if code == ECHO else f"exited with code {code}")
                     print(f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
                 return code if code > 0 else 3
             if all(c == 0 for c in codes):
