@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mhcrun.errors import InputError
+from mhcrun.fileio import read_json
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
@@ -103,16 +104,7 @@ def read_messages(path: str | Path) -> Chat:
     """A messages file: a JSON list of messages, or {"messages": [...], "tools": [...]}. Anything malformed is an
     InputError naming the file and the JSON path."""
     p = Path(path)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{p}: messages file not found") from None
-    except IsADirectoryError:
-        raise InputError(f"{p}: is a directory, not a messages file") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{p}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    raw = read_json(p, InputError)
     return parse_chat(raw, str(p))
 
 

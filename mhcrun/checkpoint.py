@@ -26,7 +26,7 @@ from mhcrun.errors import CheckpointError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
 from mhcrun.ops.quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8
 from mhcrun.parallel import SINGLE, Shard, check_divides
-from mhcrun.weights import TensorSpec, scale_name, stored_format, tensor_specs
+from mhcrun.weights import TensorSpec, scale_name, scale_shape, stored_format, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -243,17 +243,14 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
         elif fmt in ("fp8", "fp4"):
             out, inner = spec.shape
             if fmt == "fp8":
-                b = cfg.weight_block_size
                 count(_check_entry(spec.name, shard, _FP8_DTYPES, spec.shape))
-                scale_shape = (_ceil_div(out, b), _ceil_div(inner, b))
             else:
                 count(_check_entry(spec.name, shard, _FP4_DTYPES, (out, inner // 2)))
-                scale_shape = (out, _ceil_div(inner, FP4_BLOCK))
             sname = scale_name(spec.name)
             scale_shard = locate(sname, f"scale of {spec.name}")
             if fmt == "fp8":
                 _check_block_size(cfg, spec, sname, scale_shard)
-            count(_check_entry(sname, scale_shard, _SCALE_DTYPES, scale_shape))
+            count(_check_entry(sname, scale_shard, _SCALE_DTYPES, scale_shape(cfg, spec, fmt)))
         else:  # pragma: no cover - weights.stored_format only returns the four above
             raise _fail(f"{spec.name}: unknown stored format {fmt!r}")
         plans.append(_Plan(spec, fmt, shard, scale_shard))

@@ -134,14 +134,21 @@ def stages_option(value: str) -> str:
     return check_choice("--stages", value, STAGE_PLANS)
 
 
-def load_weights(runner, quiet: bool = False) -> None:
-    """Map the shards and build the model, with a progress bar (bytes) on stderr."""
+@contextlib.contextmanager
+def bytes_progress(label: str, quiet: bool = False):
+    """A progress bar of bytes on stderr (only on a terminal), as a callback(done_bytes, total_bytes)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
-        task = progress.add_task(runner.path.name, total=None)
-        runner.load(lambda done, total: progress.update(task, completed=done, total=total))
+        task = progress.add_task(label, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def load_weights(runner, quiet: bool = False) -> None:
+    """Map the shards and build the model, with a progress bar (bytes) on stderr."""
+    with bytes_progress(f"loading {runner.path.name}", quiet) as progress:
+        runner.load(progress)
 
 
 def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
@@ -149,15 +156,11 @@ def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
     -> (bad tensors, bytes read, seconds)."""
     import time
 
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     from mhcrun.weightcheck import check_weights
 
-    columns = (TextColumn("checking {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     t0 = time.perf_counter()
-    with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
-        task = progress.add_task(runner.path.name, total=None)
-        bad = check_weights(runner.plan, lambda done, total: progress.update(task, completed=done, total=total))
+    with bytes_progress(f"checking {runner.path.name}", quiet) as progress:
+        bad = check_weights(runner.plan, progress)
     return bad, sum(runner.plan.bytes_by_dtype.values()), time.perf_counter() - t0
 
 
@@ -763,17 +766,12 @@ def make_synthetic_cmd(
     FP4 experts), truncated to the first N layers: random weights, real shapes and bytes."""
 
     def body() -> None:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
         from mhcrun.memory import format_bytes, parse_size
         from mhcrun.synthetic import make_synthetic
 
         shard_bytes = parse_size(shard_size, "--shard-size")
-        columns = (TextColumn("writing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
-            task = progress.add_task("", total=None)
-            path = make_synthetic(config, out_dir, layers, seed, force, shard_bytes,
-                                  lambda done, total: progress.update(task, completed=done, total=total))
+        with bytes_progress("writing") as progress:
+            path = make_synthetic(config, out_dir, layers, seed, force, shard_bytes, progress)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         out.print(f"wrote {path}: {layers} layers, {format_bytes(size)} of shards")
 

@@ -195,18 +195,14 @@ def stored_bytes_per_rank(cfg: ModelConfig, world: int = 1) -> int:
     checkpoint needed): FP8 e4m3 bytes plus an e8m0 byte per block, packed FP4 plus an e8m0 byte per 32, fp32
     for the parameters the release keeps in fp32, bf16 for the other float tensors, int32 tables; 1/world of
     the split tensors and 1/world of the routed experts."""
-    from mhcrun.ops.quant import FP4_BLOCK
-    from mhcrun.weights import stored_format, tensor_specs
+    from mhcrun.weights import scale_shape, stored_format, tensor_specs
 
-    b, total = cfg.weight_block_size, 0
+    total = 0
     for spec in tensor_specs(cfg):
-        out, inner = (spec.shape + (1,))[:2]
         n = math.prod(spec.shape)
         fmt = stored_format(cfg, spec)
-        if fmt == "fp8":
-            size = n + math.ceil(out / b) * math.ceil(inner / b)
-        elif fmt == "fp4":
-            size = n // 2 + out * math.ceil(inner / FP4_BLOCK)
+        if fmt in ("fp8", "fp4"):  # codes (two e2m1 per byte) and an e8m0 byte per scale
+            size = (n if fmt == "fp8" else n // 2) + math.prod(scale_shape(cfg, spec, fmt))
         elif fmt == "index":
             size = 4 * n
         else:

@@ -111,6 +111,18 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     return specs
 
 
+def scale_shape(cfg: ModelConfig, spec: TensorSpec, fmt: str) -> tuple[int, int]:
+    """The stored scale of a quantised weight [out, in]: one per block x block tile (FP8), or per FP4_BLOCK
+    inputs of a row (FP4)."""
+    from mhcrun.ops.quant import FP4_BLOCK
+
+    out, inner = spec.shape
+    if fmt == "fp8":
+        b = cfg.weight_block_size
+        return -(-out // b), -(-inner // b)
+    return out, -(-inner // FP4_BLOCK)
+
+
 def spec_table(cfg: ModelConfig, n_layers: int | None = None) -> dict[str, TensorSpec]:
     """tensor_specs by name."""
     return {s.name: s for s in tensor_specs(cfg, n_layers)}
