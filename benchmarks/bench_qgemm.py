@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mhcrun.ops import qlinear as ql
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8, fp8_simulate, quantize_weight_fp4, quantize_weight_fp8
+from mhcrun.ops.qweight import QWeight
 
 
 def best_time(fn, repeats: int = 5, min_s: float = 0.2, sync=lambda: None) -> float:
@@ -64,19 +65,20 @@ def bench_decoders() -> None:
     q4, s4 = weights(4096, 4096, "fp4")
     n = 4096 * 4096
     out = torch.empty(4096, 4096)
+    w8, w4 = QWeight(q8, s8, 128).checked(), QWeight(q4, s4, 32).checked()
     rows = [
         ("fp8 w.float()", lambda: q8.float()),
         ("fp8 reference dequantize_fp8", lambda: dequantize_fp8(q8, s8, 128)),
-        ("fp8 fast decode_fp8", lambda: ql.decode_fp8(q8, s8, 128, out=out)),
+        ("fp8 fast decode_fp8", lambda: ql.decode(w8, out=out)),
         ("fp4 reference dequantize_fp4", lambda: dequantize_fp4(q4, s4, 32)),
-        ("fp4 fast decode_fp4", lambda: ql.decode_fp4(q4, s4, 32, out=out)),
+        ("fp4 fast decode_fp4", lambda: ql.decode(w4, out=out)),
     ]
     for name, fn in rows:
         print(f"  {name:32s} {n / best_time(fn, repeats=3) / 1e9:7.2f}")
     # in-cache rate of the chunk kernels alone (one chunk, decoded over and over)
     r = ql._chunk_rows(4096, 4096, 128)
-    d8 = ql._RowDecoder(q8, s8, "fp8", 128, r)
-    d4 = ql._RowDecoder(q4, s4, "fp4", 32, r)
+    d8 = ql._RowDecoder(w8, r)
+    d4 = ql._RowDecoder(w4, r)
     buf = torch.empty(r, 4096)
     for name, dec in (("fp8 chunk kernel (in cache)", d8), ("fp4 chunk kernel (in cache)", d4)):
         print(f"  {name:32s} {r * 4096 / best_time(lambda d=dec: d.rows(0, r, buf)) / 1e9:7.2f}")
@@ -92,10 +94,11 @@ def gemm_case(fmt: str, out_f: int, in_f: int, m: int) -> None:
     ref_w = dequantize_ref(q, s, fmt)
     block = 128 if fmt == "fp8" else 32
     x = torch.randn(m, in_f)
-    t_q = best_time(lambda: ql.qlinear(x, q, s, fmt, block))
-    t_a = best_time(lambda: ql.qlinear(x, q, s, fmt, block, True))
+    w = QWeight(q, s, block).checked()
+    t_q = best_time(lambda: ql.qlinear(x, w))
+    t_a = best_time(lambda: ql.qlinear(x, w, True))
     with torch_decoders():
-        t_t = best_time(lambda: ql.qlinear(x, q, s, fmt, block))
+        t_t = best_time(lambda: ql.qlinear(x, w))
     t_f = best_time(lambda: F.linear(x, ref_w))
     t_r = best_time(lambda: F.linear(x, dequantize_ref(q, s, fmt)), repeats=2)
     print(f"  {fmt} [{out_f} x {in_f}] x [{m}, {in_f}]: qlinear {t_q * 1e3:7.2f} ms "
@@ -128,9 +131,10 @@ def bench_gemv(chunk_sweep: bool) -> None:
             gemm_case(fmt, out_f, in_f, m)
     head = torch.randn(8192, 4096).to(torch.bfloat16)
     x = torch.randn(1, 4096)
-    t = best_time(lambda: ql.qlinear(x, head, None, "float", 0))
+    wh = QWeight(head).checked()
+    t = best_time(lambda: ql.qlinear(x, wh))
     with torch_decoders():
-        t_c = best_time(lambda: ql.qlinear(x, head, None, "float", 0))
+        t_c = best_time(lambda: ql.qlinear(x, wh))
     t_f = best_time(lambda: F.linear(x, head.float()))
     print(f"  bf16 [8192 x 4096] x fp32 [1, 4096]: qlinear {t * 1e3:.2f} ms = {head.numel() * 2 / t / 1e9:.2f} "
           f"GB/s of bf16; chunked {t_c * 1e3:.2f} ms; F.linear(x, w.float()) {t_f * 1e3:.2f} ms")
@@ -143,9 +147,9 @@ def bench_gemv(chunk_sweep: bool) -> None:
             for fmt, out_f, in_f in cases:
                 q, s = weights(out_f, in_f, fmt)
                 x = torch.randn(1, in_f)
-                block = 128 if fmt == "fp8" else 32
+                w = QWeight(q, s, 128 if fmt == "fp8" else 32).checked()
                 with torch_decoders():
-                    t = best_time(lambda x=x, q=q, s=s, fmt=fmt, block=block: ql.qlinear(x, q, s, fmt, block))
+                    t = best_time(lambda x=x, w=w: ql.qlinear(x, w))
                 res.append(f"{fmt} {q.numel() * q.element_size() / t / 1e9:6.2f}")
             print(f"  {cb >> 10:5d} KiB: " + ", ".join(res))
         ql.CHUNK_BYTES = saved
@@ -203,12 +207,13 @@ def bench_cuda() -> None:
             x = torch.randn(m, in_f, device=dev)
             ref = F.linear(fp8_simulate(x, 128), w)
             ql._SCALED_MM_BROKEN = False
-            y = ql._scaled_mm_fp8(x, q, s, 128)
+            wq = QWeight(q, s, 128).checked()
+            y = ql._scaled_mm_fp8(x, wq)
             if y is None:
                 print(f"  [{out_f} x {in_f}] M={m}: _scaled_mm path not taken")
                 continue
             err = ((y - ref).abs() / (fp8_simulate(x, 128).abs() @ w.abs().T + 1e-30)).max().item()
-            t_s = best_time(lambda x=x, q=q, s=s: ql._scaled_mm_fp8(x, q, s, 128), sync=sync)
+            t_s = best_time(lambda x=x, wq=wq: ql._scaled_mm_fp8(x, wq), sync=sync)
             t_q = best_time(lambda x=x, q=q, s=s: F.linear(fp8_simulate(x, 128), dequantize_fp8(q, s, 128)),
                             sync=sync)
             t_d = best_time(lambda x=x, w=w: F.linear(fp8_simulate(x, 128), w), sync=sync)
@@ -230,14 +235,15 @@ def compiled_case(fmt: str, out_f: int, in_f: int) -> None:
     s = s.view(torch.uint8)  # inductor cannot take float8_e8m0fnu graph inputs
     block = 128 if fmt == "fp8" else 32
     x = torch.randn(1, in_f)
-    res = [f"eager {best_time(lambda: ql.qlinear(x, q, s, fmt, block)) * 1e3:.2f} ms"]
+    w = QWeight(q, s, block).checked()
+    res = [f"eager {best_time(lambda: ql.qlinear(x, w)) * 1e3:.2f} ms"]
     for name, xs in (("fused GEMV", x), ("whole dequantise (16 rows)", torch.randn(16, in_f))):
         torch._dynamo.reset()
-        f = torch.compile(ql.qlinear, fullgraph=True)
+        f = torch.compile(lambda x, d, s: ql.qlinear(x, QWeight(d, s, w.block, w.kernel)), fullgraph=True)
         t0 = time.perf_counter()
-        f(xs, q, s, fmt, block)
+        f(xs, q, s)
         t_c = time.perf_counter() - t0
-        res.append(f"compiled {name} {best_time(lambda f=f, xs=xs: f(xs, q, s, fmt, block)) * 1e3:.2f} ms "
+        res.append(f"compiled {name} {best_time(lambda f=f, xs=xs: f(xs, q, s)) * 1e3:.2f} ms "
                    f"(compile {t_c:.1f} s)")
     print(f"  {fmt} [{out_f} x {in_f}]: " + "; ".join(res))
 

@@ -50,8 +50,7 @@ LINEAR = F.linear
 def decode(path: Path, layers: int | None, tokens: int, dequantize: bool, kernel: bool, f64: bool):
     os.environ["MHCRUN_CPU_KERNEL"] = "1" if kernel else "0"
     ck = load_checkpoint(path, layers, dequantize=dequantize)
-    model = build_model(ck.config, ck.tensors, ck.quantized, n_layers=layers,
-                        scales=None if dequantize else ck.scales)
+    model = build_model(ck.config, ck.tensors, ck.quantized, n_layers=layers)
     F.linear = linear_f64 if f64 else LINEAR
     try:
         return generate(model, [PROMPT], tokens, eos_id=-1, ignore_eos=True, record_topk=1)[0]

@@ -24,9 +24,10 @@ from safetensors.torch import save as safetensors_save
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
-from mhcrun.ops.quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8
+from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
+from mhcrun.ops.qweight import QWeight
 from mhcrun.parallel import SINGLE, Shard, check_divides
-from mhcrun.weights import TensorSpec, scale_name, scale_shape, stored_format, tensor_specs
+from mhcrun.weights import TensorSpec, block_size, scale_name, scale_shape, stored_format, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -64,10 +65,9 @@ _INDEX_DTYPES = ("int32", "int64")
 class LoadedCheckpoint:
     path: Path
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # every spec'd name -> its tensor as stored (a view of the mapped shard;
-    # int64 for 'index'), or fp32 when loaded with dequantize
+    tensors: dict[str, torch.Tensor | QWeight]  # every spec'd name -> its tensor as stored (a view of the mapped
+    # shard; int64 for 'index'), fp32 when loaded with dequantize; a weight stored fp8/fp4 and kept so: a QWeight
     quantized: set[str]  # names whose weights are stored fp8/fp4
-    scales: dict[str, torch.Tensor]  # weight name -> its stored scale, for quantised weights kept quantised
     bytes_by_dtype: dict[str, int]  # on-disk bytes of the loaded tensors (scales included), by dtype
     unused: list[str]  # tensors in the checkpoint that the model does not use (mtp.* excluded)
     shard_files: list[Path]  # relative to path
@@ -317,10 +317,17 @@ def _check_index(t: torch.Tensor, plan: _Plan, cfg: ModelConfig) -> torch.Tensor
     return t
 
 
-def _dequantize(plan: _Plan, raw: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    if plan.fmt == "fp8":
-        return dequantize_fp8(raw, scale, cfg.weight_block_size)
-    return dequantize_fp4(raw, scale, FP4_BLOCK)
+def _checked(w: QWeight, what: str) -> QWeight:
+    try:
+        return w.checked(what)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+
+
+def _dequantize(w: QWeight) -> torch.Tensor:
+    if w.fmt == "fp8":
+        return dequantize_fp8(w.data, w.scale, w.block)
+    return dequantize_fp4(w.data, w.scale, w.block)
 
 
 @dataclass
@@ -375,9 +382,10 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
 
     All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
     memory-mapped in turn and its tensors become views of the mapping, in their stored dtypes: FP8/FP4
-    weights stay quantised (their scales in `scales`), float tensors stay bf16/fp32; nothing is copied but
-    `tid2eid` (int64, range-checked). With `dequantize`, every float tensor is fp32 and every FP8/FP4 weight
-    is dequantised to fp32 (the reference the quantised path is checked against).
+    weights stay quantised (a QWeight each: bytes, scale, block, checked here once), float tensors stay
+    bf16/fp32; nothing is copied but `tid2eid` (int64, range-checked). Under --tp (`tp`) each is this rank's
+    share (`Shard.take`, `QWeight.share`: a scale with its weight). With `dequantize`, every float tensor is fp32
+    and every FP8/FP4 weight is dequantised to fp32 (the reference the quantised path is checked against).
     `progress(done_bytes, total_bytes)` is called after each tensor.
     """
     plan = plan_checkpoint(path, n_layers, tp)
@@ -387,8 +395,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
         by_shard.setdefault(p.shard.path, []).append(p)
     shard_of = {s.path: s for s in plan.shards.values()}
     total = sum(plan.bytes_by_dtype.values())
-    tensors: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QWeight] = {}
     mapped: dict[Path, mmap.mmap | None] = {}
     done = 0
 
@@ -400,28 +407,26 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     for shard_path in sorted(by_shard):  # shard by shard, in file order
         for p in by_shard[shard_path]:
             name = p.spec.name
-            t = take_share(view(shard_of[shard_path], name), p.spec.split, tp)
+            stored = view(shard_of[shard_path], name)
             done += p.shard.entries[name].nbytes
-            if p.fmt == "index":
-                t = _check_index(t, p, cfg)
-            elif p.fmt in ("fp8", "fp4"):
+            if p.fmt in ("fp8", "fp4"):
                 assert p.scale_shard is not None
-                scale = take_share(view(p.scale_shard, scale_name(name)), p.spec.split, tp)
+                scale = view(p.scale_shard, scale_name(name))
                 done += p.scale_shard.entries[scale_name(name)].nbytes
-                if dequantize:
-                    t = _dequantize(p, t, scale, cfg)
-                else:
-                    scales[name] = scale
-            elif dequantize:
-                t = t.float()
-            tensors[name] = t
+                w = QWeight(stored, scale, block_size(cfg, p.fmt)).share(p.spec.split, tp)
+                tensors[name] = _dequantize(w) if dequantize else _checked(w, f"{name} in {p.shard.path}")
+            else:
+                t = tp.take(stored, p.spec.split)
+                if p.fmt == "index":
+                    t = _check_index(t, p, cfg)
+                tensors[name] = t.float() if dequantize and p.fmt == "float" else t
             if progress is not None:
                 progress(done, total)
         if dequantize:  # nothing refers to this shard's mapping any more: unmap it now
             mapped.pop(shard_path, None)
     tensors = {p.spec.name: tensors[p.spec.name] for p in plan.plans}  # spec order
     quantized = {p.spec.name for p in plan.plans if p.fmt in ("fp8", "fp4")}
-    return LoadedCheckpoint(plan.root, cfg, tensors, quantized, scales, plan.bytes_by_dtype, plan.unused,
+    return LoadedCheckpoint(plan.root, cfg, tensors, quantized, plan.bytes_by_dtype, plan.unused,
                             [Path(name) for name in plan.shards])
 
 
@@ -442,16 +447,6 @@ def stored_tensors(plan: CheckpointPlan) -> Iterator[tuple[str, str, str, torch.
             if mapped is None:
                 mapped = _map_shard(shard)
             yield name, role, fmt, _view(mapped, shard, name)
-
-
-def take_share(t: torch.Tensor, split: int | None, tp: Shard) -> torch.Tensor:
-    """This rank's part of a stored tensor along `split` (a view: only its pages are ever read; a column share is
-    made contiguous, a copy of the share alone). A scale splits with its weight: its blocks are the same share."""
-    if split is None or tp.world == 1:
-        return t
-    part = tp.part(t.shape[split])
-    t = t.narrow(split, part.start, part.stop - part.start)
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def inspect_checkpoint(path: str | Path, n_layers: int | None = None) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """DeepSeek V4 as DeepSeek's inference code computes it, in plain torch on the ops in `mhcrun.ops`.
 
-Module and parameter names equal DeepSeek's checkpoint names (`layers.0.attn.wq_a.weight`, ...).
+Module and parameter names equal DeepSeek's checkpoint names (`layers.0.attn.wq_a.weight`, ...). The modules
+declare no tensors: the weights table (`weights.tensor_specs`: name, shape, format, split) is their one
+description, and `build_model` places each tensor where its name says (a Linear's weight as a `QWeight`).
 One entry point, as DeepSeek's `forward(tokens, start_pos)`: `forward(tokens [b, s], rows [b], start [b])` runs
 a chunk of s tokens per row at positions start + [0, s), attending to what earlier chunks left in the caches.
 A prompt is prefilled chunk by chunk; a decode step is a chunk of one token per row (rows may be at different
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mhcrun.config import ModelConfig
@@ -27,10 +30,11 @@ from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qlinear import qlinear, qlinear_grouped
-from mhcrun.ops.quant import FP4_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, hadamard
+from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
+from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
-from mhcrun.weights import dequantized_dtype, spec_table
+from mhcrun.weights import TensorSpec, dequantized_dtype, tensor_specs
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
 # half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions call it with the same
@@ -47,36 +51,35 @@ class RunOptions:
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
 
 
-def empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
-
-
 class Linear(nn.Module):
-    """A weight [out, in]. `quantized`: stored FP8/FP4 in the checkpoint; `act_quant`: the reference rounds
-    the activation to FP8 before this GEMM when it is quantized.
+    """x @ W^T over one weight `w` [out, in]: a float tensor, or kept quantised as stored (FP8 / FP4 with its
+    scale), which the GEMM dequantises block by block as it goes (`mhcrun.ops.qlinear`). `act_quant`: the
+    reference rounds the activation to FP8 before this GEMM (a weight stored quantised, per its TensorSpec)."""
 
-    `fmt` says how `weight` holds the values: "float", or kept quantised as "fp8" (float8_e4m3fn [out, in],
-    `scale` [out/block, in/block]) or "fp4" (int8 [out, in/2], `scale` [out, in/32]); the GEMM dequantises
-    block by block as it goes (`mhcrun.ops.qlinear`)."""
-
-    def __init__(self, in_features: int, out_features: int, opts: RunOptions):
+    def __init__(self, opts: RunOptions):
         super().__init__()
-        self.weight = empty(out_features, in_features)
-        self.register_buffer("scale", None, persistent=False)
-        self.fmt, self.block = "float", 0
+        self.w: QWeight | None = None  # placed by build_model
+        self.act_quant = False
         self.opts = opts
-        self.act_quant = True  # from the weight's TensorSpec, at build_model
-        self.quantized = False
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.w.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.weight, self.scale, self.fmt, self.block,
-                       self.act_quant and self.quantized and self.opts.quant_sim)
+        return qlinear(x, self.w, self.act_quant and self.opts.quant_sim)
+
+
+class Embedding(nn.Module):
+    """tokens -> rows of `weight` [vocab (this rank's), d]."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, eps: float):
         super().__init__()
-        self.weight = empty(dim)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,11 +95,9 @@ class Compressor(nn.Module):
         self.overlap = ratio == 4
         self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
         self.opts = opts
-        c = 2 if self.overlap else 1
-        self.ape = empty(ratio, c * head_dim)
-        self.wkv = Linear(cfg.dim, c * head_dim, opts)  # fp32 weights, fp32 math
-        self.wgate = Linear(cfg.dim, c * head_dim, opts)
-        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+        self.wkv = Linear(opts)  # fp32 weights, fp32 math
+        self.wgate = Linear(opts)
+        self.norm = RMSNorm(cfg.norm_eps)
 
     def bind(self, kv_state: torch.Tensor, score_state: torch.Tensor, cache: dict[str, torch.Tensor],
              fmt: CacheFormat, freqs: torch.Tensor) -> None:
@@ -131,6 +132,13 @@ def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rot
     return hadamard(out) if rotate else out
 
 
+def finish_index_queries(q: torch.Tensor, rope, quant_sim: bool) -> torch.Tensor:
+    """Indexer queries [..., heads, ihd] after wq_b -> as they are scored: RoPE on the tail (`rope`), the Hadamard
+    rotation, and with the simulation on the reference's FP4 rounding."""
+    q = hadamard(rope(q))
+    return fp4_simulate(q, INDEX_FP4_BLOCK) if quant_sim else q
+
+
 class Indexer(nn.Module):
     """Lightning indexer: scores the compressed entries for each query and keeps the top `index_topk`."""
 
@@ -140,8 +148,8 @@ class Indexer(nn.Module):
         self.head_dim, self.rope_dim = cfg.index_head_dim, cfg.rope_head_dim
         self.topk = cfg.index_topk
         self.opts = opts
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, opts)
-        self.weights_proj = Linear(cfg.dim, self.n_heads, opts)
+        self.wq_b = Linear(opts)
+        self.weights_proj = Linear(opts)
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
         self.weight_scale = self.head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
@@ -152,8 +160,8 @@ class Indexer(nn.Module):
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = hadamard(apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim))
-        return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
+        return finish_index_queries(q, lambda t: apply_rope_tail(t, freqs.unsqueeze(2), self.rope_dim),
+                                    self.opts.quant_sim)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                 freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,17 +197,15 @@ class Attention(nn.Module):
         self.eps = cfg.norm_eps
         self.opts = opts
         self.scale = self.head_dim ** -0.5
-        hd, H = cfg.head_dim, self.n_heads
-        self.attn_sink = empty(H)
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, opts)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, H * hd, opts)
-        self.wkv = Linear(cfg.dim, hd, opts)
-        self.kv_norm = RMSNorm(hd, cfg.norm_eps)
-        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * cfg.o_lora_rank, opts)
-        self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim, opts)
+        self.wq_a = Linear(opts)
+        self.q_norm = RMSNorm(cfg.norm_eps)
+        self.wq_b = Linear(opts)
+        self.wkv = Linear(opts)
+        self.kv_norm = RMSNorm(cfg.norm_eps)
+        self.wo_a = Linear(opts)
+        self.wo_b = Linear(opts)
         if self.ratio:
-            self.compressor = Compressor(cfg, self.ratio, hd, opts)
+            self.compressor = Compressor(cfg, self.ratio, self.head_dim, opts)
         if self.ratio == 4:
             self.indexer = Indexer(cfg, opts)
 
@@ -230,8 +236,7 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = apply_rope_tail(o, freqs.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
-        wo_a = self.wo_a
-        o = grouped_output(o, wo_a.weight, wo_a.scale, wo_a.fmt, wo_a.block, self.n_groups)
+        o = qlinear_grouped(o, self.wo_a.w, self.n_groups)  # [b, s, G, o_lora_rank]
         return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -281,20 +286,12 @@ class Attention(nn.Module):
         return self.output(o, freqs)
 
 
-def grouped_output(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: int,
-                   groups: int) -> torch.Tensor:
-    """o [b, s, G, d] -> [b, s, G, r]: group g through rows [g*r, (g+1)*r) of wo_a (float, or kept quantised)."""
-    if fmt == "float":
-        return torch.einsum("bsgd,grd->bsgr", o, weight.view(groups, -1, o.size(-1)))
-    return qlinear_grouped(o, weight, scale, fmt, block, groups)
-
-
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float, opts: RunOptions):
+    def __init__(self, limit: float, opts: RunOptions):
         super().__init__()
-        self.w1 = Linear(dim, inter, opts)
-        self.w2 = Linear(inter, dim, opts)
-        self.w3 = Linear(dim, inter, opts)
+        self.w1 = Linear(opts)
+        self.w2 = Linear(opts)
+        self.w3 = Linear(opts)
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,12 +305,7 @@ class Gate(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.topk, self.score_func, self.route_scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
-        self.hash = layer_id < cfg.n_hash_layers
-        self.weight = empty(cfg.n_routed_experts, cfg.dim)
-        if self.hash:
-            self.tid2eid = empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64)
-        else:
-            self.bias = empty(cfg.n_routed_experts)
+        self.hash = layer_id < cfg.n_hash_layers  # routes by token id (tid2eid), else by score (weight, bias)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = gate_scores(x, self.weight, self.score_func)
@@ -330,9 +322,8 @@ class MoE(nn.Module):
         self.gate = Gate(layer_id, cfg)
         self.owned = opts.tp.experts(cfg.n_routed_experts)  # this rank's block of experts; the others hold nothing
         self.experts = nn.ModuleList(
-            Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts) if e in self.owned else nn.Identity()
-            for e in range(cfg.n_routed_experts))
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, opts)
+            Expert(cfg.swiglu_limit, opts) if e in self.owned else nn.Identity() for e in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.swiglu_limit, opts)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -358,12 +349,8 @@ class Block(nn.Module):
         self.cfg = cfg
         self.attn = Attention(layer_id, cfg, opts)
         self.ffn = MoE(layer_id, cfg, opts)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", empty(cfg.mix_hc, cfg.hc_mult * cfg.dim))
-            setattr(self, f"hc_{site}_base", empty(cfg.mix_hc))
-            setattr(self, f"hc_{site}_scale", empty(3))
+        self.attn_norm = RMSNorm(cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.norm_eps)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
 
     def mixes(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -424,15 +411,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.opts = RunOptions(tp=tp)
         self.vocab = tp.part(cfg.vocab_size)  # this rank's vocabulary rows of the embedding and the head
-        self.embed = nn.Embedding(self.vocab.stop - self.vocab.start, cfg.dim, device="meta")
-        self.embed.weight.requires_grad_(False)
+        self.embed = Embedding()
         self.layers = nn.ModuleList(
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = Linear(cfg.dim, self.vocab.stop - self.vocab.start, self.opts)
-        self.hc_head_fn = empty(cfg.hc_mult, cfg.hc_mult * cfg.dim)
-        self.hc_head_base = empty(cfg.hc_mult)
-        self.hc_head_scale = empty(1)
+        self.norm = RMSNorm(cfg.norm_eps)
+        self.head = Linear(self.opts)  # and hc_head_{fn,base,scale}
         self.dtype = torch.float32
         self.max_batch = self.max_seq = 0
 
@@ -514,14 +497,14 @@ class Transformer(nn.Module):
         if self.opts.tp.world == 1:
             return self.embed(tokens).to(self.dtype)
         local = tokens - self.vocab.start
-        mine = (local >= 0) & (local < self.embed.num_embeddings)
-        e = self.embed(local.clamp(0, self.embed.num_embeddings - 1)) * mine.unsqueeze(-1)
+        n = self.embed.weight.size(0)
+        mine = (local >= 0) & (local < n)
+        e = self.embed(local.clamp(0, n - 1)) * mine.unsqueeze(-1)
         return all_reduce(e.float(), self.opts.tp).to(self.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [b, d] (fp32) -> logits [b, vocab] (fp32); under --tp every rank's vocabulary rows, gathered."""
-        local = qlinear(h, self.head.weight, None, "float", 0)
-        return gather_vocab(local, self.opts.tp, self.cfg.vocab_size)
+        return gather_vocab(self.head(h), self.opts.tp, self.cfg.vocab_size)
 
 
 def skip_probe(name: str, t: torch.Tensor) -> None:
@@ -536,55 +519,60 @@ def fp32_param(name: str) -> bool:
             or name == "head.weight")
 
 
-# vocabulary-sized tensors stay in their stored dtype (bf16 in the release): the embedding is exact after a
-# cast, and the head's GEMM converts it chunk by chunk, so no fp32 copy of either is ever made
 STORED_DTYPE = ("embed.weight", "head.weight")
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantized: set[str],
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], quantized: set[str],
                 dtype: torch.dtype = torch.float32, n_layers: int | None = None,
-                device: torch.device | str = "cpu", scales: dict[str, torch.Tensor] | None = None,
-                tp: Shard = SINGLE) -> Transformer:
-    """Make a Transformer and place the checkpoint's tensors in it.
+                device: torch.device | str = "cpu", tp: Shard = SINGLE) -> Transformer:
+    """Make a Transformer and place the checkpoint's tensors in it, each where its name says (the names, shapes
+    and formats of `weights.tensor_specs`; under --tp this rank's share, as `load_checkpoint(tp=...)` gives it).
 
-    A weight named in `scales` stays quantised: its stored bytes (a view of the mapped shard on cpu) and
-    its scale go into its Linear as they are. The vocabulary-sized tensors keep their stored dtype; every
-    other tensor is copied, cast to its run-time dtype.
+    A weight given as a QWeight stays quantised: its stored bytes (a view of the mapped shard on cpu) and its
+    scale go into its Linear as they are. The vocabulary-sized tensors keep their stored dtype; every other
+    tensor is copied, cast to its run-time dtype (`quantized` names those stored FP8/FP4 and dequantised).
     """
-    scales = scales or {}
     model = Transformer(cfg, n_layers, tp)
     model.dtype = dtype
-    specs = spec_table(cfg, n_layers)
-    state = {}
-    for name, p in model.state_dict(keep_vars=True).items():
-        t = tensors[name]
-        if name in scales:
+    owned = tp.experts(cfg.n_routed_experts)
+    for spec in tensor_specs(cfg, n_layers):
+        if spec.expert is not None and spec.expert not in owned:
             continue
-        if name in STORED_DTYPE and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            state[name] = t.to(device)
-            continue
-        if p.dtype == torch.int64:
-            want = torch.int64
-        elif name in quantized:
-            want = dequantized_dtype(specs[name], dtype)
-        elif fp32_param(name):
-            want = torch.float32
+        if spec.name not in tensors:
+            raise ValueError(f"build_model: no tensor {spec.name}")
+        owner, _, leaf = spec.name.rpartition(".")
+        module = model.get_submodule(owner)
+        t = tensors[spec.name]
+        if isinstance(module, Linear):
+            if not isinstance(t, QWeight):
+                t = QWeight(run_tensor(spec, t, quantized, dtype, device)).checked(spec.name)
+            module.w = t.to(device)
+            module.act_quant = spec.act_quant and spec.name in quantized
         else:
-            want = dtype
-        state[name] = placed(t, want, device)
-    missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
-    assert set(missing) == set(scales) & set(model.state_dict()) and not unexpected, (missing, unexpected)
-    for name, m in model.named_modules():
-        if isinstance(m, Linear):
-            m.quantized = f"{name}.weight" in quantized
-            m.act_quant = specs[f"{name}.weight"].act_quant
-            if f"{name}.weight" in scales:
-                keep_quantized(m, tensors[f"{name}.weight"], scales[f"{name}.weight"], cfg, device)
+            module.register_parameter(leaf, nn.Parameter(run_tensor(spec, t, quantized, dtype, device),
+                                                         requires_grad=False))
     # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)
     for block in model.layers:
         block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn")) for site in ("attn", "ffn")}
     model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn)
     return model.eval()
+
+
+def run_tensor(spec: TensorSpec, t: torch.Tensor, quantized: set[str], dtype: torch.dtype,
+               device: torch.device | str) -> torch.Tensor:
+    """A stored tensor as the model runs it: int64 tables; the vocabulary-sized tensors as stored, not copied
+    (bf16 in the release: the embedding is exact after a cast, and the head's GEMM converts it chunk by chunk,
+    so no fp32 copy of either is made); a dequantised weight in `weights.dequantized_dtype`; fp32 where
+    DeepSeek's reference keeps fp32 (`fp32_param`); else the activation dtype."""
+    if spec.name in STORED_DTYPE and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return t.to(device)
+    if spec.kind == "index":
+        want = torch.int64
+    elif spec.name in quantized:
+        want = dequantized_dtype(spec, dtype)
+    else:
+        want = torch.float32 if fp32_param(spec.name) else dtype
+    return placed(t, want, device)
 
 
 def placed(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -595,12 +583,3 @@ def placed(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> t
     if own and t.dtype == dtype and t.device == torch.device(device):
         return t
     return torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
-
-
-def keep_quantized(m: Linear, data: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig,
-                   device: torch.device | str) -> None:
-    """Put a stored FP8 (float8_e4m3fn) or FP4 (packed int8) weight and its scale into `m` as they are."""
-    m.fmt = "fp4" if data.dtype in (torch.int8, torch.uint8) else "fp8"
-    m.block = FP4_BLOCK if m.fmt == "fp4" else cfg.weight_block_size
-    m.weight = nn.Parameter(data.to(device), requires_grad=False)
-    m.scale = scale.to(device)

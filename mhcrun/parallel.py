@@ -42,6 +42,15 @@ class Shard:
         s = self.part(n_experts)
         return range(s.start, s.stop)
 
+    def take(self, t: torch.Tensor, split: int | None) -> torch.Tensor:
+        """This rank's part of t along `split` (None: all of it): a view, so only its pages of a mapped tensor are
+        ever read; a column share is made contiguous (a copy of the share alone)."""
+        if split is None or self.world == 1:
+            return t
+        part = self.part(t.shape[split])
+        t = t.narrow(split, part.start, part.stop - part.start)
+        return t if t.is_contiguous() else t.contiguous()
+
 
 SINGLE = Shard()
 MOVED = {"bytes": 0}  # bytes this rank has put into all-reduces (its input), for the per-token report

@@ -83,7 +83,7 @@ class Runner:
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
-                                 c.scales, self.tp)
+                                 self.tp)
         self.model.opts.quant_sim = self.quant_sim
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)

@@ -1,4 +1,8 @@
-"""The tensors a V4 checkpoint must hold for a config: names (DeepSeek's inference names), shapes, kinds.
+"""The tensors a V4 checkpoint must hold for a config: names (DeepSeek's inference names), shapes, kinds, splits.
+
+This table is the one description of the weights: checkpoint checking and loading, the memory plan, `--tp`
+sharing, `model.build_model` (which places each tensor where its name says) and the compiled regions' inputs
+(`regions.runner.region_inputs`) are derived from it.
 
 Kinds:
 - "float":  an unquantised float tensor (bf16 or fp32 in the release; any float dtype accepted).
@@ -111,16 +115,19 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     return specs
 
 
+def block_size(cfg: ModelConfig, fmt: str) -> int:
+    """A quantised weight's block: the config's square FP8 tile, or FP4_BLOCK inputs of a row (FP4)."""
+    from mhcrun.ops.quant import FP4_BLOCK
+
+    return cfg.weight_block_size if fmt == "fp8" else FP4_BLOCK
+
+
 def scale_shape(cfg: ModelConfig, spec: TensorSpec, fmt: str) -> tuple[int, int]:
     """The stored scale of a quantised weight [out, in]: one per block x block tile (FP8), or per FP4_BLOCK
     inputs of a row (FP4)."""
-    from mhcrun.ops.quant import FP4_BLOCK
-
     out, inner = spec.shape
-    if fmt == "fp8":
-        b = cfg.weight_block_size
-        return -(-out // b), -(-inner // b)
-    return out, -(-inner // FP4_BLOCK)
+    b = block_size(cfg, fmt)
+    return (-(-out // b), -(-inner // b)) if fmt == "fp8" else (out, -(-inner // b))
 
 
 def spec_table(cfg: ModelConfig, n_layers: int | None = None) -> dict[str, TensorSpec]:

@@ -16,6 +16,7 @@ from mhcrun.checkpoint import INDEX_FILE, checkpoint_weights_hash, load_checkpoi
 from mhcrun.config import config_from_hf
 from mhcrun.errors import CheckpointError, ConfigError, InputError
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8, quantize_weight_fp4, quantize_weight_fp8
+from mhcrun.ops.qweight import QWeight
 from mhcrun.weights import scale_name, stored_format, tensor_specs
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
@@ -114,7 +115,7 @@ def test_good_checkpoint_loads(good_dir, plain):
     ck = load_checkpoint(good_dir, progress=lambda d, t: calls.append((d, t)), dequantize=True)
     names = [s.name for s in tensor_specs(ck.config)]
     assert list(ck.tensors) == names
-    assert ck.quantized == set() and ck.unused == [] and ck.scales == {}
+    assert ck.quantized == set() and ck.unused == []
     for name in names:
         t = ck.tensors[name]
         assert t.dtype == (torch.int64 if name.endswith("tid2eid") else torch.float32), name
@@ -159,12 +160,14 @@ def test_checkpoint_maps_stored_tensors(good_dir, plain):
 def test_quantized_checkpoint_kept_quantised(quant_dir, quant):
     raw, tensors = quant
     ck = load_checkpoint(quant_dir)
-    assert set(ck.scales) == ck.quantized
+    assert {n for n, t in ck.tensors.items() if isinstance(t, QWeight)} == ck.quantized
     for name in ck.quantized:
-        assert ck.tensors[name].dtype == tensors[name].dtype and torch.equal(ck.tensors[name].view(torch.uint8),
-                                                                             tensors[name].view(torch.uint8))
+        w = ck.tensors[name]
+        assert w.data.dtype == tensors[name].dtype and torch.equal(w.data.view(torch.uint8),
+                                                                   tensors[name].view(torch.uint8))
         scale = tensors[scale_name(name)]
-        assert torch.equal(ck.scales[name].view(torch.uint8), scale.view(torch.uint8)), name
+        assert torch.equal(w.scale.view(torch.uint8), scale.view(torch.uint8)), name
+        assert w.fmt == ("fp8" if w.data.dtype == torch.float8_e4m3fn else "fp4") and w.block in (32, 128), name
 
 
 def test_quantized_checkpoint_loads(quant_dir, quant):

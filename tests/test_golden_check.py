@@ -62,7 +62,8 @@ def test_locate_names_the_perturbed_layer_half_of_the_compiled_path(tmp_path, fa
         original(self, *args, **kwargs)
         w = self.layer_inputs[2][3]["w"]
         g = torch.Generator().manual_seed(0)
-        w["shared_w3"] = w["shared_w3"] + 0.05 * torch.randn(w["shared_w3"].shape, generator=g)
+        key = "ffn.shared_experts.w3"  # its weights-table name under layers.2.
+        w[key] = w[key] + 0.05 * torch.randn(w[key].shape, generator=g)
 
     monkeypatch.setattr(regions_runner.RegionDecoder, "__init__", perturbed)
     r = CLI.invoke(app, ["golden-check", small_golden(tmp_path, 1, 4), "--graph-mode", "regions", "--locate",

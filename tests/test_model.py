@@ -133,10 +133,10 @@ def test_fp8_variant_kept_quantised_quantises_activations(tmp_path):
     path = make_tiny(tmp_path / "t8", fp8=True)
     ck = load_checkpoint(path)
     assert "layers.1.attn.wq_a.weight" in ck.quantized and "layers.1.ffn.experts.0.w1.weight" in ck.quantized
-    model = build_model(ck.config, ck.tensors, ck.quantized, scales=ck.scales)
+    model = build_model(ck.config, ck.tensors, ck.quantized)
     wq_a, w1 = model.layers[1].attn.wq_a, model.layers[1].ffn.experts[0].w1
-    assert wq_a.quantized and not model.layers[1].attn.wo_a.act_quant
-    assert (wq_a.fmt, wq_a.weight.dtype, w1.fmt, w1.weight.dtype) == ("fp8", torch.float8_e4m3fn, "fp4", torch.int8)
+    assert wq_a.act_quant and not model.layers[1].attn.wo_a.act_quant
+    assert (wq_a.w.fmt, wq_a.weight.dtype, w1.w.fmt, w1.weight.dtype) == ("fp8", torch.float8_e4m3fn, "fp4", torch.int8)
     ids = [0, 12, 40, 7, 9]
     with torch.inference_mode():
         on = prefill_logits(model, ids)

@@ -215,8 +215,9 @@ def test_a_compiled_region_that_turns_non_finite_is_named(monkeypatch):
     def poisoned(self, *args, **kwargs):
         original(self, *args, **kwargs)
         w = self.layer_inputs[2][3]["w"]
-        w["shared_w1"] = w["shared_w1"].clone()
-        w["shared_w1"][0, 0] = float("nan")
+        key = "ffn.shared_experts.w1"
+        w[key] = w[key].clone()
+        w[key][0, 0] = float("nan")
 
     monkeypatch.setattr(runner.RegionDecoder, "__init__", poisoned)
     with pytest.raises(NonFiniteError) as e:

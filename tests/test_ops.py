@@ -31,12 +31,18 @@ from mhcrun.ops.hc import (
 from mhcrun.ops.index import entry_step, index_scores, rank_keys, select_topk, select_topk_sliced
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import qlinear as linear
+from mhcrun.ops.qlinear import qlinear
+from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope, apply_rope_tail, precompute_freqs_cis
 
 N = 4  # hc_mult
 MIX = (2 + N) * N
 HC_EPS = 1e-6
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
+    """A float weight through qlinear, as a loaded Linear holds it."""
+    return qlinear(x, QWeight(w).checked(), act_quant)
 
 
 def gen(seed: int) -> torch.Generator:

@@ -17,8 +17,9 @@ import torch
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
-from mhcrun.checkpoint import load_checkpoint, plan_checkpoint, take_share
+from mhcrun.checkpoint import load_checkpoint, plan_checkpoint
 from mhcrun.cli import app
+from mhcrun.ops.qweight import QWeight
 from mhcrun.parallel import SINGLE, Shard, free_port
 from mhcrun.runner import DEFAULT_MODEL
 from mhcrun.tiny import make_tiny
@@ -43,25 +44,29 @@ def test_shares_reassemble_to_the_stored_tensors(kind, fp8_tiny):
     whole = load_checkpoint(path)
     parts = [load_checkpoint(path, tp=Shard(r, 2)) for r in range(2)]
     split = {s.name: s.split for s in tensor_specs(whole.config)}
+    def stored(t):  # -> (data, scale) as their bytes
+        if isinstance(t, QWeight):
+            return t.data.view(torch.uint8), t.scale.view(torch.uint8)
+        return t.view(torch.uint8), None
+
     for name, t in whole.tensors.items():
+        data, scale = stored(t)
         if ".experts." in name and ".shared_experts." not in name:  # each expert on exactly one rank
             owners = [p for p in parts if name in p.tensors]
-            assert len(owners) == 1 and torch.equal(owners[0].tensors[name].view(torch.uint8),
-                                                    t.view(torch.uint8)), name
+            assert len(owners) == 1 and torch.equal(stored(owners[0].tensors[name])[0], data), name
             continue
+        shares = [stored(p.tensors[name]) for p in parts]
         if split[name] is None:
-            assert all(torch.equal(p.tensors[name].view(torch.uint8), t.view(torch.uint8)) for p in parts), name
+            assert all(torch.equal(d, data) for d, _ in shares), name
             continue
-        joined = torch.cat([p.tensors[name] for p in parts], dim=split[name])
-        assert torch.equal(joined.view(torch.uint8), t.view(torch.uint8)), name
-        if name in whole.scales:  # a scale splits with its weight
-            js = torch.cat([p.scales[name] for p in parts], dim=split[name])
-            assert torch.equal(js.view(torch.uint8), whole.scales[name].view(torch.uint8)), name
+        assert torch.equal(torch.cat([d for d, _ in shares], dim=split[name]), data), name
+        if scale is not None:  # a scale splits with its weight
+            assert torch.equal(torch.cat([s for _, s in shares], dim=split[name]), scale), name
     owned = [sorted(int(n.split(".")[4]) for n in p.tensors if ".ffn.experts." in n and n.startswith("layers.1."))
              for p in parts]
     assert owned == [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3], [4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]]
     t = torch.arange(12).view(3, 4)
-    assert torch.equal(take_share(t, 1, Shard(1, 2)), t[:, 2:]) and take_share(t, None, Shard(1, 2)) is t
+    assert torch.equal(Shard(1, 2).take(t, 1), t[:, 2:]) and Shard(1, 2).take(t, None) is t
 
 
 def test_a_split_that_cuts_a_scale_block_names_the_tensor_the_block_and_n(fp8_tiny, monkeypatch):

@@ -3,8 +3,8 @@
 Shapes cover partial tiles and groups, inner sizes that end inside a 16/32-byte vector, tile and group sizes
 that are not multiples of the vector width, every remainder of the four-rows-at-a-time loop, grouped outputs
 (wo_a) and each scale encoding. Results are compared with the two-summation-orders fp32 bound of
-test_qlinear; where the kernel must not run (NaN codes, overflowing scales) it returns None and qlinear gives
-the reference's values.
+test_qlinear; a weight whose scales could overflow is not given to the kernel (QWeight.kernel, decided at load)
+and qlinear gives the reference's values; NaN codes come out as NaN rows, as the reference gives them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, reference_weight, weight_of
+from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, qw, reference_weight, weight_of
 
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import _EXPERT_SETS as EXPERT_SETS
 from mhcrun.ops.qlinear import dequantize, qlinear, register_experts
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
+from mhcrun.ops.qweight import QWeight
 
 needs_kernel = pytest.mark.skipif(not qgemv.available(), reason=f"CPU kernel {qgemv.status()}")
 
@@ -35,7 +36,7 @@ def cpu_flags() -> set[str]:
 
 
 def run(x3: torch.Tensor, data, scale, fmt: str, block: int, groups: int = 1) -> torch.Tensor:
-    y = qgemv.qgemv(x3, data, scale, fmt, block, groups)
+    y = qgemv.qgemv(x3, qw(data, scale, block), groups)
     assert y is not None, "the kernel declined"
     return y
 
@@ -90,7 +91,7 @@ def test_fp4_against_reference(n, k, block, m):
     """Groups of 32 and 64 take the two-chunk loop; 8 and 48 inputs the general one; 70 ends mid-vector."""
     g = gen(200 + m)
     p, s = fp4_weight(n, k, g, e8m0=bool(m % 2), block=block)
-    w_ref = dequantize(p, s, "fp4", block)
+    w_ref = dequantize(QWeight(p, s, block))
     x3 = torch.randn(m, 1, k, generator=g)
     check_groups(run(x3, p, s, "fp4", block), x3, w_ref)
 
@@ -126,7 +127,7 @@ def test_fp4_non_power_of_two_scales_round_like_the_reference():
     g = gen(500)
     p, _ = fp4_weight(64, 256, g)
     s = torch.rand(64, 8, generator=g) * 3 + 0.1
-    w_ref = dequantize(p, s, "fp4", 32)
+    w_ref = dequantize(QWeight(p, s, 32))
     x3 = torch.randn(2, 1, 256, generator=g)
     check_groups(run(x3, p, s, "fp4", 32), x3, w_ref)
 
@@ -163,23 +164,33 @@ def test_same_result_on_any_thread_count():
 
 @needs_kernel
 @pytest.mark.usefixtures("isa")
-def test_nan_codes_and_bad_scales_fall_back_to_the_reference():
-    """NaN codes, NaN (e8m0 0xFF) scales and scales whose products overflow: the kernel declines, and qlinear
-    gives NaN / inf exactly where dequantise-then-matmul does."""
+def test_nan_codes_and_bad_scales_give_the_references_values():
+    """NaN codes: the kernel writes their rows as NaN, as dequantise-then-matmul gives them. NaN (e8m0 0xFF) scales
+    and scales whose products could overflow: the weight is not the kernel's (decided once, when it is made), and
+    qlinear gives NaN / inf exactly where dequantise-then-matmul does."""
     g = gen(800)
     w, s = fp8_weight(64, 64, 32, g)
     bad_w = w.view(torch.uint8).clone()
     bad_w[5, 3] = 0x7F
+    bad_w[40, 63] = 0xFF
     bad_w = bad_w.view(torch.float8_e4m3fn)
+    x = torch.randn(2, 64, generator=g)
+    y = run(x[:, None], bad_w, s, "fp8", 32)[:, 0]
+    w_ref = reference_weight(bad_w, s, "fp8", 32)
+    assert torch.equal(torch.isnan(y), torch.isnan(F.linear(x, w_ref))) and int(torch.isnan(y).sum()) == 4
+    keep = [c for c in range(64) if c not in (5, 40)]
+    assert_gemm_close(y[:, keep], F.linear(x, w_ref[keep]), x, w_ref[keep])
     nan_s = s.view(torch.uint8).clone()
     nan_s[1, 0] = 255
-    cases = [(bad_w, s), (w, nan_s.view(torch.float8_e8m0fnu)), (w, torch.full((2, 2), 2.0**125))]
-    x = torch.randn(2, 64, generator=g)
-    for data, scale in cases:
-        assert qgemv.qgemv(x[:, None], data, scale, "fp8", 32, 1) is None
-        w_ref = reference_weight(data, scale, "fp8", 32)
-        y, ref = qlinear(x, data, scale, "fp8", 32), F.linear(x, w_ref)
+    big = torch.full((2, 2), 2.0**125)
+    for scale in (nan_s.view(torch.float8_e8m0fnu), nan_s, big, float_to_e8m0(big)):
+        wq = qw(w, scale, 32)
+        assert not wq.kernel and qgemv.qgemv(x[:, None], wq, 1) is None
+        w_ref = reference_weight(w, scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale,
+                                 "fp8", 32)
+        y, ref = qlinear(x, wq), F.linear(x, w_ref)
         assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+    assert qw(w, torch.full((2, 2), 2.0**119), 32).kernel and not qw(w, torch.full((2, 2), 2.0**120), 32).kernel
 
 
 @needs_kernel
@@ -187,19 +198,20 @@ def test_declines_what_it_does_not_cover():
     g = gen(900)
     w, s = fp8_weight(64, 64, 32, g)
     x = torch.randn(1, 1, 64, generator=g)
-    assert qgemv.qgemv(torch.randn(qgemv.MAX_ROWS + 1, 1, 64), w, s, "fp8", 32, 1) is None
-    assert qgemv.qgemv(x, w.t(), s, "fp8", 32, 1) is None  # not contiguous
-    assert qgemv.qgemv(x, torch.randn(8, 64).half(), None, "float", 0, 1) is None
-    assert qgemv.qgemv(x, w, s.view(torch.uint8).to(torch.int16), "fp8", 32, 1) is None
+    assert qgemv.qgemv(torch.randn(qgemv.MAX_ROWS + 1, 1, 64), qw(w, s, 32), 1) is None
+    assert qgemv.qgemv(x, qw(w.t(), s, 32), 1) is None  # not contiguous
+    assert qgemv.qgemv(x, qw(torch.randn(8, 64).half(), None, 0), 1) is None
+    with pytest.raises(ValueError, match="scale dtype"):  # refused when the weight is made, not at run time
+        qw(w, s.view(torch.uint8).to(torch.int16), 32)
     p, ps = fp4_weight(8, 64, g)
-    assert qgemv.qgemv(x, p, ps, "fp4", 33, 1) is None  # odd groups split a byte
+    assert qgemv.qgemv(x, qw(p, ps, 33), 1) is None  # odd groups split a byte
 
 
 def test_switched_off(monkeypatch):
     monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
     w, s = fp8_weight(64, 64, 32, gen(1000))
     assert qgemv.status() == "off (MHCRUN_CPU_KERNEL=0)" and not qgemv.available()
-    assert qgemv.qgemv(torch.randn(1, 1, 64), w, s, "fp8", 32, 1) is None
+    assert qgemv.qgemv(torch.randn(1, 1, 64), qw(w, s, 32), 1) is None
 
 
 def test_build_is_cached_and_atomic(tmp_path):
@@ -230,11 +242,11 @@ def test_kernels_decline_when_subnormals_are_flushed():
     if not torch.set_flush_denormal(True):
         pytest.skip("no flush-denormal mode on this CPU")
     try:
-        assert qgemv.qgemv(x, w, s, "fp8", 32, 1) is None
+        assert qgemv.qgemv(x, qw(w, s, 32), 1) is None
         assert qgemv.act_quant_fp8(x, 128) is None
     finally:
         torch.set_flush_denormal(False)
-    assert qgemv.qgemv(x, w, s, "fp8", 32, 1) is not None
+    assert qgemv.qgemv(x, qw(w, s, 32), 1) is not None
 
 
 # ---------------------------------------------------------------- activation quantisation
@@ -285,7 +297,7 @@ def test_act_quant_leaves_non_finite_x_to_torch():
         w, s = fp8_weight(64, 256, 128, gen(1300))
         w_ref = reference_weight(w, s, "fp8", 128)
         ref = F.linear(fp8_simulate(y, 128, pow2_scale=True), w_ref)  # torch's rules for NaN / inf blocks
-        out = qlinear(y, w, s, "fp8", 128, act_quant=True)
+        out = qlinear(y, qw(w, s, 128), True)
         assert torch.equal(out.isnan(), ref.isnan())
         assert_gemm_close(out[:1], ref[:1], y[:1], w_ref, act_quant=True)  # the clean row
         if bad == float("inf"):  # torch's rounding clamps inf to 448 at scale 1: a finite row
@@ -325,12 +337,12 @@ def test_expert_set_op_reads_each_rows_experts_in_place(fmt):
         pass
 
     owner = Layer()
-    handle = register_experts(owner, [w for w, _ in experts], [s for _, s in experts])
+    handle = register_experts(owner, [qw(w, s, 32) for w, s in experts])
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):
             x = torch.randn(idx.shape[0], slots, 96, generator=g)
-            y = torch.ops.mhcrun.qgemv_expert_set(x, handle, idx, fmt, 32, 64)
+            y = torch.ops.mhcrun.qgemv_expert_set(x, handle, idx, 64)
             assert y.shape == (*idx.shape, 64)
             for b, row in enumerate(idx.tolist()):
                 for j, e in enumerate(row):
@@ -360,12 +372,21 @@ def test_compiled_qlinear_calls_the_kernel_op(fmt):
         targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
+    w = qw(data, scale, 32)
+    assert w.kernel
+
+    def linear(x, d, s):
+        return qlinear(x, QWeight(d, s, w.block, w.kernel))
+
+    def grouped(x, d, s):
+        return qlinear_grouped(x, QWeight(d, s, w.block, w.kernel), 4)
+
     x = torch.randn(2, 160, generator=g)
-    y = torch.compile(qlinear, backend=record, fullgraph=True)(x, data, scale, fmt, 32)
+    y = torch.compile(linear, backend=record, fullgraph=True)(x, data, scale)
     assert_gemm_close(y, F.linear(x, w_ref), x, w_ref)
     assert "mhcrun.qgemv" in targets and not any("bitwise" in t for t in targets)
     xg = torch.randn(3, 4, 160, generator=g)
-    yg = torch.compile(qlinear_grouped, backend=record, fullgraph=True)(xg, data, scale, fmt, 32, 4)
+    yg = torch.compile(grouped, backend=record, fullgraph=True)(xg, data, scale)
     for gi in range(4):
         rows = w_ref[gi * 24:(gi + 1) * 24]
         assert_gemm_close(yg[:, gi], F.linear(xg[:, gi], rows), xg[:, gi], rows)

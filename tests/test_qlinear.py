@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from mhcrun.ops import qlinear as ql
 from mhcrun.ops.qlinear import (
     act_quant_fp8_codes,
-    decode_fp4,
-    decode_fp8,
+    decode,
     dequantize,
+    dequantize_reference,
     gemv_fused,
     qlinear,
     qlinear_grouped,
@@ -35,8 +35,21 @@ from mhcrun.ops.quant import (
     fp8_simulate,
     quantize_act_fp8,
 )
+from mhcrun.ops.qweight import QWeight, scale_f32
 
 U32 = 2.0**-24
+
+
+def qw(data: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0) -> QWeight:
+    """A weight as loading makes it: checked once."""
+    return QWeight(data, scale, block).checked()
+
+
+def compiled(fn, w: QWeight, *args):
+    """x -> fn(x, w, *args) compiled with the weight's tensors as graph inputs (as the regions take them)."""
+    c = torch.compile(lambda x, d, s: fn(x, QWeight(d, s, w.block, w.kernel), *args), backend="aot_eager",
+                      fullgraph=True)
+    return lambda x: c(x, w.data, w.scale)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -124,39 +137,45 @@ def stored_scales(value: float, shape: tuple[int, int]) -> list[torch.Tensor]:
 def test_decode_fp8_all_codes(value):
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
     for s in stored_scales(value, (1, 1)):
-        assert_same_values(decode_fp8(codes, s, 128), dequantize_fp8(codes, s, 128))
+        assert_same_values(decode(qw(codes, s, 128)), dequantize_fp8(codes, s, 128))
 
 
 def test_decode_fp8_nan_codes_and_subnormals():
     codes = torch.tensor([[0x7F, 0xFF, 0x01, 0x81, 0x07, 0x87, 0x00, 0x80]], dtype=torch.uint8)
     w = codes.view(torch.float8_e4m3fn)
-    got = decode_fp8(w, torch.ones(1, 1), 8)
+    got = decode(qw(w, torch.ones(1, 1), 8))
     assert torch.isnan(got[0, :2]).all()
     assert got[0, 2:].tolist() == [2.0**-9, -(2.0**-9), 7 * 2.0**-9, -7 * 2.0**-9, 0.0, -0.0]
     assert torch.signbit(got[0, 7])
 
 
-def test_decode_fp8_nan_memory_follows_in_place_changes():
+def test_decode_fp8_nan_memory():
+    """A weight found free of NaN codes over a whole pass is not looked at again; one holding them always is."""
     g = gen(1)
     w, s = fp8_weight(64, 64, 32, g)
     w.view(torch.uint8)[w.view(torch.uint8) & 0x7F == 0x7F] = 0  # no NaN codes
-    assert_same_values(decode_fp8(w, s, 32), dequantize_fp8(w, s, 32))
-    assert ql._known_nan(w) is False  # remembered
-    assert_same_values(decode_fp8(w, s, 32), dequantize_fp8(w, s, 32))
-    w.view(torch.uint8)[5, 7] = 0xFF  # an in-place change bumps the version: looked at again
-    got = decode_fp8(w, s, 32)
-    assert torch.isnan(got[5, 7]) and int(torch.isnan(got).sum()) == 1
-    assert_same_values(got, dequantize_fp8(w, s, 32))
+    clean = qw(w, s, 32)
+    assert clean.nan_free is None
+    assert_same_values(decode(clean), dequantize_fp8(w, s, 32))
+    assert clean.nan_free is True  # remembered
+    assert_same_values(decode(clean), dequantize_fp8(w, s, 32))
+    bad = w.clone()
+    bad.view(torch.uint8)[5, 7] = 0xFF
+    nan = qw(bad, s, 32)
+    for _ in range(2):
+        got = decode(nan)
+        assert torch.isnan(got[5, 7]) and int(torch.isnan(got).sum()) == 1 and nan.nan_free is False
+        assert_same_values(got, dequantize_fp8(bad, s, 32))
     x = torch.randn(1, 64, generator=g)
-    assert torch.isnan(qlinear(x, w, s, "fp8", 32)[0, 5])
+    assert torch.isnan(qlinear(x, nan)[0, 5])
 
 
 @pytest.mark.parametrize("value", SCALES)
 def test_decode_fp4_all_codes(value):
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.int8).view(8, 32)
     for s in stored_scales(value, (8, 2)):
-        assert_same_values(decode_fp4(packed, s, 32), dequantize_fp4(packed, s, 32))
-        assert_same_values(decode_fp4(packed.view(torch.uint8), s, 32), dequantize_fp4(packed, s, 32))
+        assert_same_values(decode(qw(packed, s, 32)), dequantize_fp4(packed, s, 32))
+        assert_same_values(decode(qw(packed.view(torch.uint8), s, 32)), dequantize_fp4(packed, s, 32))
 
 
 @pytest.mark.parametrize("shape, block", [((200, 320), 128), ((37, 45), 32), ((1, 128), 128), ((130, 7), 32),
@@ -164,14 +183,14 @@ def test_decode_fp4_all_codes(value):
 @pytest.mark.parametrize("e8m0", [True, False])
 def test_decode_fp8_random_partial_tiles(shape, block, e8m0):
     w, s = fp8_weight(*shape, block, gen(2), e8m0)
-    assert torch.equal(decode_fp8(w, s, block), dequantize_fp8(w, s, block))
+    assert torch.equal(decode(qw(w, s, block)), dequantize_fp8(w, s, block))
 
 
 @pytest.mark.parametrize("shape", [(200, 320), (3, 40), (1, 64), (33, 2)])
 @pytest.mark.parametrize("e8m0", [True, False])
 def test_decode_fp4_random(shape, e8m0):
     p, s = fp4_weight(*shape, gen(3), e8m0)
-    assert torch.equal(decode_fp4(p, s, 32), dequantize_fp4(p, s, 32))
+    assert torch.equal(decode(qw(p, s, 32)), dequantize_fp4(p, s, 32))
 
 
 @pytest.mark.parametrize("chunk_bytes", [64 * 4 * 16, 64 * 4 * 48, 64 * 4 * 100])
@@ -183,20 +202,20 @@ def test_decoders_chunk_boundaries(monkeypatch, chunk_bytes, spans):
     g = gen(4)
     for out_f in (95, 96, 97, 129):
         w, s = fp8_weight(out_f, 64, 32, g)
-        assert torch.equal(decode_fp8(w, s, 32), dequantize_fp8(w, s, 32))
+        assert torch.equal(decode(qw(w, s, 32)), dequantize_fp8(w, s, 32))
         p, s4 = fp4_weight(out_f, 64, g)
-        assert torch.equal(decode_fp4(p, s4, 32), dequantize_fp4(p, s4, 32))
+        assert torch.equal(decode(qw(p, s4, 32)), dequantize_fp4(p, s4, 32))
 
 
 def test_decode_out_argument_and_empty():
     w, s = fp8_weight(40, 64, 32, gen(5))
     out = torch.empty(40, 64)
-    assert decode_fp8(w, s, 32, out=out) is out
+    assert decode(qw(w, s, 32), out=out) is out
     assert torch.equal(out, dequantize_fp8(w, s, 32))
     with pytest.raises(ValueError):
-        decode_fp8(w, s, 32, out=torch.empty(40, 63))
+        decode(qw(w, s, 32), out=torch.empty(40, 63))
     empty = torch.empty(0, 64).to(torch.float8_e4m3fn)
-    assert decode_fp8(empty, torch.ones(0, 2), 32).shape == (0, 64)
+    assert decode(qw(empty, torch.ones(0, 2), 32)).shape == (0, 64)
 
 
 def test_decoders_with_flushed_denormals_fall_back():
@@ -206,7 +225,7 @@ def test_decoders_with_flushed_denormals_fall_back():
         pytest.skip("no flush-denormal mode on this CPU")
     try:
         assert not ql._denormals_ok()
-        assert_same_values(decode_fp8(w, s, 4), dequantize_fp8(w, s, 4))
+        assert_same_values(decode(qw(w, s, 4)), dequantize_fp8(w, s, 4))
     finally:
         torch.set_flush_denormal(False)
     assert ql._denormals_ok()
@@ -224,24 +243,27 @@ def test_dequantize_leading_dims(fmt):
     data = torch.stack([m[0] for m in mats]).view(b, k, *mats[0][0].shape)
     scale = torch.stack([m[1] for m in mats]).view(b, k, *mats[0][1].shape)
     expected = torch.stack([reference_weight(d, s, fmt, block) for d, s in mats]).view(b, k, out_f, in_f)
-    assert torch.equal(dequantize(data, scale, fmt, block), expected)
-    assert torch.equal(ql._dequantize_reference(data, scale, fmt, block), expected)
-    compiled = torch.compile(dequantize, backend="aot_eager", fullgraph=True)
-    assert torch.equal(compiled(data, scale, fmt, block), expected)
+    assert torch.equal(dequantize(QWeight(data, scale, block)), expected)
+    assert torch.equal(dequantize_reference(QWeight(data, scale, block)), expected)
+    compiled = torch.compile(lambda d, s: dequantize(QWeight(d, s, block)), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(data, scale), expected)
 
 
-def test_dequantize_float_and_errors():
+def test_dequantize_float_and_a_weight_checked_once():
     w = torch.randn(4, 6).to(torch.bfloat16)
-    assert torch.equal(dequantize(w, None, "float", 0), w.float())
-    with pytest.raises(ValueError):
-        dequantize(w, None, "int4", 0)
+    assert torch.equal(dequantize(qw(w)), w.float())
     w8, s8 = fp8_weight(40, 64, 32, gen(7))
+    for bad, why in ((QWeight(torch.zeros(4, 6, dtype=torch.int32)), "no weight format"),
+                     (QWeight(w8, s8[:1], 32), "scale shape"),
+                     (QWeight(w8.view(torch.int8), s8, 32), "fp4 scale shape"),  # int8 bytes are FP4
+                     (QWeight(w8, None, 32), "needs a scale"), (QWeight(w8), "positive block"),
+                     (QWeight(w, s8), "takes no scale"),
+                     (QWeight(w8, s8.to(torch.int16), 32), "scale dtype"), (QWeight(w8[None], s8, 32), "2-D")):
+        with pytest.raises(ValueError, match=why):
+            bad.checked("layers.0.attn.wq_a.weight")
+    assert qw(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2)).block == 32  # FP4's group by default
     with pytest.raises(ValueError):
-        dequantize(w8, s8[:1], "fp8", 32)
-    with pytest.raises(ValueError):
-        dequantize(w8.view(torch.int8), s8, "fp8", 32)
-    with pytest.raises(ValueError):
-        qlinear(torch.randn(1, 63), w8, s8, "fp8", 32)
+        qlinear(torch.randn(1, 63), qw(w8, s8, 32))
 
 
 # ---------------------------------------------------------------- qlinear against the reference
@@ -256,7 +278,7 @@ def test_qlinear_fp8(gemv_path, shape, block, m, act_quant):
     w_ref = reference_weight(w, s, "fp8", block)
     x = torch.randn(m, shape[1], generator=g)
     ref = reference_qlinear(x, w_ref, act_quant)
-    assert_gemm_close(qlinear(x, w, s, "fp8", block, act_quant), ref, x, w_ref, act_quant)
+    assert_gemm_close(qlinear(x, qw(w, s, block), act_quant), ref, x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("shape", [(200, 320), (64, 40), (1, 64)])
@@ -268,7 +290,7 @@ def test_qlinear_fp4(gemv_path, shape, m, act_quant):
     w_ref = reference_weight(p, s, "fp4", 32)
     x = torch.randn(m, shape[1], generator=g)
     ref = reference_qlinear(x, w_ref, act_quant)
-    assert_gemm_close(qlinear(x, p, s, "fp4", 32, act_quant), ref, x, w_ref, act_quant)
+    assert_gemm_close(qlinear(x, qw(p, s, 32), act_quant), ref, x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
@@ -280,7 +302,7 @@ def test_qlinear_3d_x_and_dtypes(gemv_path, fmt, dtype):
     w_ref = reference_weight(data, scale, fmt, block)
     x = torch.randn(2, 3, 160, generator=g).to(dtype)
     for act_quant in (False, True):
-        y = qlinear(x, data, scale, fmt, block, act_quant)
+        y = qlinear(x, qw(data, scale, block), act_quant)
         assert y.shape == (2, 3, 96)
         assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant), x, w_ref, act_quant)
 
@@ -295,7 +317,7 @@ def test_qlinear_chunk_boundaries(torch_gemv, monkeypatch, out_f):
                                ("float", (torch.randn(out_f, 160, generator=g).to(torch.bfloat16), None))):
         block = 128 if fmt == "fp8" else 32
         w_ref = reference_weight(data, scale, fmt, block)
-        assert_gemm_close(qlinear(x, data, scale, fmt, block), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(data, scale, block)), F.linear(x, w_ref), x, w_ref)
 
 
 def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
@@ -303,7 +325,7 @@ def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
     monkeypatch.setattr(ql, "CHUNK_BYTES", 32 * 96 * 4)  # 32-row chunks, one per 32-row block row
     g = gen(25)
     w, s = fp8_weight(100, 96, 32, g)
-    sf = ql._scale_f32(s)
+    sf = scale_f32(s)
     cases = [  # (scale, x, fold expected)
         (s, torch.randn(3, 96, generator=g), True),
         (sf * 0.3, torch.randn(3, 96, generator=g), False),  # not powers of two
@@ -313,11 +335,11 @@ def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
         (torch.full((4, 3), 2.0**9), torch.randn(2, 96, generator=g), False),  # scale * 2**120 overflows
     ]
     for scale, x, fold in cases:
-        dec = ql._RowDecoder(w, scale, "fp8", 32, 32)
+        dec = ql._RowDecoder(qw(w, scale, 32), 32)
         if fold is not None:
             assert dec.x_fold_ok(x) is fold
         w_ref = reference_weight(w, scale, "fp8", 32)
-        assert_gemm_close(qlinear(x, w, scale, "fp8", 32), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(w, scale, 32)), F.linear(x, w_ref), x, w_ref)
 
 
 def test_qlinear_extreme_scales(gemv_path):
@@ -328,19 +350,19 @@ def test_qlinear_extreme_scales(gemv_path):
         w_ref = reference_weight(w, s, "fp8", 32)
         assert bool(torch.isfinite(w_ref).all())
         x = torch.randn(3, 64, generator=g) * 2.0**xe
-        assert_gemm_close(qlinear(x, w, float_to_e8m0(s), "fp8", 32), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(w, float_to_e8m0(s), 32)), F.linear(x, w_ref), x, w_ref)
     p = torch.randint(-128, 128, (8, 32), generator=g, dtype=torch.int8)
     for e, xe in ((125, -125), (2, 0), (-127, 120)):  # 6 * 2**125 is the largest finite one
         s = torch.full((8, 2), 2.0**e)
         w_ref = reference_weight(p, s, "fp4", 32)
         x = torch.randn(2, 64, generator=g) * 2.0**xe
-        assert_gemm_close(qlinear(x, p, s, "fp4", 32), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(p, s, 32)), F.linear(x, w_ref), x, w_ref)
 
 
 def test_qlinear_empty():
     w, s = fp8_weight(64, 64, 32, gen(13))
-    assert qlinear(torch.randn(0, 64), w, s, "fp8", 32).shape == (0, 64)
-    assert qlinear(torch.randn(2, 0, 64), w, s, "fp8", 32, True).shape == (2, 0, 64)
+    assert qlinear(torch.randn(0, 64), qw(w, s, 32)).shape == (0, 64)
+    assert qlinear(torch.randn(2, 0, 64), qw(w, s, 32), True).shape == (2, 0, 64)
 
 
 # ---------------------------------------------------------------- fmt "float" against the plain formula
@@ -365,8 +387,8 @@ def test_float_fmt_identical_to_linear(xdt, wdt, act_quant):
     g = gen(14)
     w = torch.randn(200, 320, generator=g).to(wdt)
     x = torch.randn(3, 320, generator=g).to(xdt)
-    assert torch.equal(qlinear(x, w, None, "float", 0, act_quant), linear(x, w, act_quant))
-    assert torch.equal(qlinear(x, w), linear(x, w))
+    assert torch.equal(qlinear(x, qw(w, None, 0), act_quant), linear(x, w, act_quant))
+    assert torch.equal(qlinear(x, qw(w)), linear(x, w))
 
 
 @pytest.mark.parametrize("act_quant", [False, True])
@@ -376,7 +398,7 @@ def test_float_fmt_converted_weight_matches_linear(act_quant):
     w = torch.randn(300, 256, generator=g).to(torch.bfloat16)
     x = torch.randn(37, 256, generator=g)
     ref = linear(x, w, act_quant)
-    assert_gemm_close(qlinear(x, w, None, "float", 0, act_quant), ref, x, w.float(), act_quant)
+    assert_gemm_close(qlinear(x, qw(w, None, 0), act_quant), ref, x, w.float(), act_quant)
 
 
 # ---------------------------------------------------------------- qlinear_grouped
@@ -390,7 +412,7 @@ def test_qlinear_grouped_against_einsum(gemv_path, fmt, dtype):
     data, scale = weight_of(fmt, groups * r, d, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     x = torch.randn(2, 3, groups, d, generator=g).to(dtype)
-    y = qlinear_grouped(x, data, scale, fmt, 32, groups)
+    y = qlinear_grouped(x, qw(data, scale, 32), groups)
     ref = torch.einsum("bsgd,grd->bsgr", x.float(), w_ref.view(groups, r, d))
     bound = 2 * d * U32 * torch.einsum("bsgd,grd->bsgr", x.float().abs(), w_ref.abs().view(groups, r, d))
     if dtype != torch.float32:
@@ -398,7 +420,7 @@ def test_qlinear_grouped_against_einsum(gemv_path, fmt, dtype):
     assert y.shape == (2, 3, groups, r) and y.dtype == dtype
     assert bool(((y.float() - ref).abs() <= bound).all())
     with pytest.raises(ValueError):
-        qlinear_grouped(x, data, scale, fmt, 32, 5)
+        qlinear_grouped(x, qw(data, scale, 32), 5)
 
 
 # ---------------------------------------------------------------- torch.compile: the whole-tensor path
@@ -412,16 +434,15 @@ def test_qlinear_compiles_without_graph_breaks(fmt, act_quant):
     data, scale = fp8_weight(96, 160, 32, g) if fmt == "fp8" else fp4_weight(96, 160, g)
     x = torch.randn(2, 160, generator=g)
     w_ref = reference_weight(data, scale, fmt, 32)
-    compiled = torch.compile(qlinear, backend="aot_eager", fullgraph=True)
-    y = compiled(x, data, scale, fmt, 32, act_quant)
+    w = qw(data, scale, 32)
+    y = compiled(qlinear, w, act_quant)(x)
     assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant), x, w_ref, act_quant)
     xg = torch.randn(1, 2, 4, 160, generator=g)
-    grouped = torch.compile(qlinear_grouped, backend="aot_eager", fullgraph=True)
-    yg = grouped(xg, data, scale, fmt, 32, 4)
+    yg = compiled(qlinear_grouped, w, 4)(xg)
     for gi in range(4):  # each group against its rows of the reference weight
         rows = w_ref[gi * 24:(gi + 1) * 24]
         assert_gemm_close(yg[0, :, gi], F.linear(xg[0, :, gi], rows), xg[0, :, gi], rows)
-        assert_gemm_close(qlinear_grouped(xg, data, scale, fmt, 32, 4)[0, :, gi], F.linear(xg[0, :, gi], rows),
+        assert_gemm_close(qlinear_grouped(xg, qw(data, scale, 32), 4)[0, :, gi], F.linear(xg[0, :, gi], rows),
                           xg[0, :, gi], rows)
 
 
@@ -434,12 +455,13 @@ def test_compiled_decode_gemv(gemv_path, fmt):
     g = gen(23)
     data, scale = weight_96x160(fmt, g)
     w_ref = reference_weight(data, scale, fmt, 32)
-    compiled = torch.compile(qlinear, backend="aot_eager", fullgraph=True)
+    w = qw(data, scale, 32)
+    fns = {act_quant: compiled(qlinear, w, act_quant) for act_quant in (False, True)}
     for rows in (1, 3, ql.FUSED_MAX_ROWS + 1):
         x = torch.randn(rows, 160, generator=g)
         for act_quant in (False, True):
             ref = reference_qlinear(x, w_ref, act_quant)
-            assert_gemm_close(compiled(x, data, scale, fmt, 32, act_quant), ref, x, w_ref, act_quant)
+            assert_gemm_close(fns[act_quant](x), ref, x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
@@ -451,7 +473,7 @@ def test_gemv_fused_on_gathered_experts(fmt):
     scale = torch.stack([s for _, s in weights]).view(torch.uint8)  # as compiled regions pass them
     idx = torch.tensor([[0, 3], [4, 4], [2, 1]])
     x = torch.randn(3, 96, generator=g)
-    got = gemv_fused(x.view(3, 1, 1, 96), data[idx], scale[idx], fmt, 32)
+    got = gemv_fused(x.view(3, 1, 1, 96), QWeight(data[idx], scale[idx], 32))
     assert got.shape == (3, 2, 64)
     for b, row in enumerate(idx.tolist()):
         for j, e in enumerate(row):
@@ -464,10 +486,10 @@ def test_uint8_scales_are_e8m0_bytes():
     w, s = fp8_weight(64, 96, 32, g)
     p, s4 = fp4_weight(64, 96, g)
     x = torch.randn(2, 96, generator=g)
-    assert torch.equal(dequantize(w, s.view(torch.uint8), "fp8", 32), dequantize_fp8(w, s, 32))
-    assert torch.equal(dequantize(p, s4.view(torch.uint8), "fp4", 32), dequantize_fp4(p, s4, 32))
-    assert torch.equal(qlinear(x, w, s.view(torch.uint8), "fp8", 32), qlinear(x, w, s, "fp8", 32))
-    assert torch.equal(qlinear(x, p, s4.view(torch.uint8), "fp4", 32, True), qlinear(x, p, s4, "fp4", 32, True))
+    assert torch.equal(dequantize(QWeight(w, s.view(torch.uint8), 32)), dequantize_fp8(w, s, 32))
+    assert torch.equal(dequantize(QWeight(p, s4.view(torch.uint8), 32)), dequantize_fp4(p, s4, 32))
+    assert torch.equal(qlinear(x, qw(w, s.view(torch.uint8), 32)), qlinear(x, qw(w, s, 32)))
+    assert torch.equal(qlinear(x, qw(p, s4.view(torch.uint8), 32), True), qlinear(x, qw(p, s4, 32), True))
 
 
 # ---------------------------------------------------------------- activation codes for the CUDA path
@@ -498,7 +520,7 @@ def test_scaled_mm_not_tried_on_cpu(monkeypatch):
 
     monkeypatch.setattr(ql, "_scaled_mm_call", boom)
     w, s = fp8_weight(128, 256, 128, gen(19))
-    qlinear(torch.randn(2, 256), w, s, "fp8", 128, True)
+    qlinear(torch.randn(2, 256), qw(w, s, 128), True)
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
@@ -517,13 +539,13 @@ def test_cuda_scaled_mm_fp8(monkeypatch, m, dtype):
     ql._SCALED_MM_BROKEN = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        y = ql._scaled_mm_fp8(x, w.cuda(), s.cuda(), 128)
+        y = ql._scaled_mm_fp8(x, qw(w.cuda(), s.cuda(), 128))
     assert y is not None, "the _scaled_mm path was not taken"
     ref = reference_qlinear(x, w_ref, True)
     # Hopper's FP8 MMA keeps fewer accumulator bits inside each 128-wide K block than fp32 does: a looser bound
     assert_gemm_close(y, ref, x, w_ref, True, rel=2.0**-9)
     monkeypatch.setattr(ql, "SCALED_MM", True)
-    assert_gemm_close(qlinear(x, w.cuda(), s.cuda(), "fp8", 128, True), ref, x, w_ref, True, rel=2.0**-9)
+    assert_gemm_close(qlinear(x, qw(w.cuda(), s.cuda(), 128), True), ref, x, w_ref, True, rel=2.0**-9)
 
 
 @cuda
@@ -541,10 +563,10 @@ def test_cuda_dequantise_paths(fmt):
     scale = scale.cuda() if scale is not None else None
     x = torch.randn(3, 96, generator=g).cuda()
     for act_quant in (False, True):
-        y = qlinear(x, data, scale, fmt, 32, act_quant)
+        y = qlinear(x, qw(data, scale, 32), act_quant)
         assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant), x, w_ref, act_quant)
     if fmt != "float":
-        assert torch.equal(dequantize(data, scale, fmt, 32), w_ref)
+        assert torch.equal(dequantize(QWeight(data, scale, 32)), w_ref)
 
 
 # ---------------------------------------------------------------- observation (no assertion on summation order)
@@ -556,7 +578,7 @@ def test_chunked_gemv_bitwise_on_aligned_shapes(torch_gemv):
     w, s = fp8_weight(512, 1024, 128, g)
     w_ref = reference_weight(w, s, "fp8", 128)
     x = torch.randn(1, 1024, generator=g)
-    y = qlinear(x, w, s, "fp8", 128)
+    y = qlinear(x, qw(w, s, 128))
     ref = F.linear(x, w_ref)
     assert_gemm_close(y, ref, x, w_ref)
     print(f"chunked GEMV bitwise equal to the whole GEMV: {torch.equal(y, ref)}")

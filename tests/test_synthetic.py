@@ -295,8 +295,7 @@ def test_forward_pass_on_the_synthetic_checkpoint_is_finite(ckpt: Path):
     from mhcrun.model import build_model
 
     loaded = load_checkpoint(ckpt, N_LAYERS)
-    model = build_model(loaded.config, loaded.tensors, loaded.quantized, n_layers=N_LAYERS,
-                        scales=loaded.scales)
+    model = build_model(loaded.config, loaded.tensors, loaded.quantized, n_layers=N_LAYERS)
     model.setup_caches(1, 16)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]]), torch.tensor([0]))

@@ -5,7 +5,7 @@ decoders), which leaves a decode step bound by arithmetic instead of memory. Thi
 byte once, decodes it in registers (AVX-512, or AVX2) and multiplies it into up to four rows of x at a time, on
 torch's OpenMP threads. It covers FP8 e4m3 with tile scales, packed FP4 e2m1 with group scales and bf16
 weights, for a few rows of x (decode); `qlinear` keeps its torch path as the reference and for everything
-else (prefill, other CPUs, a weight holding NaN codes or overflowing scales).
+else (prefill, other CPUs, a weight whose scales could overflow: `QWeight.kernel`, decided at load).
 
 Build: `mhcrun.ops.native` (`$CXX` with OpenMP, cached in `$MHCRUN_KERNEL_CACHE`). It runs AVX-512 where the
 CPU has it, else AVX2 (`MHCRUN_CPU_KERNEL=avx2` picks AVX2 on an AVX-512 CPU, to compare or test both). Without
@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from mhcrun.ops import native
+from mhcrun.ops.qweight import QWeight
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
-_FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
+_FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # set once the library is known to be unavailable
@@ -88,57 +89,37 @@ def status() -> str:
     return {2: "avx512", 1: "avx2"}[_chosen_isa()]
 
 
-def _format(data: Tensor, fmt: str, block: int) -> int | None:
-    if fmt == "fp8" and data.dtype == torch.float8_e4m3fn and block > 0:
-        return _FORMATS["fp8"]
-    if fmt == "fp4" and data.dtype in (torch.uint8, torch.int8) and block % 2 == 0:
-        return _FORMATS["fp4"]
-    if fmt == "float" and data.dtype == torch.bfloat16:
-        return _FORMATS["bf16"]
-    return None
+def takes(w: QWeight, rows: int) -> bool:
+    """Whether `qgemv` takes this weight for `rows` rows of x: the weight's own answer (`QWeight.kernel`, decided
+    when it was loaded), the library already loaded (`available()` called before) and switched on. Safe while
+    torch.compile traces, where the answer is fixed into the graph."""
+    return w.kernel and rows <= MAX_ROWS and _lib is not None and enabled()
 
 
-def applies(data: Tensor, scale: Tensor | None, fmt: str, block: int, rows: int) -> bool:
-    """Whether `qgemv` takes this weight for `rows` rows of x, from dtypes and shapes alone, with the library
-    already loaded (`available()` called before): safe while torch.compile traces, where the answer is fixed
-    into the graph. The kernel may still decline at run time (NaN codes, overflowing scales)."""
-    if _lib is None or not enabled() or rows > MAX_ROWS or data.device.type != "cpu" or not data.is_contiguous():
-        return False
-    if scale is not None and scale.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
-        return False
-    return _format(data, fmt, block if fmt != "fp4" or block > 0 else 32) is not None
-
-
-def qgemv(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor | None:
-    """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight `data` in G groups, or None
-    when the kernel does not apply (then the caller takes the torch path). Arguments as qlinear's (checked
-    there); fp4's block 0 means 32."""
-    m, g, k = x3.shape
-    if m > MAX_ROWS or data.device.type != "cpu" or not data.is_contiguous() or not enabled():
+def qgemv(x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
+    """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight in G groups, or None when the
+    kernel does not take it (`takes`) or this thread flushes subnormals (then the caller takes the torch path).
+    A row holding an e4m3 NaN code comes out NaN, as dequantise-then-multiply gives it."""
+    m = x3.shape[0]
+    if not w.kernel or m > MAX_ROWS or not enabled():
         return None
-    if fmt == "fp4" and block <= 0:
-        block = 32
-    code = _format(data, fmt, block)
-    if code is None:
-        return None
-    kind, s_ptr = 0, None
-    if scale is not None:
-        if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
-            scale = scale.contiguous().view(torch.uint8)
-        elif scale.dtype == torch.float32:
-            scale, kind = scale.contiguous(), 1
-        else:
-            return None
-        s_ptr = scale.data_ptr()
     lib = _load()
     if lib is None:
         return None
+    kind, s_ptr, scale = 0, None, w.scale
+    if scale is not None:
+        if scale.dtype == torch.float32:
+            kind = 1
+        else:
+            scale = scale.view(torch.uint8)
+        scale = scale.contiguous()
+        s_ptr = scale.data_ptr()
     x = x3.float().contiguous()
-    n = data.shape[0]
+    n, k = w.out_features, w.in_features
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.mhc_qgemv(code, data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k, block, g,
-                       _chosen_isa(), torch.get_num_threads())
-    return None if rc else y.view(m, g, n // g)
+    rc = lib.mhc_qgemv(_FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k,
+                       w.block, groups, _chosen_isa(), torch.get_num_threads())
+    return None if rc else y.view(m, groups, n // groups)
 
 
 def act_quant_fp8(x: Tensor, block: int) -> Tensor | None:

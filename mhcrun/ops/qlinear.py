@@ -1,23 +1,19 @@
 """Linear layers over weights that stay quantised in memory: the GEMM dequantises block by block as it goes.
 
-Weight formats (DeepSeek V4 release), `fmt`:
-- "fp8": `data` float8_e4m3fn [out, in], `scale` [ceil(out/block), ceil(in/block)]; `block` is the square tile
-  (128 released, 32 in the tiny test model).
-- "fp4": `data` int8/uint8 [out, in/2], two e2m1 codes per byte, low nibble first; `scale` [out, ceil(in/block)];
-  `block` is the scale group along `in` (32; 0 means 32).
-- "float": `data` a float weight [out, in] of any float dtype; `scale` and `block` are unused.
-Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs on CPU), or fp32.
+A weight is a `QWeight` (`mhcrun.ops.qweight`: data, scale, block; its format, fp8 / fp4 / float, follows from
+the data's dtype), checked once when loaded. `qlinear` and `qlinear_grouped` both go through one dispatch,
+`matmul`, which picks the path below from the weight, the number of rows of x and where it runs.
 
 The values are exactly those of `quant.dequantize_fp8` / `quant.dequantize_fp4` (fp8 / e2m1 values times the
 block scale: one rounding, the same as the reference's), and the GEMM accumulates in fp32.
 
 CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv`
 (C++, AVX-512 or AVX2, built on first use) reads each weight byte once and decodes it in registers; where it does
-not apply (prefill, no compiler or neither instruction set, NaN codes, MHCRUN_CPU_KERNEL=0), the torch chunk
-decoders are the path (and the reference the kernel is tested against): the output rows are taken in chunks of
-about `CHUNK_BYTES` of fp32; each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32
-cast) into a small buffer that stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32
-copy of the weight is ever made. For fp8 with few rows of x, a chunk inside one block row leaves its values
+not apply (prefill, no compiler or neither instruction set, scales that could overflow, MHCRUN_CPU_KERNEL=0), the
+torch chunk decoders are the path (and the reference the kernel is tested against): the output rows are taken
+in chunks of about `CHUNK_BYTES` of fp32; each chunk is decoded with integer bit tricks (much faster than torch's
+fp8 -> fp32 cast) into a small buffer that stays in cache and multiplied right away (`F.linear` on the chunk), so
+no fp32 copy of the weight is ever made. For fp8 with few rows of x, a chunk inside one block row leaves its values
 unscaled and x takes the per-column scales instead (exact for power-of-two scales, see
 `_RowDecoder.x_fold_ok`). Under `torch.compile` (`torch.compiler.is_compiling()`) on CPU, a decode GEMV takes
 the kernel as an opaque custom op (`mhcrun::qgemv`; routed experts `mhcrun::qgemv_expert_set`) where it applies;
@@ -28,14 +24,14 @@ data-dependent control flow in graphs. On CUDA the whole-tensor path is used, ex
 quantisation when MHCRUN_SCALED_MM=1, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
 (`_scaled_mm_fp8`).
 
-Decoders (`decode_fp8`, `decode_fp4`, and the chunk kernels under them):
+Decoders (`decode`, and the chunk kernels under it):
 - e4m3: the byte as int8 -> int32 (sign-extends), << 20, & 0x87F00000 is the fp32 whose value is the e4m3
   value times 2**-120, for normals and subnormals alike (e4m3 subnormals land on fp32 subnormals). The 2**120
   is folded into the block scale (scale * 2**120; for e8m0 scales straight from the bytes); when that would
   overflow (scales above 2**7) the chunk is first multiplied by 2**120 (exact) and then by the scale. NaN codes
   (0x7F / 0xFF) would decode to +-480 * scale, so chunks are checked (two int8 max reductions) and NaNs written
-  where they occur; a weight tensor found NaN-free over a whole pass is remembered (per object and version,
-  `_NAN_SEEN`) and not checked again.
+  where they occur; a weight found NaN-free over a whole pass is remembered (`QWeight.nan_free`) and not checked
+  again.
 - e2m1: each byte -> an int32 holding two bf16 bit patterns (low half = low nibble): with t the byte
   (0..255), mag = t * (2**5 + 2**17) and sign = (t & 0x88) * (2**11 + 2**23) put every field one bit below
   its place without overlaps or overflow; ((mag | sign) & 0x40E040E0) << 1 is then the bf16 pair whose values
@@ -57,27 +53,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhcrun.ops.qgemv import MAX_ROWS as qgemv_rows_max
-from mhcrun.ops.qgemv import act_quant_fp8, qgemv
-from mhcrun.ops.qgemv import applies as qgemv_applies
-from mhcrun.ops.quant import (
-    ACT_FP8_BLOCK as ACT_BLOCK,
-)
-from mhcrun.ops.quant import (
-    FP4_BLOCK,
-    e8m0_to_float,
-    fp8_simulate,
-    quantize_act_fp8,
-    scale_to_float,
-    unpack_fp4,
-)
+from mhcrun.ops import qgemv
+from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
+from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, unpack_fp4
+from mhcrun.ops.qweight import QWeight, scale_f32
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
 # small chunks: on a 2-core EPYC VM (1 MiB L2 a core, 32 MiB L3) 2-4 MiB beat 1 MiB by 1.3-1.5x for GEMVs
 # (benchmarks/bench_qgemm.py --chunks); the chunk and its temporaries stay in L3.
 CHUNK_BYTES = 4 << 20
 CHUNK_SPANS_BLOCKS = False  # fp8: chunks of at most one block row (so x can take the scales) unless tiny
-FORMATS = ("fp8", "fp4", "float")
 
 _E4M3_BITS = 0x87F00000 - (1 << 32)  # sign bit + the 7 exponent/mantissa bits after << 20, as int32
 _E4M3_UNSCALE_LOG2 = 120  # (int8 << 20 & mask) as fp32 == e4m3 value * 2**-120
@@ -85,57 +70,6 @@ _E2M1_MAG = (1 << 5) + (1 << 17)  # t * this: low nibble's magnitude bits at 5..
 _E2M1_SGN = (1 << 11) + (1 << 23)  # (t & 0x88) * this: sign bits 3 / 7 at 14 / 30
 _E2M1_KEEP = 0x40E040E0  # the fields above; << 1 then makes two bf16 patterns
 _E2M1_UNSCALE_LOG2 = 126  # those bf16 values == e2m1 value * 2**-126
-
-
-def _scale_f32(scale: Tensor) -> Tensor:
-    """A stored scale as fp32: e8m0 (float8_e8m0fnu, or its raw bytes as uint8) decoded, fp32 as is."""
-    if scale.dtype == torch.uint8:
-        return e8m0_to_float(scale)
-    return scale_to_float(scale)
-
-
-def _check_fmt(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
-
-
-def _fp4_group(block: int) -> int:
-    return block if block > 0 else FP4_BLOCK
-
-
-def _scale_grid(fmt: str, block: int) -> tuple[int, int]:
-    """(rows, cols) of weight elements that share one scale."""
-    if fmt == "fp8":
-        if block <= 0:
-            raise ValueError(f"fp8 needs a positive block, got {block}")
-        return block, block
-    return 1, _fp4_group(block)
-
-
-def _in_features(data: Tensor, fmt: str) -> int:
-    return data.shape[-1] * 2 if fmt == "fp4" else data.shape[-1]
-
-
-def _check_data(data: Tensor, fmt: str) -> None:
-    if fmt == "fp8" and data.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8 weight must be float8_e4m3fn, got {data.dtype}")
-    if fmt == "fp4" and data.dtype not in (torch.int8, torch.uint8):
-        raise ValueError(f"fp4 weight must be int8/uint8 (two e2m1 codes a byte), got {data.dtype}")
-    if fmt == "float" and not data.is_floating_point():
-        raise ValueError(f"float weight must have a float dtype, got {data.dtype}")
-
-
-def _check_scale(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> None:
-    if fmt == "float":
-        return
-    if scale is None:
-        raise ValueError(f"{fmt} weight needs a scale")
-    br, bc = _scale_grid(fmt, block)
-    r, c = data.shape[-2], _in_features(data, fmt)
-    want = (*data.shape[:-2], -(-r // br), -(-c // bc))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"{fmt} scale shape {list(scale.shape)}, expected {list(want)} for a weight of "
-                         f"{list(data.shape[:-2])} + [{r}, {c}] (block {block})")
 
 
 # ---------------------------------------------------------------- whole-tensor dequantisation (graph-safe)
@@ -152,36 +86,31 @@ def _tile_scale(values: Tensor, s: Tensor, br: int, bc: int) -> Tensor:
     return tiles.reshape(*lead, sr * br, sc * bc)[..., :r, :c]
 
 
-def _dequantize_reference(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
-    if fmt == "float":
-        return data.float()
-    br, bc = _scale_grid(fmt, block)
-    values = data.float() if fmt == "fp8" else unpack_fp4(data)
-    return _tile_scale(values, _scale_f32(scale), br, bc)
+def dequantize_reference(w: QWeight) -> Tensor:
+    """The weight as fp32 [..., out, in] in plain tensor math (static shapes: graph-safe)."""
+    if w.fmt == "float":
+        return w.data.float()
+    br, bc = w.grid
+    values = w.data.float() if w.fmt == "fp8" else unpack_fp4(w.data)
+    return _tile_scale(values, scale_f32(w.scale), br, bc)
 
 
-def dequantize(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
+def dequantize(w: QWeight) -> Tensor:
     """The weight as fp32 [..., out, in], bitwise equal to quant.dequantize_fp8 / dequantize_fp4 (per matrix).
 
     Takes leading batch dims (data [..., out, in'] with scale [..., sr, sc], e.g. gathered experts
     [B, k, out, in/2]). Under torch.compile, or off the CPU, it is plain tensor math with static shapes (no
     .item(), no data-dependent branches); in CPU eager mode it runs the fast decoders matrix by matrix.
     """
-    _check_fmt(fmt)
-    _check_data(data, fmt)
-    if data.dim() < 2:
-        raise ValueError(f"dequantize: expected [..., out, in'], got shape {list(data.shape)}")
-    _check_scale(data, scale, fmt, block)
-    if fmt == "float" or torch.compiler.is_compiling() or data.device.type != "cpu" or not _denormals_ok():
-        return _dequantize_reference(data, scale, fmt, block)
-    lead = data.shape[:-2]
-    out = torch.empty(*lead, data.shape[-2], _in_features(data, fmt), dtype=torch.float32)
+    if w.fmt == "float" or torch.compiler.is_compiling() or w.data.device.type != "cpu" or not _denormals_ok():
+        return dequantize_reference(w)
+    data, scale = w.data, w.scale
+    out = torch.empty(*data.shape[:-2], w.out_features, w.in_features, dtype=torch.float32)
     flat_d = data.reshape(-1, *data.shape[-2:])
     flat_s = scale.reshape(-1, *scale.shape[-2:])
     flat_o = out.view(-1, *out.shape[-2:])
-    decode = decode_fp8 if fmt == "fp8" else decode_fp4
     for i in range(flat_d.shape[0]):
-        decode(flat_d[i], flat_s[i], block, out=flat_o[i])
+        decode(QWeight(flat_d[i], flat_s[i], w.block, nan_free=w.nan_free), out=flat_o[i])
     return out
 
 
@@ -189,19 +118,19 @@ def dequantize(data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tens
 FUSED_MAX_ROWS = 8
 
 
-def fused_fits(data: Tensor, fmt: str, block: int, rows: int) -> bool:
+def fused_fits(w: QWeight, rows: int) -> bool:
     """Whether `gemv_fused` applies: a CPU graph, few rows of x, whole tiles (fp8) / whole groups (fp4)."""
-    if not torch.compiler.is_compiling() or data.device.type != "cpu" or rows > FUSED_MAX_ROWS:
+    if not torch.compiler.is_compiling() or w.data.device.type != "cpu" or rows > FUSED_MAX_ROWS:
         return False
-    n, k = data.shape[-2], _in_features(data, fmt)
-    if fmt == "fp8":
+    n, k, block = w.out_features, w.in_features, w.block
+    if w.fmt == "fp8":
         return n % block == 0 and k % block == 0
-    if fmt == "fp4":
-        return k % _fp4_group(block) == 0 and _fp4_group(block) % 2 == 0
+    if w.fmt == "fp4":
+        return k % block == 0 and block % 2 == 0
     return True
 
 
-def gemv_fused(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int) -> Tensor:
+def gemv_fused(x: Tensor, w: QWeight) -> Tensor:
     """y [..., out] = sum_k x [..., 1, in] * W [..., out, in] in fp32, the dequantisation written into the
     reduction so that a compiler (inductor) emits one loop reading each weight byte once.
 
@@ -210,17 +139,18 @@ def gemv_fused(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: i
     (x [M, 1, in] with data [out, in'] -> [M, out]; x [B, 1, 1, in] with gathered data [B, k, out, in'] ->
     [B, k, out]). Same values as dequantise-then-matmul; the fp32 summation order is the compiler's.
     """
+    data, fmt, block = w.data, w.fmt, w.block
     if fmt == "float":
         return (data.float() * x).sum(-1)
-    n, k = data.shape[-2], _in_features(data, fmt)
-    s = _scale_f32(scale)
+    n, k = w.out_features, w.in_features
+    s = scale_f32(w.scale)
     if fmt == "fp8":  # e4m3 byte -> fp32 holding value * 2**-120 (module docstring), rescaled exactly
         bits = (data.view(torch.int8).to(torch.int32) << 20) & -2014314496  # 0x87F00000
         v = bits.view(torch.float32) * 2.0**120
         v = v.unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))  # [..., n/b, b, k/b, b]
         v = (v * s[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1)
         return (v * x).sum(-1)
-    g = _fp4_group(block)  # e2m1: low and high nibbles -> fp32 holding value * 2**-126, rescaled exactly
+    g = block  # e2m1: low and high nibbles -> fp32 holding value * 2**-126, rescaled exactly
     t = data.view(torch.int8).to(torch.int32)
     lo, hi = t & 15, (t >> 4) & 15
     vlo = (((lo & 7) << 22) | ((lo & 8) << 28)).view(torch.float32) * 2.0**126  # [..., n, k/2]
@@ -250,7 +180,7 @@ def _folded_scales(scale: Tensor, unscale_log2: int) -> tuple[Tensor, float | No
             bits = b.to(torch.int32)
             bits.add_(unscale_log2).bitwise_left_shift_(23)
             return bits.view(torch.float32), None
-    return _fold(_scale_f32(scale), 2.0**unscale_log2)
+    return _fold(scale_f32(scale), 2.0**unscale_log2)
 
 
 def _fold(s: Tensor, unscale: float) -> tuple[Tensor, float | None]:
@@ -335,37 +265,6 @@ def _fp4_chunk(packed: Tensor, f: Tensor, pre: float | None, group: int, dst: Te
     _scale_groups_(dst, f, group)
 
 
-# Whether an fp8 weight holds NaN codes, remembered per tensor object (and its version) once a full pass over
-# it has looked, so that a weight used every step is checked once. id -> (weakref, version, ptr, shape, has).
-_NAN_SEEN: dict[int, tuple] = {}
-
-
-def _nan_key(data: Tensor) -> tuple | None:
-    try:
-        return data._version, data.data_ptr(), tuple(data.shape), data.stride()
-    except RuntimeError:  # inference tensors have no version counter: not remembered
-        return None
-
-
-def _known_nan(data: Tensor) -> bool | None:
-    e = _NAN_SEEN.get(id(data))
-    if e is None or e[0]() is not data or e[1] != _nan_key(data):
-        return None
-    return e[2]
-
-
-def _remember_nan(data: Tensor, has: bool) -> None:
-    key = _nan_key(data)
-    if key is None:
-        return
-    if len(_NAN_SEEN) >= 4096:
-        for k in [k for k, e in _NAN_SEEN.items() if e[0]() is None]:
-            del _NAN_SEEN[k]
-        if len(_NAN_SEEN) >= 4096:
-            _NAN_SEEN.clear()
-    _NAN_SEEN[id(data)] = (weakref.ref(data), key, has)
-
-
 def _chunk_rows(n_out: int, n_in: int, row_block: int) -> int:
     """Rows per chunk: about CHUNK_BYTES of fp32; a multiple of row_block, or a divisor of it when smaller."""
     rows = max(1, CHUNK_BYTES // (4 * max(n_in, 1)))
@@ -384,17 +283,17 @@ class _RowDecoder:
     """Decodes row ranges of one 2-D weight into fp32 (CPU eager only): `rows(r0, r1, dst)`; `done()` after a
     pass over all rows."""
 
-    def __init__(self, data: Tensor, scale: Tensor | None, fmt: str, block: int, max_rows: int):
-        self.data, self.fmt = data, fmt
-        self.n_in = _in_features(data, fmt)
-        if fmt == "float":
+    def __init__(self, w: QWeight, max_rows: int):
+        self.w, self.data, self.fmt = w, w.data, w.fmt
+        self.n_in = w.in_features
+        if self.fmt == "float":
             return
-        self.group = block if fmt == "fp8" else _fp4_group(block)
-        self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if fmt == "fp8" else _E2M1_UNSCALE_LOG2)
-        if fmt == "fp8":
+        data, scale, block = w.data, w.scale, w.block
+        self.group = block
+        self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if self.fmt == "fp8" else _E2M1_UNSCALE_LOG2)
+        if self.fmt == "fp8":
             self.codes = data.view(torch.int8)
             self.fcol = self.f.repeat_interleave(block, dim=1)[:, : self.n_in].contiguous()
-            self.known_nan = _known_nan(data)
             self.seen_nan = False
             fa = self.f.abs()
             pow2 = scale.dtype in (torch.float8_e8m0fnu, torch.uint8) or bool((torch.frexp(fa)[0] == 0.5).all())
@@ -424,55 +323,38 @@ class _RowDecoder:
             dst.copy_(self.data[r0:r1])
         elif self.fmt == "fp8":
             found = _fp8_chunk(self.codes[r0:r1], self.fcol, self.pre, r0, self.group, dst,
-                               check_nan=self.known_nan is not False, scaled=scaled)
+                               check_nan=not self.w.nan_free, scaled=scaled)
             self.seen_nan |= found
         else:
             _fp4_chunk(self.data[r0:r1], self.f[r0:r1], self.pre, self.group, dst, self.t[:r], self.u[:r])
         return dst
 
     def done(self) -> None:
-        if self.fmt == "fp8" and self.known_nan is None:
-            _remember_nan(self.data, self.seen_nan)
+        """After a pass over every row: an fp8 weight found free of NaN codes is not looked at again."""
+        if self.fmt == "fp8" and self.w.nan_free is None:
+            self.w.nan_free = not self.seen_nan
 
 
-def _decode(data: Tensor, scale: Tensor, fmt: str, block: int, out: Tensor | None) -> Tensor:
-    _check_data(data, fmt)
-    if data.dim() != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {list(data.shape)}")
-    _check_scale(data, scale, fmt, block)
-    n_out, n_in = data.shape[0], _in_features(data, fmt)
+def decode(w: QWeight, out: Tensor | None = None) -> Tensor:
+    """Fast exact CPU dequantisation of a 2-D fp8 / fp4 weight -> fp32 [out, in], bitwise equal to
+    quant.dequantize_fp8 / dequantize_fp4 (NaN codes give NaN). `out`: an optional contiguous fp32 destination."""
+    n_out, n_in = w.out_features, w.in_features
     if out is None:
         out = torch.empty(n_out, n_in, dtype=torch.float32)
     elif out.shape != (n_out, n_in) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 [{n_out}, {n_in}] tensor")
     if out.numel() == 0:
         return out
-    if data.device.type != "cpu" or not _denormals_ok():
-        out.copy_(_dequantize_reference(data, scale, fmt, block))
+    if w.data.device.type != "cpu" or not _denormals_ok():
+        out.copy_(dequantize_reference(w))
         return out
-    rows = _chunk_rows(n_out, n_in, _scale_grid(fmt, block)[0])
-    dec = _RowDecoder(data, scale, fmt, block, rows)
+    rows = _chunk_rows(n_out, n_in, w.grid[0])
+    dec = _RowDecoder(w, rows)
     for r0 in range(0, n_out, rows):
         r1 = min(n_out, r0 + rows)
         dec.rows(r0, r1, out[r0:r1])
     dec.done()
     return out
-
-
-def decode_fp8(data: Tensor, scale: Tensor, block: int, out: Tensor | None = None) -> Tensor:
-    """Fast exact CPU dequantisation: float8_e4m3fn [out, in] with block scales -> fp32 [out, in].
-
-    Bitwise equal to quant.dequantize_fp8 (NaN codes give NaN). `out`: an optional contiguous fp32 destination.
-    """
-    return _decode(data, scale, "fp8", block, out)
-
-
-def decode_fp4(data: Tensor, scale: Tensor, block: int = FP4_BLOCK, out: Tensor | None = None) -> Tensor:
-    """Fast exact CPU dequantisation: packed e2m1 int8 [out, in/2] with per-`block` scales -> fp32 [out, in].
-
-    Bitwise equal to quant.dequantize_fp4. `out`: an optional contiguous fp32 destination.
-    """
-    return _decode(data, scale, "fp4", block, out)
 
 
 # ---------------------------------------------------------------- GEMMs
@@ -500,71 +382,70 @@ def _gemm_rows(x2: Tensor, dec: _RowDecoder, r0: int, r1: int, rows: int, buf: T
 
 
 @torch.library.custom_op("mhcrun::qgemv", mutates_args=())
-def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
-    """_cpu_gemm as one opaque op for compiled graphs: x3 [M, G, in] fp32 -> [M, G, r] fp32 (contiguous)
-    through the fused kernel, or the torch chunk path where the kernel declines."""
-    return _cpu_gemm(x3, data, scale, fmt, block, groups).contiguous()
+def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int) -> Tensor:
+    """_cpu_gemm as one opaque op for compiled graphs: x3 [M, G, in] fp32 -> [M, G, r] fp32 (contiguous), the
+    weight (data, scale, block) one the kernel takes (`QWeight.kernel`, fixed into the graph while tracing)."""
+    return _cpu_gemm(x3, QWeight(data, scale, block, kernel=True), groups).contiguous()
 
 
 @qgemv_op.register_fake
-def _(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int) -> Tensor:
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
 # Routed experts that compiled graphs read in place: a graph input holds a set's handle (an int64 scalar) instead
-# of the experts' weights stacked into one tensor, which would copy them. handle -> (weights, scales).
-_EXPERT_SETS: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
+# of the experts' weights stacked into one tensor, which would copy them. handle -> the weights.
+_EXPERT_SETS: dict[int, list[QWeight]] = {}
 _next_set = itertools.count()
 
 
-def register_experts(owner: object, weights: list[Tensor], scales: list[Tensor | None]) -> Tensor:
+def register_experts(owner: object, weights: list[QWeight]) -> Tensor:
     """A handle for `mhcrun::qgemv_expert_set` to one weight (w1, w2 or w3) of each of a layer's experts, in
     expert order; the entry goes when `owner` (the layer) does."""
     h = next(_next_set)
-    _EXPERT_SETS[h] = (list(weights), list(scales))
+    _EXPERT_SETS[h] = list(weights)
     weakref.finalize(owner, _EXPERT_SETS.pop, h, None)
     return torch.tensor(h, dtype=torch.int64)
 
 
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
-def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, fmt: str, block: int, out_features: int) -> Tensor:
+def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) -> Tensor:
     """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
     y[b, j] = x[b, j or 0] through expert idx[b, j] of the set `handle` (`register_experts`). The rows of one
-    expert go through one call of the fused kernel (at most MAX_ROWS at a time; `_cpu_gemm` where it declines)."""
-    weights, scales = _EXPERT_SETS[int(handle)]
+    expert go through one call of the fused kernel (at most MAX_ROWS at a time)."""
+    weights = _EXPERT_SETS[int(handle)]
     y = torch.empty(*idx.shape, out_features, dtype=torch.float32)
     rows: dict[int, list[tuple[int, int]]] = {}
     for b, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
             rows.setdefault(e, []).append((b, j))
     for e, pairs in rows.items():
-        for a in range(0, len(pairs), qgemv_rows_max):
-            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + qgemv_rows_max], strict=True))
+        for a in range(0, len(pairs), qgemv.MAX_ROWS):
+            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + qgemv.MAX_ROWS], strict=True))
             xe = x[bs, js if x.shape[1] > 1 else 0].float()  # [n, in]
-            y[bs, js] = _cpu_gemm(xe[:, None], weights[e], scales[e], fmt, block, 1)[:, 0]
+            y[bs, js] = _cpu_gemm(xe[:, None], weights[e], 1)[:, 0]
     return y
 
 
 @qgemv_expert_set.register_fake
-def _(x: Tensor, handle: Tensor, idx: Tensor, fmt: str, block: int, out_features: int) -> Tensor:
+def _(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) -> Tensor:
     return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
-def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:
     """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32: the fused kernel where it
     applies, else chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
-    r = data.shape[0] // groups
-    fast = qgemv(x3, data, scale, fmt, block, groups)  # decode sizes: the fused kernel, when it applies
+    r = w.out_features // groups
+    fast = qgemv.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
     if fast is not None:
         return fast
     if not _denormals_ok():
-        w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
-        return torch.einsum("mgd,grd->mgr", x3, w)
+        return torch.einsum("mgd,grd->mgr", x3, dequantize_reference(w).view(groups, r, n_in))
     y = torch.empty(groups, m, r, dtype=torch.float32)
     if r and m:
-        rows = _chunk_rows(r, n_in, _scale_grid(fmt, block)[0] if fmt != "float" else 1)
-        dec = _RowDecoder(data, scale, fmt, block, rows)
+        rows = _chunk_rows(r, n_in, w.grid[0] if w.fmt != "float" else 1)
+        dec = _RowDecoder(w, rows)
         buf = torch.empty(rows, n_in, dtype=torch.float32)
         for g in range(groups):
             _gemm_rows(x3[:, g], dec, g * r, (g + 1) * r, rows, buf, y[g])
@@ -572,95 +453,82 @@ def _cpu_gemm(x3: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: i
     return y.transpose(0, 1)
 
 
-def _grouped_gemm(xf: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
-    """xf [..., G, in] fp32 -> [..., G, r] fp32 through whichever path applies (not the _scaled_mm one)."""
-    n_in = xf.shape[-1]
-    r = data.shape[0] // groups
+def matmul(xf: Tensor, w: QWeight, groups: int = 1) -> Tensor:
+    """The one GEMM dispatch: xf [..., G, in] fp32, the weight's rows in G groups of r -> [..., G, r] fp32.
+
+    In a graph on CPU: the fused kernel as an opaque op (`mhcrun::qgemv`) where it takes the weight and x has
+    few rows, else (G = 1, few rows) the dequantisation fused into the reduction (`gemv_fused`), else the whole
+    weight dequantised and multiplied once. Off the CPU, and for fp32 weights: dequantise (a no-op for fp32)
+    and multiply. CPU eager: `_cpu_gemm` (the kernel, else the chunk decoders).
+    """
+    n_in, r = w.in_features, w.out_features // groups
     rows = xf.numel() // (groups * n_in)
-    if torch.compiler.is_compiling() and qgemv_applies(data, scale, fmt, block, rows):
-        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), data, scale, fmt, block, groups)
+    compiling = torch.compiler.is_compiling()
+    fp32 = w.fmt == "float" and w.data.dtype == torch.float32
+    if compiling and qgemv.takes(w, rows):
+        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), w.data, w.scale, w.block, groups)
         return y.reshape(*xf.shape[:-1], r)
-    on_cpu = data.device.type == "cpu"
-    if (fmt == "float" and data.dtype == torch.float32) or not on_cpu or torch.compiler.is_compiling():
-        w = _dequantize_reference(data, scale, fmt, block).view(groups, r, n_in)
-        return torch.einsum("...gd,grd->...gr", xf, w)
-    y = _cpu_gemm(xf.reshape(-1, groups, n_in), data, scale, fmt, block, groups)
-    return y.reshape(*xf.shape[:-1], r)
+    if groups == 1 and not fp32 and fused_fits(w, rows):
+        return gemv_fused(xf.reshape(rows, 1, n_in), w).reshape(*xf.shape[:-1], r)
+    if fp32 or compiling or w.data.device.type != "cpu":
+        weight = dequantize_reference(w)
+        if groups == 1:
+            return F.linear(xf.squeeze(-2), weight).unsqueeze(-2)
+        return torch.einsum("...gd,grd->...gr", xf, weight.view(groups, r, n_in))
+    return _cpu_gemm(xf.reshape(-1, groups, n_in), w, groups).reshape(*xf.shape[:-1], r)
 
 
-def qlinear(x: Tensor, data: Tensor, scale: Tensor | None = None, fmt: str = "float", block: int = 0,
-            act_quant: bool = False) -> Tensor:
-    """y [..., out] = x [..., in] @ W^T in x.dtype, W = the weight `data` in format `fmt` (module docstring).
+def qlinear(x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
+    """y [..., out] = x [..., in] @ W^T in x.dtype (W: module docstring, `QWeight`).
 
     act_quant: x is first rounded to FP8 in blocks of 128 along `in` with power-of-two scales
     (`fp8_simulate(x, 128, pow2_scale=True)`), as DeepSeek's act_quant before an FP8/FP4 GEMM.
     The product is computed in fp32 and cast to x.dtype, except for a "float" weight of x's dtype without
     act_quant, which is a plain F.linear in that dtype; a "float" weight of another dtype than x and fp32 is
     converted chunk by chunk, which can change the fp32 summation order.
-    Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs), or fp32.
     """
-    n_out, n_in = _check_weight(data, scale, fmt, block, "qlinear")
-    if x.shape[-1] != n_in:
-        raise ValueError(f"qlinear: x has {x.shape[-1]} features, the weight takes {n_in}")
-    if fmt == "float" and not act_quant and data.dtype == x.dtype:
-        return F.linear(x, data)
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"qlinear: x has {x.shape[-1]} features, the weight takes {w.in_features}")
+    if w.fmt == "float" and not act_quant and w.data.dtype == x.dtype:
+        return F.linear(x, w.data)
     if x.numel() == 0:
-        return x.new_zeros(*x.shape[:-1], n_out)
+        return x.new_zeros(*x.shape[:-1], w.out_features)
     if act_quant:
-        if fmt == "fp8" and x.is_cuda and SCALED_MM and not torch.compiler.is_compiling():
-            y = _scaled_mm_fp8(x, data, scale, block)
+        if w.fmt == "fp8" and x.is_cuda and SCALED_MM and not torch.compiler.is_compiling():
+            y = _scaled_mm_fp8(x, w)
             if y is not None:
                 return y
         x = _act_quant(x)
-    xf = x.float()
-    rows = xf.numel() // n_in
-    if torch.compiler.is_compiling() and qgemv_applies(data, scale, fmt, block, rows):
-        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, 1, n_in), data, scale, fmt, block, 1)
-        return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
-    if fused_fits(data, fmt, block, rows) and not (fmt == "float" and data.dtype == torch.float32):
-        y = gemv_fused(xf.reshape(rows, 1, n_in), data, scale, fmt, block)
-        return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
-    if (fmt == "float" and data.dtype == torch.float32) or data.device.type != "cpu" or (
-            torch.compiler.is_compiling()):
-        return F.linear(xf, _dequantize_reference(data, scale, fmt, block)).to(x.dtype)
-    y = _grouped_gemm(xf.reshape(-1, 1, n_in), data, scale, fmt, block, 1)
-    return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
-
-
-def _check_weight(data: Tensor, scale: Tensor | None, fmt: str, block: int, what: str) -> tuple[int, int]:
-    """Check a 2-D weight of format `fmt` and its scale; -> (out, in) features."""
-    _check_fmt(fmt)
-    _check_data(data, fmt)
-    if data.dim() != 2:
-        raise ValueError(f"{what}: expected a 2-D weight, got shape {list(data.shape)}")
-    _check_scale(data, scale, fmt, block)
-    return data.shape[0], _in_features(data, fmt)
+    return matmul(x.float().unsqueeze(-2), w).squeeze(-2).to(x.dtype)
 
 
 def _act_quant(x: Tensor) -> Tensor:
     """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); decode-sized CPU x takes
     the C++ version of the same rounding (bitwise equal, one call instead of ~25 torch ops)."""
     if not torch.compiler.is_compiling():
-        fast = act_quant_fp8(x, ACT_BLOCK)
+        fast = qgemv.act_quant_fp8(x, ACT_BLOCK)
         if fast is not None:
             return fast
     return fp8_simulate(x, ACT_BLOCK, pow2_scale=True)
 
 
-def qlinear_grouped(x: Tensor, data: Tensor, scale: Tensor | None, fmt: str, block: int, groups: int) -> Tensor:
+def qlinear_grouped(x: Tensor, w: QWeight, groups: int) -> Tensor:
     """DeepSeek's grouped low-rank output (wo_a): x [..., G, d_in], the weight's rows in G groups of r.
 
-    y[..., g, :] = x[..., g, :] @ W[g*r:(g+1)*r, :]^T in fp32 (as torch.einsum("bsgd,grd->bsgr", x, W.view(G, r, -1))),
-    no activation quantisation, result in x.dtype. The weight is dequantised group by group, chunk by chunk.
+    y[..., g, :] = x[..., g, :] @ W[g*r:(g+1)*r, :]^T (as torch.einsum("bsgd,grd->bsgr", x, W.view(G, r, -1))),
+    no activation quantisation, result in x.dtype: in x's dtype for a float weight of that dtype, else in fp32,
+    the weight dequantised group by group, chunk by chunk.
     """
-    n_out, n_in = _check_weight(data, scale, fmt, block, "qlinear_grouped")
+    n_out, n_in = w.out_features, w.in_features
     if groups <= 0 or n_out % groups:
         raise ValueError(f"qlinear_grouped: {n_out} rows do not split into {groups} groups")
     if x.dim() < 2 or x.shape[-2] != groups or x.shape[-1] != n_in:
         raise ValueError(f"qlinear_grouped: x shape {list(x.shape)}, expected [..., {groups}, {n_in}]")
+    if w.fmt == "float" and w.data.dtype == x.dtype:
+        return torch.einsum("...gd,grd->...gr", x, w.data.view(groups, -1, n_in))
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], n_out // groups)
-    return _grouped_gemm(x.float(), data, scale, fmt, block, groups).to(x.dtype)
+    return matmul(x.float(), w, groups).to(x.dtype)
 
 
 # ---------------------------------------------------------------- CUDA: FP8 x FP8 with DeepSeek block scales
@@ -672,10 +540,10 @@ _SCALED_MM_BROKEN = False
 SCALED_MM = os.environ.get("MHCRUN_SCALED_MM") == "1"
 
 
-def _scaled_mm_fits(x: Tensor, data: Tensor, scale: Tensor | None, block: int) -> bool:
-    n_out, n_in = data.shape
-    return (block == 128 and n_in % 128 == 0 and n_out % 128 == 0 and scale is not None
-            and x.dtype in (torch.float32, torch.bfloat16) and data.is_cuda and scale.is_cuda and x.numel() > 0)
+def _scaled_mm_fits(x: Tensor, w: QWeight) -> bool:
+    n_out, n_in = w.data.shape
+    return (w.block == 128 and n_in % 128 == 0 and n_out % 128 == 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and w.data.is_cuda and w.scale.is_cuda and x.numel() > 0)
 
 
 def act_quant_fp8_codes(x2: Tensor) -> tuple[Tensor, Tensor]:
@@ -696,7 +564,7 @@ def _scaled_mm_operands(x2: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad_m)).view(torch.float8_e4m3fn)
         sx = F.pad(sx, (0, 0, 0, pad_m), value=1.0)
     sa = sx.t().contiguous().t()  # [Mp, K/128], strides (1, Mp)
-    sw = _scale_f32(scale).float()  # [N/128, K/128]
+    sw = scale_f32(scale).float()  # [N/128, K/128]
     kb = sw.shape[1]
     sw = F.pad(sw, (0, -kb % 4)).contiguous()  # K blocks padded to a multiple of 4
     sb = sw.t()  # [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))
@@ -710,8 +578,8 @@ def _scaled_mm_call(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: tor
     return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)  # older torch: recipes inferred from the shapes
 
 
-def _scaled_mm_fp8(x: Tensor, data: Tensor, scale: Tensor | None, block: int) -> Tensor | None:
-    """qlinear(x, data, scale, "fp8", 128, act_quant=True) on CUDA through cuBLASLt's FP8 GEMM with DeepSeek's
+def _scaled_mm_fp8(x: Tensor, w: QWeight) -> Tensor | None:
+    """qlinear(x, w, act_quant=True) for an fp8 weight of block 128 on CUDA through cuBLASLt's FP8 GEMM with DeepSeek's
     block scales (torch._scaled_mm / F.scaled_mm, ScalingType.BlockWise1x128 for the activation and
     BlockWise128x128 for the weight; SM90 with cuBLASLt >= 12.9). None when it does not apply or fails (then a
     one-time warning, and the caller dequantises instead).
@@ -728,13 +596,13 @@ def _scaled_mm_fp8(x: Tensor, data: Tensor, scale: Tensor | None, block: int) ->
     unpadded M (not a multiple of 4) was refused by cuBLASLt. Not checked on other GPUs or torch versions.
     """
     global _SCALED_MM_BROKEN
-    if _SCALED_MM_BROKEN or not _scaled_mm_fits(x, data, scale, block):
+    if _SCALED_MM_BROKEN or not _scaled_mm_fits(x, w):
         return None
     try:
         x2 = x.reshape(-1, x.shape[-1])
-        a, sa, b, sb = _scaled_mm_operands(x2, data, scale)
+        a, sa, b, sb = _scaled_mm_operands(x2, w.data, w.scale)
         y = _scaled_mm_call(a, sa, b, sb, x.dtype)[: x2.shape[0]]
-        return y.reshape(*x.shape[:-1], data.shape[0]).to(x.dtype)
+        return y.reshape(*x.shape[:-1], w.out_features).to(x.dtype)
     except Exception as e:  # any failure falls back to the dequantising path
         _SCALED_MM_BROKEN = True
         warnings.warn(f"qlinear: torch._scaled_mm FP8 block-scaled GEMM unavailable ({type(e).__name__}: {e}); "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhcrun.model import finish_entry, grouped_output
+from mhcrun.model import finish_entry, finish_index_queries
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
 from mhcrun.ops.attention import closed_mask, sparse_attn, window_mask
@@ -30,13 +30,24 @@ from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.kvcache import CacheFormat
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_expert_set, qlinear
-from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, fp4_simulate, fp8_simulate, hadamard
+from mhcrun.ops.qlinear import dequantize, fused_fits, gemv_fused, qgemv_expert_set, qlinear, qlinear_grouped
+from mhcrun.ops.quant import ACT_FP8_BLOCK, fp8_simulate
+from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail_real
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
 
 Carry = dict[str, torch.Tensor]
 Inputs = dict
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a graph knows of a weight input beyond its tensors (its QWeight's block and kernel flag, fixed
+    while tracing) and whether its GEMM rounds the activation to FP8 (a weight stored quantised)."""
+
+    block: int
+    kernel: bool
+    act_quant: bool
 
 
 @dataclass(frozen=True)
@@ -63,8 +74,7 @@ class AttnSpec:
     kv_fmt: CacheFormat  # how the KV cache stores an entry (FP8 with the simulation on)
     idx_fmt: CacheFormat  # how the indexer's key cache stores an entry (FP4 with the simulation on)
     max_seq: int  # the cache's context: the compressed entry slots are max_seq // ratio
-    act_quant: frozenset[str]  # weight names whose GEMM rounds its activation to FP8 (quantised weights)
-    formats: frozenset[tuple[str, str, int]]  # (name, fp8|fp4, block) of the weights kept quantised
+    linears: tuple[tuple[str, LinearSpec], ...]  # every weight input a GEMM takes (regions.runner.region_inputs)
     index_heads: int
     index_head_dim: int
     index_topk: int
@@ -82,8 +92,7 @@ class MoeSpec:
     limit: float
     norm_eps: float
     quant_sim: bool
-    act_quant: frozenset[str]
-    formats: frozenset[tuple[str, str, int]]
+    linears: tuple[tuple[str, LinearSpec], ...]
     hc: HcSpec
     inter: int  # routed experts' inner size
     experts: tuple[int, int] = (0, 0)  # [first, end) of this rank's routed experts (all of them on one rank)
@@ -93,21 +102,23 @@ class MoeSpec:
 @dataclass(frozen=True)
 class HeadSpec:
     hc: HcSpec
+    linears: tuple[tuple[str, LinearSpec], ...]
     vocab: int = 0  # the whole vocabulary (each rank's head holds its rows under --tp)
     tp: Shard = SINGLE
 
 
-def weight_format(spec: AttnSpec | MoeSpec, name: str) -> tuple[str, int]:
-    """(fmt, block) of a weight input: fp8 / fp4 when kept quantised (its scale is input `name_scale`)."""
-    for n, fmt, block in spec.formats:
-        if n == name:
-            return fmt, block
-    return "float", 0
+Spec = AttnSpec | MoeSpec | HeadSpec
 
 
-def lin(spec: AttnSpec | MoeSpec, w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    fmt, block = weight_format(spec, name)
-    return qlinear(x, w[name], w.get(f"{name}_scale"), fmt, block, spec.quant_sim and name in spec.act_quant)
+def weight(spec: Spec, w: dict[str, torch.Tensor], name: str) -> QWeight:
+    """Weight input `name` (and `name.scale` when kept quantised) as the QWeight it was loaded as."""
+    ls = dict(spec.linears)[name]
+    return QWeight(w[name], w.get(f"{name}.scale"), ls.block, ls.kernel)
+
+
+def lin(spec: Spec, w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    quant = getattr(spec, "quant_sim", False) and dict(spec.linears)[name].act_quant
+    return qlinear(x, weight(spec, w, name), quant)
 
 
 def mixes(hc: HcSpec, x: torch.Tensor, w: dict[str, torch.Tensor], site: str):
@@ -146,11 +157,11 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     cos, sin = inp["cos"][pos].unsqueeze(1), inp["sin"][pos].unsqueeze(1)  # [B, 1, rd/2]
     rd, win, fmt = spec.rope_dim, spec.window, spec.kv_fmt
 
-    qr = rms_norm(lin(spec, w, "wq_a", h), w["q_norm"], spec.norm_eps)
-    q = lin(spec, w, "wq_b", qr).unflatten(-1, (spec.n_heads, spec.head_dim))
+    qr = rms_norm(lin(spec, w, "attn.wq_a", h), w["attn.q_norm"], spec.norm_eps)
+    q = lin(spec, w, "attn.wq_b", qr).unflatten(-1, (spec.n_heads, spec.head_dim))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + spec.norm_eps)
     q = apply_rope_tail_real(q, cos.unsqueeze(2), sin.unsqueeze(2), rd)
-    kv = apply_rope_tail_real(rms_norm(lin(spec, w, "wkv", h), w["kv_norm"], spec.norm_eps), cos, sin, rd)
+    kv = apply_rope_tail_real(rms_norm(lin(spec, w, "attn.wkv", h), w["attn.kv_norm"], spec.norm_eps), cos, sin, rd)
     stored = kvcache.encode(fmt, kv)
     kv = kvcache.decode(fmt, stored, dtype)
     ring = read_cache(roots, "kv", fmt, at(torch.arange(win, device=h.device)), dtype)  # before this token
@@ -161,18 +172,17 @@ def attn_core(spec: AttnSpec, c: Carry, inp: Inputs) -> Carry:
     if spec.ratio == 4:
         chosen, valid = indexer_step(spec, h, qr, inp)  # [B, 1, k]
     if spec.ratio:
-        compressor_step(spec, spec.ratio, spec.head_dim, False, h, inp, "comp", "kv", fmt, win)
+        compressor_step(spec, spec.ratio, spec.head_dim, False, h, inp, "attn.compressor", "comp", "kv", fmt, win)
     if spec.ratio == 4:
         sel, sel_mask = read_cache(roots, "kv", fmt, at(win + chosen[:, 0]), dtype).unsqueeze(1), valid
     elif spec.ratio:
         n_comp = spec.max_seq // spec.ratio
         comp = read_cache(roots, "kv", fmt, at(win + torch.arange(n_comp, device=h.device)), dtype)
         keys, mask = torch.cat([keys, comp], dim=1), torch.cat([mask, closed_mask(pos, 1, n_comp, spec.ratio)], -1)
-    o = sparse_attn(q, keys, mask, w["attn_sink"], spec.head_dim ** -0.5, sel, sel_mask)
+    o = sparse_attn(q, keys, mask, w["attn.attn_sink"], spec.head_dim ** -0.5, sel, sel_mask)
     o = apply_rope_tail_real(o, cos.unsqueeze(2), sin.unsqueeze(2), rd, inverse=True)
-    o = o.reshape(B, 1, spec.n_groups, -1)
-    o = grouped_output(o, w["wo_a"], w.get("wo_a_scale"), *weight_format(spec, "wo_a"), spec.n_groups)
-    y = all_reduce(lin(spec, w, "wo_b", o.flatten(2)), spec.tp)  # every rank's o_groups
+    o = qlinear_grouped(o.reshape(B, 1, spec.n_groups, -1), weight(spec, w, "attn.wo_a"), spec.n_groups)
+    y = all_reduce(lin(spec, w, "attn.wo_b", o.flatten(2)), spec.tp)  # every rank's o_groups
     return {"x": c["x"], "y": y, "post": c["post"], "comb": c["comb"]}
 
 
@@ -188,16 +198,16 @@ def read_cache(roots: dict, name: str, fmt: CacheFormat, index: tuple, dtype: to
 
 
 def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: torch.Tensor, inp: Inputs,
-                    prefix: str, cache: str, fmt: CacheFormat, cache_offset: int) -> None:
+                    weights: str, state: str, cache: str, fmt: CacheFormat, cache_offset: int) -> None:
     """Add this token to the open group (`compress_chunk`, as the eager compressor); rows whose group closes
     store its entry, the others write their current entry back unchanged."""
     w, roots, layer, pos = inp["w"], inp["roots"], inp["layer"], inp["pos"]
     B = h.size(0)
     at = cache_index(layer, B)
     x = h.float()
-    kv = qlinear(x, w[f"{prefix}_wkv"])
-    score = qlinear(x, w[f"{prefix}_wgate"]) + w[f"{prefix}_ape"][pos % ratio].unsqueeze(1)
-    kv_root, score_root = roots[f"{prefix}_kv"], roots[f"{prefix}_score"]
+    kv = lin(spec, w, f"{weights}.wkv", x)
+    score = lin(spec, w, f"{weights}.wgate", x) + w[f"{weights}.ape"][pos % ratio].unsqueeze(1)
+    kv_root, score_root = roots[f"{state}_kv"], roots[f"{state}_score"]
     fresh = (pos == 0).view(-1, 1, 1)
     kv_state = kv_root.index_select(0, layer).squeeze(0).masked_fill(fresh, 0.0)  # [B, c*r, c*hd]
     score_state = score_root.index_select(0, layer).squeeze(0).masked_fill(fresh, float("-inf"))
@@ -209,7 +219,7 @@ def compressor_step(spec: AttnSpec, ratio: int, head_dim: int, rotate: bool, h: 
     g = 1 if ratio == 4 else 0  # the buffer group that holds this token (after the previous group with overlap)
     done, entry = closed[:, g], entry[:, g]
     cos, sin = inp["cos"][entry * ratio], inp["sin"][entry * ratio]
-    out = finish_entry(pooled[:, g].to(h.dtype), w[f"{prefix}_norm"], spec.norm_eps,
+    out = finish_entry(pooled[:, g].to(h.dtype), w[f"{weights}.norm"], spec.norm_eps,
                        lambda t: apply_rope_tail_real(t, cos, sin, spec.rope_dim), rotate)
     # a row whose group is still open writes its current entry back; clamp keeps a row's last slot in the cache
     slot = (cache_offset + entry.clamp(max=spec.max_seq // ratio - 1)).unsqueeze(1)
@@ -231,12 +241,11 @@ def indexer_step(spec: AttnSpec, h: torch.Tensor, qr: torch.Tensor, inp: Inputs)
     among all its entry slots -> (entries, valid) [B, 1, min(index_topk, n_comp)]."""
     w, roots, pos = inp["w"], inp["roots"], inp["pos"]
     cos, sin = inp["cos"][pos].view(-1, 1, 1, spec.rope_dim // 2), inp["sin"][pos].view(-1, 1, 1, spec.rope_dim // 2)
-    q = lin(spec, w, "idx_wq_b", qr).unflatten(-1, (spec.index_heads, spec.index_head_dim))
-    q = hadamard(apply_rope_tail_real(q, cos, sin, spec.rope_dim))
-    if spec.quant_sim:
-        q = fp4_simulate(q, INDEX_FP4_BLOCK)
-    compressor_step(spec, 4, spec.index_head_dim, True, h, inp, "idx_comp", "idx_kv", spec.idx_fmt, 0)
-    weights = lin(spec, w, "idx_weights_proj", h) * spec.index_weight_scale
+    q = lin(spec, w, "attn.indexer.wq_b", qr).unflatten(-1, (spec.index_heads, spec.index_head_dim))
+    q = finish_index_queries(q, lambda t: apply_rope_tail_real(t, cos, sin, spec.rope_dim), spec.quant_sim)
+    compressor_step(spec, 4, spec.index_head_dim, True, h, inp, "attn.indexer.compressor", "idx_comp", "idx_kv",
+                    spec.idx_fmt, 0)
+    weights = lin(spec, w, "attn.indexer.weights_proj", h) * spec.index_weight_scale
     n_comp = spec.max_seq // 4
     at = cache_index(inp["layer"], h.size(0))
     keys = read_cache(roots, "idx_kv", spec.idx_fmt, at(torch.arange(n_comp, device=h.device)), q.dtype)
@@ -258,14 +267,13 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     h = c["h"]  # [B, 1, d]
     B, d = h.size(0), h.size(-1)
     x = h.reshape(B, d)
-    scores = gate_scores(x, w["gate"], spec.score_func)
+    scores = gate_scores(x, w["ffn.gate"], spec.score_func)
     if spec.hash:
         weights, idx = route(scores, spec.topk, spec.route_scale, spec.score_func,
-                             hash_ids=w["tid2eid"][inp["tokens"]])
+                             hash_ids=w["ffn.gate.tid2eid"][inp["tokens"]])
     else:
-        weights, idx = route(scores, spec.topk, spec.route_scale, spec.score_func, bias=w["gate_bias"])
-    quant = spec.quant_sim and "experts" in spec.act_quant
-    fmt, block = weight_format(spec, "experts")
+        weights, idx = route(scores, spec.topk, spec.route_scale, spec.score_func, bias=w["ffn.gate.bias"])
+    quant = spec.quant_sim and dict(spec.linears)["ffn.experts.w1"].act_quant
     if spec.tp.world > 1:  # this rank's experts only: the others' routes weigh nothing here
         e0, e1 = spec.experts
         weights = weights * ((idx >= e0) & (idx < e1))
@@ -273,14 +281,14 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
 
     def routed(name: str, xs: torch.Tensor) -> torch.Tensor:
         """xs [B, k or 1, in] through each row's k routed experts' weights `name` -> [B, k, out] (fp32)."""
-        if f"{name}_set" in w:  # the fused CPU kernel, reading the experts where they are
-            out = d if name == "w2" else spec.inter
-            return qgemv_expert_set(xs.float(), w[f"{name}_set"], idx, fmt, block, out)
-        data = w[name][idx]  # [B, k, out, in']
-        if fmt != "float" and fused_fits(data, fmt, block, 1):  # dequantisation fused into the reduction
-            return gemv_fused(xs.float().unsqueeze(-2), data, w[f"{name}_scale"][idx], fmt, block)
-        weight = data.float() if fmt == "float" else dequantize(data, w[f"{name}_scale"][idx], fmt, block)
-        return torch.einsum("bkd,bkfd->bkf", xs.float().expand(-1, weight.size(1), -1), weight)
+        key = f"ffn.experts.{name}"
+        if f"{key}.set" in w:  # the fused CPU kernel, reading the experts where they are
+            return qgemv_expert_set(xs.float(), w[f"{key}.set"], idx, d if name == "w2" else spec.inter)
+        scale = w.get(f"{key}.scale")
+        ew = QWeight(w[key][idx], None if scale is None else scale[idx], dict(spec.linears)[key].block)
+        if ew.fmt != "float" and fused_fits(ew, 1):  # [B, k, out, in']: dequantisation fused into the reduction
+            return gemv_fused(xs.float().unsqueeze(-2), ew)
+        return torch.einsum("bkd,bkfd->bkf", xs.float().expand(-1, idx.size(1), -1), dequantize(ew))
 
     xq = fp8_simulate(x, ACT_FP8_BLOCK) if quant else x
     g = routed("w1", xq.unsqueeze(1)).to(x.dtype)  # [B, k, inter]
@@ -289,8 +297,9 @@ def moe_core(spec: MoeSpec, c: Carry, inp: Inputs) -> Carry:
     if quant:
         mid = fp8_simulate(mid, ACT_FP8_BLOCK)
     y = all_reduce(routed("w2", mid).to(x.dtype).float().sum(dim=1), spec.tp)  # every rank's experts
-    shared = lin(spec, w, "shared_w2", swiglu(lin(spec, w, "shared_w1", x), lin(spec, w, "shared_w3", x),
-                                                spec.limit).to(x.dtype))
+    s = "ffn.shared_experts"
+    shared = lin(spec, w, f"{s}.w2", swiglu(lin(spec, w, f"{s}.w1", x), lin(spec, w, f"{s}.w3", x),
+                                            spec.limit).to(x.dtype))
     y = (y + shared).to(x.dtype).view(B, 1, d)
     return {"x": c["x"], "y": y, "post": c["post"], "comb": c["comb"]}
 
@@ -304,7 +313,7 @@ def head(spec: HeadSpec, c: Carry, inp: Inputs) -> Carry:
     h = hc_ops.hc_head(c["x"], w["hc_head_fn"], w["hc_head_fn_hi"], w["hc_head_fn_lo"], w["hc_head_scale"],
                        w["hc_head_base"], hc.eps, hc.norm_eps)
     h = rms_norm(h, w["norm"], hc.norm_eps)[:, -1]
-    return {"logits": gather_vocab(qlinear(h.float(), w["head"]), spec.tp, spec.vocab)}
+    return {"logits": gather_vocab(lin(spec, w, "head", h.float()), spec.tp, spec.vocab)}
 
 
 STAGES = {

@@ -12,8 +12,9 @@ import functools
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,7 +25,11 @@ from mhcrun.nki.ops import hc_expand
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import register_experts
 from mhcrun.ops.quant import hadamard
-from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, MoeSpec
+from mhcrun.ops.qweight import QWeight
+from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, LinearSpec, MoeSpec
+from mhcrun.weights import TensorSpec, layer_tensor_specs, tensor_specs
+
+Linears = dict[str, LinearSpec]
 
 # how the stages of each region are grouped into compiled graphs
 STAGE_PLANS = {
@@ -143,99 +148,93 @@ def hc_spec(model: Transformer) -> HcSpec:
     return HcSpec(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
 
-Formats = frozenset[tuple[str, str, int]]
+def region_inputs(model: Transformer, prefix: str, specs: list[TensorSpec]) -> tuple[dict[str, torch.Tensor], Linears]:
+    """The tensors `specs` (all named under `prefix`) as graph inputs, keyed by their weights-table names after
+    `prefix` less a final `.weight` (`attn.wq_a`, `attn_norm`, `ffn.gate.bias`): a Linear's weight as its data
+    (plus `key.scale` when kept quantised) with what the graph needs to know of it (`LinearSpec`)."""
+    w, linears = {}, {}
+    for spec in specs:
+        key = spec.name[len(prefix):].removesuffix(".weight")
+        owner, _, leaf = spec.name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(module, Linear):
+            w[key] = module.w.data
+            if module.w.scale is not None:
+                w[f"{key}.scale"] = module.w.graph_scale()
+            linears[key] = LinearSpec(module.w.block, module.w.kernel, module.act_quant)
+        else:
+            w[key] = getattr(module, leaf)
+    return w, linears
 
 
-def linear_inputs(linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], set[str], set[tuple[str, str, int]]]:
-    """Weights by region name (plus `name_scale` for those kept quantised), the names whose GEMM quantises
-    its activation, and the (name, fmt, block) of those kept quantised."""
-    w, quant, formats = {}, set(), set()
-    for name, m in linears.items():
-        w[name] = m.weight
-        if m.scale is not None:
-            w[f"{name}_scale"] = graph_scale(m.scale)
-            formats.add((name, m.fmt, m.block))
-        if m.quantized and m.act_quant:
-            quant.add(name)
-    return w, quant, formats
+def half_of(key: str) -> str:
+    """The region family of a layer tensor (its name after `layers.i.`): the attention half or the MoE half."""
+    return "attn" if key.startswith(("attn", "hc_attn")) else "moe"
 
 
-def graph_scale(scale: torch.Tensor) -> torch.Tensor:
-    """An e8m0 scale as its raw bytes (uint8): inductor cannot take float8_e8m0fnu graph inputs on CPU."""
-    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+def layer_inputs(model: Transformer, i: int, half: str) -> tuple[dict[str, torch.Tensor], Linears]:
+    """Layer i's tensors of one half ("attn" or "moe"), from the weights table; routed experts as `expert_inputs`
+    gives them; the mHC mixes' fn also split into bf16 hi + lo (`hc_{site}_fn_hi`, `_lo`) for the NKI kernels."""
+    prefix = f"layers.{i}."
+    block = model.layers[i]
+    specs = [s for s in layer_tensor_specs(model.cfg, i) if s.expert is None and half_of(s.name[len(prefix):]) == half]
+    w, linears = region_inputs(model, prefix, specs)
+    site = "attn" if half == "attn" else "ffn"
+    w |= {f"hc_{site}_fn_hi": block.fn_split[site][0], f"hc_{site}_fn_lo": block.fn_split[site][1]}
+    if half == "moe":
+        ew, el = expert_inputs(block)
+        w |= ew
+        linears |= el
+    return w, linears
 
 
-def attn_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], Formats]:
-    """A layer's attention-half weights by region name, those whose GEMM quantises its activation, and the
-    formats of those kept quantised."""
-    a = block.attn
-    linears = {"wq_a": a.wq_a, "wq_b": a.wq_b, "wkv": a.wkv, "wo_a": a.wo_a, "wo_b": a.wo_b}
-    if a.ratio == 4:
-        linears |= {"idx_wq_b": a.indexer.wq_b}
-    w, quant, formats = linear_inputs(linears)
-    w |= {"hc_attn_fn": block.hc_attn_fn, "hc_attn_fn_hi": block.fn_split["attn"][0],
-          "hc_attn_fn_lo": block.fn_split["attn"][1], "hc_attn_base": block.hc_attn_base,
-          "hc_attn_scale": block.hc_attn_scale, "attn_norm": block.attn_norm.weight, "q_norm": a.q_norm.weight,
-          "kv_norm": a.kv_norm.weight, "attn_sink": a.attn_sink}
-    if a.ratio:
-        w |= compressor_inputs("comp", a.compressor)
-    if a.ratio == 4:
-        w |= {"idx_weights_proj": a.indexer.weights_proj.weight}
-        w |= compressor_inputs("idx_comp", a.indexer.compressor)
-    return w, frozenset(quant), frozenset(formats)
+EXPERT_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MoE -> {key: its experts' stack}
 
 
-def compressor_inputs(prefix: str, comp) -> dict[str, torch.Tensor]:
-    return {f"{prefix}_ape": comp.ape, f"{prefix}_wkv": comp.wkv.weight, f"{prefix}_wgate": comp.wgate.weight,
-            f"{prefix}_norm": comp.norm.weight}
-
-
-def expert_inputs(block: Block) -> dict[str, torch.Tensor]:
-    """The routed experts' weights as graph inputs. Kept quantised on a CPU with the fused kernel: a handle per
-    weight name (`name_set`, `qlinear.register_experts`), the experts read in place. Otherwise stacked
-    [E, out, in] (and scales) once, the experts keeping views of the stack: kept-quantised weights are stacked
-    as stored, so this copies their bytes."""
+def expert_inputs(block: Block) -> tuple[dict[str, torch.Tensor], Linears]:
+    """This rank's routed experts' weights (`ffn.experts.w1`, `.w2`, `.w3`) as graph inputs. Kept quantised on a
+    CPU with the fused kernel: a handle per weight name (`ffn.experts.w1.set`, `qlinear.register_experts`), the
+    experts read in place. Otherwise stacked [E, out, in] (and `.scale`s) once, the experts keeping views of the
+    stack: kept-quantised weights are stacked as stored, so this copies their bytes."""
     experts = [block.ffn.experts[e] for e in block.ffn.owned]  # this rank's (all of them on one rank)
-    out = {}
+    out, linears = {}, {}
     for name in ("w1", "w2", "w3"):
-        first = getattr(experts[0], name)
-        if first.fmt != "float" and qgemv.applies(first.weight, first.scale, first.fmt, first.block, 1):
-            lins = [getattr(e, name) for e in experts]
-            out[f"{name}_set"] = register_experts(block, [m.weight for m in lins], [m.scale for m in lins])
+        key = f"ffn.experts.{name}"
+        lins = [getattr(e, name) for e in experts]
+        first = lins[0].w
+        linears[key] = LinearSpec(first.block, all(m.w.kernel for m in lins), lins[0].act_quant)
+        if first.fmt != "float" and qgemv.takes(first, 1):
+            out[f"{key}.set"] = register_experts(block, [m.w for m in lins])
             continue
-        for attr, key in (("weight", name), ("scale", f"{name}_scale")):
-            t = getattr(first, attr)
-            if t is None:
-                continue
-            if t._base is not None and t._base.dim() == 3:  # already stacked
-                out[key] = graph_scale(t._base)
-                continue
-            stack = torch.stack([getattr(getattr(e, name), attr) for e in experts])
-            for i, e in enumerate(experts):
-                lin = getattr(e, name)
-                if attr == "weight":
-                    lin.weight = torch.nn.Parameter(stack[i], requires_grad=False)
-                else:
-                    lin.scale = stack[i]
-            out[key] = graph_scale(stack)
-    return out
+        stacks = EXPERT_STACKS.setdefault(block.ffn, {})  # made once per layer, reused by every decoder
+        if key not in stacks:  # the experts keep views of the stack, so their bytes are not held twice
+            data = torch.stack([m.w.data for m in lins])
+            scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
+            for j, m in enumerate(lins):
+                m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
+            stacks[key] = QWeight(data, scale)
+        out[key] = stacks[key].data
+        if first.scale is not None:
+            out[f"{key}.scale"] = stacks[key].graph_scale()
+    return out, linears
 
 
-def moe_inputs(block: Block) -> tuple[dict[str, torch.Tensor], frozenset[str], Formats]:
-    f = block.ffn
-    s = f.shared_experts
-    w, quant, formats = linear_inputs({"shared_w1": s.w1, "shared_w2": s.w2, "shared_w3": s.w3})
-    w |= {"hc_ffn_fn": block.hc_ffn_fn, "hc_ffn_fn_hi": block.fn_split["ffn"][0],
-          "hc_ffn_fn_lo": block.fn_split["ffn"][1], "hc_ffn_base": block.hc_ffn_base,
-          "hc_ffn_scale": block.hc_ffn_scale, "ffn_norm": block.ffn_norm.weight, "gate": f.gate.weight}
-    w |= {"tid2eid": f.gate.tid2eid} if f.gate.hash else {"gate_bias": f.gate.bias}
-    w |= expert_inputs(block)
-    first = f.experts[f.owned.start].w1
-    if first.quantized:
-        quant.add("experts")
-    if first.scale is not None:
-        formats.add(("experts", first.fmt, first.block))
-    return w, frozenset(quant), frozenset(formats)
+def head_inputs(model: Transformer) -> tuple[dict[str, torch.Tensor], Linears]:
+    """The head region's tensors (every model-level one but the embedding), from the weights table."""
+    specs = [s for s in tensor_specs(model.cfg, 0) if s.name != "embed.weight"]
+    w, linears = region_inputs(model, "", specs)
+    return w | {"hc_head_fn_hi": model.fn_split[0], "hc_head_fn_lo": model.fn_split[1]}, linears
+
+
+def frozen(linears: Linears) -> tuple[tuple[str, LinearSpec], ...]:
+    """A kind's LinearSpecs as a spec field (hashable, baked into the graph)."""
+    return tuple(sorted(linears.items()))
+
+
+def kind_linears(a: Linears, b: Linears) -> Linears:
+    """Two layers' LinearSpecs for one region kind (one graph): the kernel only where both layers' weights take
+    it."""
+    return {k: replace(v, kernel=v.kernel and b[k].kernel) for k, v in a.items()}
 
 
 class RegionDecoder:
@@ -261,35 +260,37 @@ class RegionDecoder:
         self.sin = {k: f.imag.contiguous() for k, f in freqs.items()}
         self.layer_inputs: list[tuple[str, dict, str, dict]] = []  # (attn kind, attn inp, moe kind, moe inp)
         specs: dict[str, object] = {}
+        linears_of: dict[str, Linears] = {}  # per region kind, over its layers
         layers_of: dict[str, list[int]] = {}
         row = {ratio: 0 for ratio in model.roots}
         for i, (block, (akind, mkind)) in enumerate(zip(model.layers, model.region_kinds, strict=True)):
             ratio = block.attn.ratio
-            aw, aq, af = attn_inputs(block)
-            a = block.attn  # this rank's heads, o_groups and index heads under --tp
-            specs[akind] = AttnSpec(ratio, c.window_size, a.n_heads, c.head_dim, c.rope_head_dim, a.n_groups,
-                                    c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
-                                    model.formats["idx_kv"], model.max_seq, aq, af,
-                                    a.indexer.n_heads if ratio == 4 else c.index_n_heads, c.index_head_dim,
-                                    c.index_topk, c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5, hc, tp)
+            aw, al = layer_inputs(model, i, "attn")
+            mw, ml = layer_inputs(model, i, "moe")
+            for kind, lins in ((akind, al), (mkind, ml)):
+                linears_of[kind] = kind_linears(linears_of[kind], lins) if kind in linears_of else lins
             freq_key = "compressed" if ratio else 0
             ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
                     "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
             row[ratio] += 1
-            mw, mq, mf = moe_inputs(block)
-            owned = block.ffn.owned
-            specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
-                                   c.swiglu_limit, c.norm_eps, quant_sim, mq, mf, hc, c.moe_inter_dim,
-                                   (owned.start, owned.stop), tp)
             self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
             layers_of.setdefault(akind, []).append(i)
             layers_of.setdefault(mkind, []).append(i)
-        specs["head"] = HeadSpec(hc, c.vocab_size, tp)
+        for block, (akind, mkind) in zip(model.layers, model.region_kinds, strict=True):
+            a, ratio = block.attn, block.attn.ratio  # this rank's heads, o_groups and index heads under --tp
+            specs[akind] = AttnSpec(ratio, c.window_size, a.n_heads, c.head_dim, c.rope_head_dim, a.n_groups,
+                                    c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
+                                    model.formats["idx_kv"], model.max_seq, frozen(linears_of[akind]),
+                                    a.indexer.n_heads if ratio == 4 else c.index_n_heads, c.index_head_dim,
+                                    c.index_topk, c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5, hc, tp)
+            owned = block.ffn.owned
+            specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
+                                   c.swiglu_limit, c.norm_eps, quant_sim, frozen(linears_of[mkind]), hc,
+                                   c.moe_inter_dim, (owned.start, owned.stop), tp)
+        hw, hl = head_inputs(model)
+        specs["head"] = HeadSpec(hc, frozen(hl), c.vocab_size, tp)
         layers_of["head"] = [len(model.layers)]
-        self.head_inp = {"w": {"hc_head_fn": model.hc_head_fn, "hc_head_fn_hi": model.fn_split[0],
-                               "hc_head_fn_lo": model.fn_split[1], "hc_head_scale": model.hc_head_scale,
-                               "hc_head_base": model.hc_head_base, "norm": model.norm.weight,
-                               "head": model.head.weight}}
+        self.head_inp = {"w": hw}
         self.specs = specs
         compile_backend = None if mode == "eager" else backend
         cg_mode = "reduce-overhead" if cuda_graphs else None

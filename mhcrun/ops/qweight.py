@@ -1,0 +1,138 @@
+"""A weight as the GEMMs take it (`mhcrun.ops.qlinear`): its stored values, its scale and its block, one object.
+
+The format follows from the dtype of `data` (the release's formats, see `weights.stored_format`):
+- "fp8":   float8_e4m3fn [out, in]; scale [ceil(out/block), ceil(in/block)], one per block x block tile (128
+           released, 32 in the tiny test model).
+- "fp4":   int8/uint8 [out, in/2], two e2m1 codes a byte, low nibble first; scale [out, ceil(in/block)], one per
+           `block` inputs of a row (FP4_BLOCK).
+- "float": any float dtype [out, in]; no scale, no block.
+Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph inputs on CPU), or fp32.
+
+`checked()` validates all of this once, when the weight is loaded, and decides there whether the fused CPU kernel
+(`mhcrun.ops.qgemv`) can take it: a format it covers, contiguous, and every scale finite and small enough that
+no dequantised value overflows. The GEMMs dispatch on the object and never check it again. `share` cuts a rank's
+rows or columns (`--tp`), its scale with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from mhcrun.ops.quant import FP4_BLOCK, e8m0_to_float, scale_to_float
+from mhcrun.parallel import Shard
+
+FORMATS = ("fp8", "fp4", "float")
+FORMAT_MAX = {"fp8": 448.0, "fp4": 6.0}  # the largest |value| of each format before its scale
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32)
+
+
+def format_of(dtype: torch.dtype) -> str:
+    """The weight format stored as `dtype`."""
+    if dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if dtype in (torch.int8, torch.uint8):
+        return "fp4"
+    if dtype.is_floating_point:
+        return "float"
+    raise ValueError(f"no weight format is stored as {dtype}")
+
+
+def scale_f32(scale: Tensor) -> Tensor:
+    """A stored scale as fp32: e8m0 (float8_e8m0fnu, or its raw bytes as uint8) decoded, fp32 as is."""
+    if scale.dtype == torch.uint8:
+        return e8m0_to_float(scale)
+    return scale_to_float(scale)
+
+
+@dataclass(eq=False)
+class QWeight:
+    """A 2-D weight in its stored format (module docstring); `[..., out, in']` stacks of them where a GEMM takes
+    gathered experts. Make it with `checked()`; the plain constructor is for graphs rebuilding a checked one."""
+
+    data: Tensor
+    scale: Tensor | None = None
+    block: int = 0
+    kernel: bool = False  # the fused CPU kernel takes it (decided by checked(), once)
+    nan_free: bool | None = None  # fp8: no NaN codes, learnt by the torch decoders' first full pass (None: unknown)
+
+    @property
+    def fmt(self) -> str:
+        return format_of(self.data.dtype)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[-1] * (2 if self.fmt == "fp4" else 1)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, columns) of weight values that share one scale."""
+        return (self.block, self.block) if self.fmt == "fp8" else (1, self.block)
+
+    def checked(self, what: str = "weight") -> QWeight:
+        """This weight, validated (ValueError naming `what` otherwise), with `kernel` decided."""
+        fmt, data, scale = self.fmt, self.data, self.scale
+        if data.dim() != 2:
+            raise ValueError(f"{what}: expected a 2-D weight, got shape {list(data.shape)}")
+        if fmt == "float":
+            if scale is not None:
+                raise ValueError(f"{what}: a float weight takes no scale")
+            return replace(self, block=0, kernel=data.dtype == torch.bfloat16 and kernel_layout(data))
+        block = self.block or (FP4_BLOCK if fmt == "fp4" else 0)
+        if block <= 0:
+            raise ValueError(f"{what}: {fmt} needs a positive block, got {self.block}")
+        if scale is None:
+            raise ValueError(f"{what}: {fmt} weight needs a scale")
+        if scale.dtype not in _SCALE_DTYPES:
+            raise ValueError(f"{what}: scale dtype {scale.dtype}, expected one of e8m0, uint8 (e8m0 bytes), fp32")
+        w = replace(self, block=block)
+        br, bc = w.grid
+        want = (-(-w.out_features // br), -(-w.in_features // bc))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{what}: {fmt} scale shape {list(scale.shape)}, expected {list(want)} for a weight "
+                             f"[{w.out_features}, {w.in_features}] (block {block})")
+        w.kernel = kernel_layout(data) and (fmt == "fp8" or block % 2 == 0) and scales_in_range(scale, fmt)
+        return w
+
+    def share(self, split: int | None, tp: Shard) -> QWeight:
+        """This rank's rows (split 0) or columns (split 1), the scale's with them (blocks a split must not cut:
+        `checkpoint` refuses such a plan). Check the result again."""
+        if split is None or tp.world == 1:
+            return self
+        scale = None if self.scale is None else tp.take(self.scale, split)
+        return QWeight(tp.take(self.data, split), scale, self.block)
+
+    def to(self, device: torch.device | str) -> QWeight:
+        """On `device` (the fused kernel is the CPU's)."""
+        device = torch.device(device)
+        if self.data.device == device:
+            return self
+        scale = None if self.scale is None else self.scale.to(device)
+        return replace(self, data=self.data.to(device), scale=scale, kernel=self.kernel and device.type == "cpu")
+
+    def graph_scale(self) -> Tensor | None:
+        """The scale as a graph input: e8m0 as its raw bytes (inductor cannot take float8_e8m0fnu inputs on CPU)."""
+        s = self.scale
+        return s.view(torch.uint8) if s is not None and s.dtype == torch.float8_e8m0fnu else s
+
+
+def kernel_layout(data: Tensor) -> bool:
+    return data.device.type == "cpu" and data.is_contiguous()
+
+
+def scales_in_range(scale: Tensor, fmt: str) -> bool:
+    """Every scale finite and small enough that the format's largest value times it stays finite (the fused
+    kernel sums a tile before scaling it, so it could not reproduce an overflow or a non-finite scale)."""
+    if scale.numel() == 0:
+        return True
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):  # one max over the bytes: 2**(b - 127), 255 = NaN
+        top = int(scale.view(torch.uint8).max())
+        return top < 255 and 2.0 ** (top - 127) <= torch.finfo(torch.float32).max / FORMAT_MAX[fmt]
+    amax = scale_f32(scale).abs().max()
+    return bool(torch.isfinite(amax)) and float(amax) <= torch.finfo(torch.float32).max / FORMAT_MAX[fmt]
