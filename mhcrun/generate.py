@@ -236,9 +236,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
     results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     if max_new_tokens == 0:
+        rss = peak_rss_mb()
+        per_rank = gather_values([rss], model.opts.tp)  # every rank gets here
         for res in results:
-            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": peak_rss_mb(),
-                         "tp": model.opts.tp.world}
+            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": rss,
+                         "tp": model.opts.tp.world, "peak_rss_mb_per_rank": per_rank}
         return results
     if forced is not None and (len(forced) != len(prompts) or any(len(f) > max_new_tokens for f in forced)):
         raise InputError(f"teacher forcing needs one token list per prompt of at most {max_new_tokens} tokens")

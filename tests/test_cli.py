@@ -325,6 +325,7 @@ def test_generate_graph_mode_env_and_flag(greedy_ref):
 def test_generate_zero_new_tokens():
     (res,) = gen_json("--prompt-ids", IDS, "-n", 0)
     assert res["tokens"] == [] and res["prompt_ids"] == [0, 5, 6]
+    assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
 
 
 def test_generate_ids_without_tokenizer(ckpt, greedy_ref):
