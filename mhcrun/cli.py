@@ -437,8 +437,6 @@ def golden_check(
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
-        if locate and tp > 1:
-            raise InputError("--locate under --tp is not built yet: locate on one rank")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
@@ -496,7 +494,8 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
                     quiet: bool) -> None:
     """--locate: each failing prompt's first failing step again, on the eager fp32 reference (dequantised
     weights, on cpu) and on the path under test, every region captured; the first region beyond the tolerance
-    goes into the report."""
+    goes into the report. Under --tp every rank takes part (the same prompts fail on each: the logits are
+    gathered), the reference sharded like the path; the regions compared are the replicated residual streams."""
     from mhcrun.generate import capture_step
     from mhcrun.memory import default_prefill_chunk
     from mhcrun.probes import first_difference, region_diffs
@@ -506,7 +505,7 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
     if not failing:
         return
     s = golden["settings"]
-    ref = open_runner(str(runner.path), "fp32", s["quant_sim"], "cpu", runner.layers, dequantize=True)
+    ref = open_runner(str(runner.path), "fp32", s["quant_sim"], "cpu", runner.layers, dequantize=True, tp=runner.tp)
     load_weights(ref, quiet=quiet)
     max_seq = max(len(p["prompt_ids"]) for p in golden["prompts"]) + s["max_new_tokens"]
     chunk = chunk or default_prefill_chunk(runner.config)

@@ -169,14 +169,18 @@ def test_golden_check_tp2_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     assert rep["ok"] and rep["counts"]["match"] == 4 and r.stdout.count("\n") == 1
+    g["prompts"][1]["steps"][3]["top"][1][1] -= 0.3  # a recorded log-prob moved: --locate on both ranks
+    write_golden(small, g, force=True)
+    r = mhcrun("golden-check", str(small), "--tp", "2", "--locate", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    p = json.loads(r.stdout)["prompts"][1]
+    assert (p["status"], p["step"]) == ("mismatch", 3) and p["first_region"].startswith("no region beyond"), p
 
 
 def test_tp_that_does_not_divide_is_one_line_before_any_worker():
     for n, what in (("3", "attention heads (4)"), ("4", "o_groups (2)")):
         r = CLI.invoke(app, ["generate", "--tp", n])
         assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
-    r = CLI.invoke(app, ["golden-check", "tests/golden/tiny.json", "--tp", "2", "--locate"])
-    assert r.exit_code == 2 and "--locate under --tp is not built yet" in r.stderr
 
 
 def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
