@@ -18,7 +18,7 @@ from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Probe, Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.parallel import MOVED, gather_values
+from mhcrun.parallel import MOVED, Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 
 
@@ -189,17 +189,26 @@ def locate_nonfinite(model: Transformer, decoder, ids: list[int], tokens: list[i
 
     with first_nonfinite_op(model) as ops:
         replay(model, decoder, ids, tokens, row, chunk, probe_at)
+    first_op = deepest_on_any_rank(ops.first, model.opts.tp)
     if first.region is None:
         return "not located: a run again of its steps stayed finite"
     where = f"{first.region} produced {first.kind}"
     where += " (the embedding of the tokens)" if first.region == "embed" else " from finite inputs"
     if first.step is not None and first.step != len(tokens):
         where += f" at step {first.step}"
-    if ops.first is not None:
-        where += f", first in {ops.first}"
+    if first_op is not None:
+        where += f", first in {first_op}"
     elif decoder is None or first.step == 0:
         where += ", in the mHC steps"
     return where
+
+
+def deepest_on_any_rank(found: str | None, tp: Shard) -> str | None:
+    """The module each rank found first non-finite ("layers.1.attn.wq_b (Linear)"), across ranks: the rank that
+    holds a bad share sees it in the module itself, the others only after the all-reduce that spreads it (in a
+    module around it), so the deepest module any rank names is where it began."""
+    names = [n for n in gather_text(found or "", tp) if n]
+    return max(names, key=lambda n: n.split(" ")[0].count("."), default=None)
 
 
 def make_decoder(model: Transformer, backend: str | None = None, stages: str = "whole"):

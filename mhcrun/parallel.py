@@ -106,6 +106,20 @@ def gather_values(values: list[float], shard: Shard) -> list[float]:
     return x.tolist()
 
 
+def gather_text(text: str, shard: Shard, size: int = 512) -> list[str]:
+    """One short string per rank (at most `size` UTF-8 bytes), in rank order, on every rank."""
+    if shard.world == 1:
+        return [text]
+    data = text.encode()[:size]
+    x = torch.zeros(shard.world, size + 1, dtype=torch.int32)
+    x[shard.rank, 0] = len(data)
+    x[shard.rank, 1:1 + len(data)] = torch.tensor(list(data), dtype=torch.int32)
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return [bytes(row[1:1 + int(row[0])].tolist()).decode(errors="replace") for row in x]
+
+
 # ---------------------------------------------------------------------------------------------- processes
 
 def env_shard() -> Shard | None:

@@ -177,6 +177,26 @@ def test_golden_check_tp2_passes(tmp_path):
     assert (p["status"], p["step"]) == ("mismatch", 3) and p["first_region"].startswith("no region beyond"), p
 
 
+def test_a_nan_in_another_ranks_share_is_named_where_it_is(tmp_path):
+    """A NaN in wq_b's rows of rank 1: rank 0 sees it only after the attention's all-reduce, rank 1 in wq_b
+    itself; the line names wq_b, as one rank does."""
+    from safetensors.torch import load_file, save_file
+
+    name = "layers.1.attn.wq_b.weight"
+    ckpt = tmp_path / "nan"
+    shutil.copytree(DEFAULT_MODEL, ckpt)
+    for shard in ckpt.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            tensors[name][tensors[name].shape[0] - 12, 3] = float("nan")  # a row of rank 1's half
+            save_file(tensors, shard, metadata={"format": "pt"})
+    want = ("error: prompt 0: the logits of step 0 (prefill) hold NaN; layer 1 attn:csa produced NaN from finite "
+            "inputs, first in layers.1.attn.wq_b (Linear); no token was emitted from them")
+    for tp in ("1", "2"):
+        r = mhcrun("generate", "-m", str(ckpt), "--prompt-ids", "0,5,6", "-n", "3", "--tp", tp)
+        assert r.returncode == 3 and r.stderr.strip() == want, (tp, r.stderr)
+
+
 def test_tp_that_does_not_divide_is_one_line_before_any_worker():
     for n, what in (("3", "attention heads (4)"), ("4", "o_groups (2)")):
         r = CLI.invoke(app, ["generate", "--tp", n])
