@@ -38,3 +38,14 @@ def isa(request, monkeypatch) -> str:
 def torch_gemv(monkeypatch) -> None:
     """The torch chunk decoders only (tests of their chunking and scale folding)."""
     monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+
+
+@pytest.fixture(params=KERNEL_ISAS + ["torch"])
+def decoder(request, monkeypatch) -> str:
+    """Runs a test three times: chunks decoded by the C++ pass (`qgemv.decode_rows`: AVX-512, and plain C++ where
+    the kernel runs AVX2), then by the torch chunk decoders."""
+    if request.param == "torch":
+        monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+    else:
+        use_isa(request.param, monkeypatch)
+    return request.param

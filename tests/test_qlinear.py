@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mhcrun.ops import qgemv
 from mhcrun.ops import qlinear as ql
 from mhcrun.ops.qlinear import (
     act_quant_fp8_codes,
@@ -134,13 +135,13 @@ def stored_scales(value: float, shape: tuple[int, int]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("value", SCALES)
-def test_decode_fp8_all_codes(value):
+def test_decode_fp8_all_codes(value, decoder):
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
     for s in stored_scales(value, (1, 1)):
         assert_same_values(decode(qw(codes, s, 128)), dequantize_fp8(codes, s, 128))
 
 
-def test_decode_fp8_nan_codes_and_subnormals():
+def test_decode_fp8_nan_codes_and_subnormals(decoder):
     codes = torch.tensor([[0x7F, 0xFF, 0x01, 0x81, 0x07, 0x87, 0x00, 0x80]], dtype=torch.uint8)
     w = codes.view(torch.float8_e4m3fn)
     got = decode(qw(w, torch.ones(1, 1), 8))
@@ -149,7 +150,7 @@ def test_decode_fp8_nan_codes_and_subnormals():
     assert torch.signbit(got[0, 7])
 
 
-def test_decode_fp8_nan_memory():
+def test_decode_fp8_nan_memory(torch_gemv):
     """A weight found free of NaN codes over a whole pass is not looked at again; one holding them always is."""
     g = gen(1)
     w, s = fp8_weight(64, 64, 32, g)
@@ -171,7 +172,7 @@ def test_decode_fp8_nan_memory():
 
 
 @pytest.mark.parametrize("value", SCALES)
-def test_decode_fp4_all_codes(value):
+def test_decode_fp4_all_codes(value, decoder):
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.int8).view(8, 32)
     for s in stored_scales(value, (8, 2)):
         assert_same_values(decode(qw(packed, s, 32)), dequantize_fp4(packed, s, 32))
@@ -181,21 +182,23 @@ def test_decode_fp4_all_codes(value):
 @pytest.mark.parametrize("shape, block", [((200, 320), 128), ((37, 45), 32), ((1, 128), 128), ((130, 7), 32),
                                           ((129, 64), 32)])
 @pytest.mark.parametrize("e8m0", [True, False])
-def test_decode_fp8_random_partial_tiles(shape, block, e8m0):
+def test_decode_fp8_random_partial_tiles(shape, block, e8m0, decoder):
     w, s = fp8_weight(*shape, block, gen(2), e8m0)
+    assert qgemv.decodes(qw(w, s, block)) == (decoder != "torch")  # the path under test is the one taken
     assert torch.equal(decode(qw(w, s, block)), dequantize_fp8(w, s, block))
 
 
 @pytest.mark.parametrize("shape", [(200, 320), (3, 40), (1, 64), (33, 2)])
 @pytest.mark.parametrize("e8m0", [True, False])
-def test_decode_fp4_random(shape, e8m0):
+def test_decode_fp4_random(shape, e8m0, decoder):
     p, s = fp4_weight(*shape, gen(3), e8m0)
+    assert qgemv.decodes(qw(p, s, 32)) == (decoder != "torch")
     assert torch.equal(decode(qw(p, s, 32)), dequantize_fp4(p, s, 32))
 
 
 @pytest.mark.parametrize("chunk_bytes", [64 * 4 * 16, 64 * 4 * 48, 64 * 4 * 100])
 @pytest.mark.parametrize("spans", [False, True])
-def test_decoders_chunk_boundaries(monkeypatch, chunk_bytes, spans):
+def test_decoders_chunk_boundaries(monkeypatch, chunk_bytes, spans, decoder):
     """Chunks of 16 / 48 / 100 rows (at most one 32-row block row unless spans) and a partial last block."""
     monkeypatch.setattr(ql, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(ql, "CHUNK_SPANS_BLOCKS", spans)
@@ -207,7 +210,7 @@ def test_decoders_chunk_boundaries(monkeypatch, chunk_bytes, spans):
         assert torch.equal(decode(qw(p, s4, 32)), dequantize_fp4(p, s4, 32))
 
 
-def test_decode_out_argument_and_empty():
+def test_decode_out_argument_and_empty(decoder):
     w, s = fp8_weight(40, 64, 32, gen(5))
     out = torch.empty(40, 64)
     assert decode(qw(w, s, 32), out=out) is out
@@ -235,7 +238,7 @@ def test_decoders_with_flushed_denormals_fall_back():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_dequantize_leading_dims(fmt):
+def test_dequantize_leading_dims(fmt, decoder):
     g = gen(6)
     b, k, out_f, in_f, block = 2, 3, 48, 64, 32
     mats = [fp8_weight(out_f, in_f, block, g) if fmt == "fp8" else fp4_weight(out_f, in_f, g)

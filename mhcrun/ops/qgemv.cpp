@@ -52,6 +52,21 @@ const E8m0Table E8M0;
 
 inline float e8m0(uint8_t b) { return E8M0.v[b]; }
 
+// Every e4m3 byte and e2m1 nibble as its fp32 value (exact; e4m3 0x7F / 0xFF are NaN), for mhc_decode_rows.
+struct ValueTables {
+    float e4m3[256], e2m1[16];
+    ValueTables() {
+        for (int b = 0; b < 256; b++) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            float v = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+            e4m3[b] = b & 0x80 ? -v : v;
+        }
+        const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+        for (int c = 0; c < 16; c++) e2m1[c] = c & 8 ? -mag[c & 7] : mag[c & 7];
+    }
+};
+const ValueTables VALUES;
+
 inline float scale_at(const Job& j, int64_t r, int64_t c) {
     int64_t i = r * j.s_cols + c;
     return j.scale_kind == 0 ? e8m0(static_cast<const uint8_t*>(j.s)[i]) : static_cast<const float*>(j.s)[i];
@@ -196,6 +211,47 @@ AVX512 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out
     }
     for (; k < j.k; k += 16) bf16_step<R, true>(w, k, tail16(j.k - k), xs, a0);
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+// mhc_decode_rows, one block of a row: fp8 values [c0, c1) of row w into dst, times the block's scale sc. e4m3 ->
+// fp16 bits (the value * 2**-8, exact) -> fp32, times sc * 2**8 (exact: the caller's scales are far below
+// overflow): one rounding, the same product as value * sc. NaN codes (0x7F, 0xFF) become NaN.
+AVX512 void fp8_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
+    const __m512i m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
+    const __m512 s = _mm512_set1_ps(sc * 256.0f), nan = _mm512_set1_ps(NAN);
+    for (int64_t i = c0; i < c1; i += 32) {
+        const __mmask32 mk = tail32(c1 - i);
+        __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, w + i));
+        __m512i mag = _mm512_and_si512(b, m7f);
+        __mmask32 isnan = _mm512_cmpeq_epi16_mask(mag, m7f);
+        __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, m80), 8), _mm512_slli_epi16(mag, 7));
+        __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s);
+        __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s);
+        lo = _mm512_mask_mov_ps(lo, __mmask16(isnan), nan);
+        hi = _mm512_mask_mov_ps(hi, __mmask16(isnan >> 16), nan);
+        _mm512_mask_storeu_ps(dst + i, __mmask16(mk), lo);
+        _mm512_mask_storeu_ps(dst + i + 16, __mmask16(mk >> 16), hi);
+    }
+}
+
+// fp4 values [c0, c1) (c0 even) of a row of packed bytes w into dst, times sc: each nibble through the 16-entry
+// e2m1 table (vpermps), low and high nibbles interleaved back into input order.
+AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc, const float* table) {
+    const __m512 tab = _mm512_loadu_ps(table), s = _mm512_set1_ps(sc);
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i m15 = _mm512_set1_epi32(15);
+    for (int64_t i = c0; i < c1; i += 32) {  // 16 bytes -> 32 values
+        const int64_t left = c1 - i;
+        const __mmask16 bytes = left >= 32 ? 0xFFFF : __mmask16((1u << ((left + 1) / 2)) - 1);
+        __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, w + i / 2));
+        __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, m15), tab);
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+        const __mmask32 out = tail32(left);
+        _mm512_mask_storeu_ps(dst + i, __mmask16(out), _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), s));
+        _mm512_mask_storeu_ps(dst + i + 16, __mmask16(out >> 16),
+                              _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), s));
+    }
 }
 
 }  // namespace avx512
@@ -477,6 +533,41 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block) {
         }
     }
     return 0;
+}
+
+// Rows [r0, r1) of an fp8 or fp4 weight [N, K] dequantised into out [r1 - r0, K] fp32: each value times its
+// scale, one fp32 multiply, bitwise equal to mhcrun.ops.quant.dequantize_fp8 / dequantize_fp4 (e4m3 NaN codes give
+// NaN). The torch chunk decoders of qlinear take ~9 passes over a chunk; this is one. For the prefill GEMMs
+// (more rows of x than mhc_qgemv takes), which multiply the rows right after. Returns 5 when this thread
+// flushes subnormals (they are part of the formats), else 0.
+int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float* out, int64_t r0, int64_t r1,
+                    int64_t n, int64_t k, int64_t block, int isa, int threads) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    const uint8_t* bytes = static_cast<const uint8_t*>(w);
+    const int64_t row_bytes = fmt == FMT_FP4 ? k / 2 : k, s_cols = (k + block - 1) / block;
+    Job j{fmt, scale_kind, bytes, s, nullptr, nullptr, 0, n, k, block, 1, row_bytes, s_cols};
+    int flush = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
+    for (int64_t r = r0; r < r1; r++) {
+        flush |= flushes_denormals() ? 1 : 0;
+        const uint8_t* src = bytes + r * row_bytes;
+        float* dst = out + (r - r0) * k;
+        const int64_t srow = fmt == FMT_FP8 ? r / block : r;
+        for (int64_t c0 = 0, c = 0; c0 < k; c0 += block, c++) {
+            const int64_t c1 = c0 + block < k ? c0 + block : k;
+            const float sc = scale_at(j, srow, c);
+            if (isa == 2 && fmt == FMT_FP8) {
+                avx512::fp8_decode_block(src, dst, c0, c1, sc);
+            } else if (isa == 2 && c0 % 2 == 0) {
+                avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
+            } else if (fmt == FMT_FP8) {
+                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
+            } else {
+                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
+            }
+        }
+    }
+    return flush ? 5 : 0;
 }
 
 }  // extern "C"

@@ -65,6 +65,9 @@ def _load() -> ctypes.CDLL | None:
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_decode_rows.restype = ctypes.c_int
+    lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
+        [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
     global _isa
@@ -120,6 +123,31 @@ def qgemv(x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
     rc = lib.mhc_qgemv(_FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k,
                        w.block, groups, _chosen_isa(), torch.get_num_threads())
     return None if rc else y.view(m, groups, n // groups)
+
+
+def decodes(w: QWeight) -> bool:
+    """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the library loaded)."""
+    return w.kernel and w.fmt != "float" and enabled() and _load() is not None
+
+
+def decode_rows(w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
+    """Rows [r0, r1) of a 2-D fp8 / fp4 weight the kernel takes, dequantised into out (contiguous fp32
+    [r1 - r0, in]) in one pass, bitwise as the reference dequantisers; False when it does not apply (then the
+    caller decodes with torch)."""
+    if not w.kernel or w.fmt == "float" or not enabled():
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    scale = (w.scale if w.scale.dtype == torch.float32 else w.scale.view(torch.uint8)).contiguous()
+    kind = 1 if scale.dtype == torch.float32 else 0
+    return lib.mhc_decode_rows(_FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind, out.data_ptr(), r0, r1,
+                               w.out_features, w.in_features, w.block, _decode_isa(), torch.get_num_threads()) == 0
+
+
+def _decode_isa() -> int:
+    """decode_rows' instruction set: AVX-512 where the kernel runs it, else plain C++ (0)."""
+    return 2 if _chosen_isa() == 2 else 0
 
 
 def act_quant_fp8(x: Tensor, block: int) -> Tensor | None:

@@ -290,6 +290,7 @@ class _RowDecoder:
             return
         data, scale, block = w.data, w.scale, w.block
         self.group = block
+        self.native = qgemv.decodes(w)  # one C++ pass a chunk (qgemv.decode_rows) instead of the torch ops below
         self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if self.fmt == "fp8" else _E2M1_UNSCALE_LOG2)
         if self.fmt == "fp8":
             self.codes = data.view(torch.int8)
@@ -307,7 +308,7 @@ class _RowDecoder:
         """Whether y = (x * f_col) @ v^T, with v the unscaled fp8 values, is the same product as x @ (v * f)^T:
         power-of-two (folded) scales and every x * f finite and 0 or normal, so that x * f is exact and each
         product x * f * v is the same real number, rounded once either way."""
-        if self.fmt != "fp8" or self.x_fold_range is None:
+        if self.fmt != "fp8" or self.x_fold_range is None or self.native:  # decoding scaled costs nothing more
             return False
         fmin, fmax = self.x_fold_range
         ax = x2.abs()
@@ -321,6 +322,8 @@ class _RowDecoder:
         r = r1 - r0
         if self.fmt == "float":
             dst.copy_(self.data[r0:r1])
+        elif scaled and self.native and qgemv.decode_rows(self.w, r0, r1, dst):
+            pass
         elif self.fmt == "fp8":
             found = _fp8_chunk(self.codes[r0:r1], self.fcol, self.pre, r0, self.group, dst,
                                check_nan=not self.w.nan_free, scaled=scaled)
@@ -331,7 +334,7 @@ class _RowDecoder:
 
     def done(self) -> None:
         """After a pass over every row: an fp8 weight found free of NaN codes is not looked at again."""
-        if self.fmt == "fp8" and self.w.nan_free is None:
+        if self.fmt == "fp8" and self.w.nan_free is None and not self.native:
             self.w.nan_free = not self.seen_nan
 
 
