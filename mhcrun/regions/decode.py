@@ -7,9 +7,9 @@ post); the head is a region of its own. Each region is a list of stages; a stage
 - spec: the region kind's constants (a frozen dataclass: baked into the graph),
 - carry: the tensors flowing between stages (x, h, post, comb, ...),
 - inp: this layer's inputs: `w` (its weights, keyed by their weights-table names after `layers.i.`, e.g.
-  `attn.wq_a`, with `.scale` for those kept quantised: `regions.runner.region_inputs`), `roots` (the kind's root state buffers, stacked over the
-  layers of the kind), `layer` (this layer's row in the roots, a 1-element int64 tensor), `pos` [B]
-  (positions), `cos`/`sin` [max_seq, rd/2] (rope tables), `tokens` [B].
+  `attn.wq_a`, with `.scale` for those kept quantised: `regions.runner.region_inputs`), `roots` (the kind's
+  root state buffers, stacked over the layers of the kind), `layer` (this layer's row in the roots, a 1-element
+  int64 tensor), `pos` [B] (positions), `cos`/`sin` [max_seq, rd/2] (rope tables), `tokens` [B].
 Every row of the batch is computed every step (B is fixed); a finished row just repeats its last step.
 Nothing depends on tensor values in Python, so a stage traces to one graph, and layers of one kind share it.
 
