@@ -94,30 +94,28 @@ def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
     return all_reduce(full, shard)
 
 
+def gather_rows(row: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Each rank's `row` -> [world, *row.shape] in rank order on every rank (an all-reduce of rows each rank fills
+    its own of: exact, and no all_gather)."""
+    x = torch.zeros(shard.world, *row.shape, dtype=row.dtype)
+    x[shard.rank] = row
+    if shard.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
 def gather_values(values: list[float], shard: Shard) -> list[float]:
     """One float per rank, in rank order, on every rank (peak RSS per rank)."""
-    if shard.world == 1:
-        return list(values)
-    x = torch.zeros(shard.world, dtype=torch.float64)
-    x[shard.rank] = values[0]
-    import torch.distributed as dist
-
-    dist.all_reduce(x)
-    return x.tolist()
+    return gather_rows(torch.tensor(values[0], dtype=torch.float64), shard).tolist()
 
 
 def gather_text(text: str, shard: Shard, size: int = 512) -> list[str]:
     """One short string per rank (at most `size` UTF-8 bytes), in rank order, on every rank."""
-    if shard.world == 1:
-        return [text]
-    data = text.encode()[:size]
-    x = torch.zeros(shard.world, size + 1, dtype=torch.int32)
-    x[shard.rank, 0] = len(data)
-    x[shard.rank, 1:1 + len(data)] = torch.tensor(list(data), dtype=torch.int32)
-    import torch.distributed as dist
-
-    dist.all_reduce(x)
-    return [bytes(row[1:1 + int(row[0])].tolist()).decode(errors="replace") for row in x]
+    data = list(text.encode()[:size])
+    rows = gather_rows(torch.tensor([len(data)] + data + [0] * (size - len(data)), dtype=torch.int32), shard)
+    return [bytes(row[1:1 + int(row[0])].tolist()).decode(errors="replace") for row in rows]
 
 
 # ---------------------------------------------------------------------------------------------- processes

@@ -285,30 +285,33 @@ class _RowDecoder:
 
     def __init__(self, w: QWeight, max_rows: int):
         self.w, self.data, self.fmt = w, w.data, w.fmt
-        self.n_in = w.in_features
-        if self.fmt == "float":
-            return
-        data, scale, block = w.data, w.scale, w.block
-        self.group = block
-        self.native = qgemv.decodes(w)  # one C++ pass a chunk (qgemv.decode_rows) instead of the torch ops below
+        self.n_in, self.group, self.max_rows = w.in_features, w.block, max_rows
+        self.native = self.fmt != "float" and qgemv.decodes(w)  # one C++ pass a chunk (qgemv.decode_rows)
+        self.seen_nan = self.mixed = False
+        if self.fmt != "float" and not self.native:
+            self.prepare_torch()
+
+    def prepare_torch(self) -> None:
+        """The torch chunk decoders' folded scales and scratch (only where the C++ pass does not decode)."""
+        self.native = False
+        data, scale, block = self.w.data, self.w.scale, self.w.block
         self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if self.fmt == "fp8" else _E2M1_UNSCALE_LOG2)
         if self.fmt == "fp8":
             self.codes = data.view(torch.int8)
             self.fcol = self.f.repeat_interleave(block, dim=1)[:, : self.n_in].contiguous()
-            self.seen_nan = False
             fa = self.f.abs()
             pow2 = scale.dtype in (torch.float8_e8m0fnu, torch.uint8) or bool((torch.frexp(fa)[0] == 0.5).all())
             self.x_fold_range = (float(fa.min()), float(fa.max())) if pow2 and self.pre is None else None
         else:
             half = data.shape[1]
-            self.t = torch.empty(max_rows, half, dtype=torch.int32)
-            self.u = torch.empty(max_rows, half, dtype=torch.int32)
+            self.t = torch.empty(self.max_rows, half, dtype=torch.int32)
+            self.u = torch.empty(self.max_rows, half, dtype=torch.int32)
 
     def x_fold_ok(self, x2: Tensor) -> bool:
         """Whether y = (x * f_col) @ v^T, with v the unscaled fp8 values, is the same product as x @ (v * f)^T:
         power-of-two (folded) scales and every x * f finite and 0 or normal, so that x * f is exact and each
         product x * f * v is the same real number, rounded once either way."""
-        if self.fmt != "fp8" or self.x_fold_range is None or self.native:  # decoding scaled costs nothing more
+        if self.fmt != "fp8" or self.native or self.x_fold_range is None:  # the C++ pass scales at no cost
             return False
         fmin, fmax = self.x_fold_range
         ax = x2.abs()
@@ -322,8 +325,12 @@ class _RowDecoder:
         r = r1 - r0
         if self.fmt == "float":
             dst.copy_(self.data[r0:r1])
-        elif scaled and self.native and qgemv.decode_rows(self.w, r0, r1, dst):
+        elif self.native and scaled and qgemv.decode_rows(self.w, r0, r1, dst):
             pass
+        elif self.native:  # unscaled values asked for, or a thread flushes subnormals: torch from here on
+            self.prepare_torch()
+            self.mixed = True  # this pass did not look at every row for NaN codes
+            return self.rows(r0, r1, dst, scaled)
         elif self.fmt == "fp8":
             found = _fp8_chunk(self.codes[r0:r1], self.fcol, self.pre, r0, self.group, dst,
                                check_nan=not self.w.nan_free, scaled=scaled)
@@ -334,7 +341,7 @@ class _RowDecoder:
 
     def done(self) -> None:
         """After a pass over every row: an fp8 weight found free of NaN codes is not looked at again."""
-        if self.fmt == "fp8" and self.w.nan_free is None and not self.native:
+        if self.fmt == "fp8" and self.w.nan_free is None and not self.native and not self.mixed:
             self.w.nan_free = not self.seen_nan
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+FORMAT_MAX = {"fp8": FP8_MAX, "fp4": FP4_MAX}  # a weight format's largest magnitude before its scale
 # block sizes of the formats (the one place they are defined)
 FP4_BLOCK = 32  # FP4 e2m1 weights (routed experts): one e8m0 scale per 32 inputs
 ACT_FP8_BLOCK = 128  # the FP8 activation rounding before a GEMM over FP8/FP4 weights, along K

@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 from mhcrun.ops import native
+from mhcrun.ops.quant import FORMAT_MAX
 
 SOURCE = Path(__file__).with_name("scan.cpp")
 FLOAT_MAX = torch.finfo(torch.float32).max
-FORMAT_MAX = {"fp8": 448.0, "fp4": 6.0}  # the largest magnitude of e4m3 and of e2m1
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 _SLICE = 1 << 24  # elements per slice of the torch reference
 

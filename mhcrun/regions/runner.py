@@ -212,7 +212,7 @@ def expert_inputs(block: Block) -> tuple[dict[str, torch.Tensor], Linears]:
             scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
             for j, m in enumerate(lins):
                 m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
-            stacks[key] = QWeight(data, scale)
+            stacks[key] = QWeight(data, scale, first.block)
         out[key] = stacks[key].data
         if first.scale is not None:
             out[f"{key}.scale"] = stacks[key].graph_scale()
