@@ -75,25 +75,34 @@ def test_batch_rows_do_not_leak_into_each_other():
     assert first == again
 
 
+@pytest.mark.parametrize("quant_sim", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 5, 16])
 @pytest.mark.parametrize("ratio", [4, 16])
-def test_compressor_chunks_rebuild_whole_prompt_entries(ratio, chunk):
+def test_compressor_chunks_rebuild_whole_prompt_entries(ratio, chunk, quant_sim):
     """Compressed entries pooled chunk by chunk (state carried across chunk boundaries) equal those of the
     whole prompt at once."""
-    model = make_model([ratio], quant_sim=True)
+    model = make_model([ratio], quant_sim=quant_sim)
     comp = model.layers[0].attn.compressor
-    x = torch.randn(1, 37, model.cfg.dim)
+    x = torch.randn(1, 37, model.cfg.dim, generator=torch.Generator().manual_seed(ratio * 100 + chunk))
     rows = torch.tensor([0])
     with torch.inference_mode():
         model.setup_caches(1, 40)
         comp(x, rows, torch.tensor([0]))
-        whole = kvcache.decode(comp.fmt, {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}, torch.float32)
+        whole = {p: t[0, : 37 // ratio].clone() for p, t in comp.cache.items()}
         model.setup_caches(1, 40)
         for c0 in range(0, 37, chunk):
             comp(x[:, c0:c0 + chunk], rows, torch.tensor([c0]))
-        stepped = kvcache.decode(comp.fmt, {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}, torch.float32)
-    assert torch.allclose(whole, stepped, atol=1e-5)
-    assert whole.abs().sum() > 0
+        stepped = {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}
+    assert kvcache.decode(comp.fmt, whole, torch.float32).abs().sum() > 0
+    for part in whole.keys() - {"fp8"}:
+        assert torch.allclose(whole[part], stepped[part], rtol=1e-5, atol=1e-6), part
+    if quant_sim:
+        # a GEMM over 5 rows sums in another order than over 37: a last-bit difference lands on the other side of
+        # an FP8 rounding boundary now and then (measured over 300 seeds: at most 2 of 1152 codes, each the next
+        # code). Anything more is a bug in the carried state.
+        codes = [whole["fp8"].view(torch.int8).int(), stepped["fp8"].view(torch.int8).int()]
+        assert (codes[0] != codes[1]).sum() <= 2
+        assert ((codes[0] - codes[1]).abs() <= 1).all()
 
 
 def test_indexer_chooses_only_closed_entries_and_at_most_topk():
