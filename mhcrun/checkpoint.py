@@ -24,7 +24,7 @@ from safetensors.torch import save as safetensors_save
 from mhcrun.config import ModelConfig, load_config
 from mhcrun.errors import CheckpointError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
-from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8
+from mhcrun.ops.qlinear import dequantize_reference
 from mhcrun.ops.qweight import QWeight
 from mhcrun.parallel import SINGLE, Shard, check_divides
 from mhcrun.weights import TensorSpec, block_size, scale_name, scale_shape, stored_format, tensor_specs
@@ -324,12 +324,6 @@ def _checked(w: QWeight, what: str) -> QWeight:
         raise _fail(str(e)) from None
 
 
-def _dequantize(w: QWeight) -> torch.Tensor:
-    if w.fmt == "fp8":
-        return dequantize_fp8(w.data, w.scale, w.block)
-    return dequantize_fp4(w.data, w.scale, w.block)
-
-
 @dataclass
 class CheckpointPlan:
     """A checked checkpoint before any tensor data is read: what loads from where, and its size."""
@@ -413,8 +407,9 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
                 assert p.scale_shard is not None
                 scale = view(p.scale_shard, scale_name(name))
                 done += p.scale_shard.entries[scale_name(name)].nbytes
-                w = QWeight(stored, scale, block_size(cfg, p.fmt)).share(p.spec.split, tp)
-                tensors[name] = _dequantize(w) if dequantize else _checked(w, f"{name} in {p.shard.path}")
+                w = _checked(QWeight(stored, scale, block_size(cfg, p.fmt)).share(p.spec.split, tp),
+                             f"{name} in {p.shard.path}")
+                tensors[name] = dequantize_reference(w) if dequantize else w
             else:
                 t = tp.take(stored, p.spec.split)
                 if p.fmt == "index":

@@ -35,8 +35,9 @@ from mhcrun.ops.quant import (
     float_to_e8m0,
     fp8_simulate,
     quantize_act_fp8,
+    scale_to_float,
 )
-from mhcrun.ops.qweight import QWeight, scale_f32
+from mhcrun.ops.qweight import QWeight
 
 U32 = 2.0**-24
 
@@ -328,7 +329,7 @@ def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
     monkeypatch.setattr(ql, "CHUNK_BYTES", 32 * 96 * 4)  # 32-row chunks, one per 32-row block row
     g = gen(25)
     w, s = fp8_weight(100, 96, 32, g)
-    sf = scale_f32(s)
+    sf = scale_to_float(s)
     cases = [  # (scale, x, fold expected)
         (s, torch.randn(3, 96, generator=g), True),
         (sf * 0.3, torch.randn(3, 96, generator=g), False),  # not powers of two

@@ -55,8 +55,8 @@ from torch import Tensor
 
 from mhcrun.ops import qgemv
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
-from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, unpack_fp4
-from mhcrun.ops.qweight import QWeight, scale_f32
+from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, scale_tiles, scale_to_float, unpack_fp4
+from mhcrun.ops.qweight import QWeight
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
 # small chunks: on a 2-core EPYC VM (1 MiB L2 a core, 32 MiB L3) 2-4 MiB beat 1 MiB by 1.3-1.5x for GEMVs
@@ -75,24 +75,13 @@ _E2M1_UNSCALE_LOG2 = 126  # those bf16 values == e2m1 value * 2**-126
 # ---------------------------------------------------------------- whole-tensor dequantisation (graph-safe)
 
 
-def _tile_scale(values: Tensor, s: Tensor, br: int, bc: int) -> Tensor:
-    """values [..., R, C] fp32 * s [..., ceil(R/br), ceil(C/bc)] broadcast over tiles (static shapes only)."""
-    *lead, r, c = values.shape
-    sr, sc = s.shape[-2], s.shape[-1]
-    pr, pc = sr * br - r, sc * bc - c
-    if pr or pc:
-        values = F.pad(values, (0, pc, 0, pr))
-    tiles = values.reshape(*lead, sr, br, sc, bc) * s[..., :, None, :, None]
-    return tiles.reshape(*lead, sr * br, sc * bc)[..., :r, :c]
-
-
 def dequantize_reference(w: QWeight) -> Tensor:
     """The weight as fp32 [..., out, in] in plain tensor math (static shapes: graph-safe)."""
     if w.fmt == "float":
         return w.data.float()
     br, bc = w.grid
     values = w.data.float() if w.fmt == "fp8" else unpack_fp4(w.data)
-    return _tile_scale(values, scale_f32(w.scale), br, bc)
+    return scale_tiles(values, scale_to_float(w.scale), br, bc)
 
 
 def dequantize(w: QWeight) -> Tensor:
@@ -143,7 +132,7 @@ def gemv_fused(x: Tensor, w: QWeight) -> Tensor:
     if fmt == "float":
         return (data.float() * x).sum(-1)
     n, k = w.out_features, w.in_features
-    s = scale_f32(w.scale)
+    s = scale_to_float(w.scale)
     if fmt == "fp8":  # e4m3 byte -> fp32 holding value * 2**-120 (module docstring), rescaled exactly
         bits = (data.view(torch.int8).to(torch.int32) << 20) & -2014314496  # 0x87F00000
         v = bits.view(torch.float32) * 2.0**120
@@ -165,10 +154,13 @@ def gemv_fused(x: Tensor, w: QWeight) -> Tensor:
 # ---------------------------------------------------------------- fast CPU decoders (chunk kernels)
 
 
+_SUBNORMAL = 2.0**-1060  # a float64 subnormal
+
+
 def _denormals_ok() -> bool:
-    """Whether fp32 subnormals survive arithmetic here (not flushed by torch.set_flush_denormal(True))."""
-    tiny = torch.tensor([2.0**-140], dtype=torch.float32)
-    return bool((tiny * 2.0).item() != 0.0)
+    """Whether subnormals survive arithmetic on this thread: torch.set_flush_denormal(True) sets the CPU's
+    flush-to-zero flags, which Python's own float arithmetic obeys too (no tensor made, nothing synchronised)."""
+    return _SUBNORMAL * 0.5 != 0.0
 
 
 def _folded_scales(scale: Tensor, unscale_log2: int) -> tuple[Tensor, float | None]:
@@ -180,7 +172,7 @@ def _folded_scales(scale: Tensor, unscale_log2: int) -> tuple[Tensor, float | No
             bits = b.to(torch.int32)
             bits.add_(unscale_log2).bitwise_left_shift_(23)
             return bits.view(torch.float32), None
-    return _fold(scale_f32(scale), 2.0**unscale_log2)
+    return _fold(scale_to_float(scale), 2.0**unscale_log2)
 
 
 def _fold(s: Tensor, unscale: float) -> tuple[Tensor, float | None]:
@@ -574,7 +566,7 @@ def _scaled_mm_operands(x2: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad_m)).view(torch.float8_e4m3fn)
         sx = F.pad(sx, (0, 0, 0, pad_m), value=1.0)
     sa = sx.t().contiguous().t()  # [Mp, K/128], strides (1, Mp)
-    sw = scale_f32(scale).float()  # [N/128, K/128]
+    sw = scale_to_float(scale).float()  # [N/128, K/128]
     kb = sw.shape[1]
     sw = F.pad(sw, (0, -kb % 4)).contiguous()  # K blocks padded to a multiple of 4
     sb = sw.t()  # [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))

@@ -192,32 +192,34 @@ def float_to_e8m0(t: Tensor) -> Tensor:
 
 
 def scale_to_float(scale: Tensor) -> Tensor:
-    """A stored scale as fp32: e8m0 decoded, fp32 as is, anything else float()."""
-    if scale.dtype == torch.float8_e8m0fnu:
+    """A stored scale as fp32: e8m0 (float8_e8m0fnu, or its raw bytes as uint8) decoded, fp32 as is, anything
+    else float()."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         return e8m0_to_float(scale)
     if scale.dtype == torch.float32:
         return scale
     return scale.float()
 
 
-def _tile_expand(values: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
-    """values [R, C] fp32 * scale [ceil(R/br), ceil(C/bc)] broadcast over tiles -> [R, C] fp32."""
-    r, c = values.shape
+def scale_tiles(values: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
+    """values [..., R, C] fp32 * scale [..., ceil(R/br), ceil(C/bc)] fp32 broadcast over tiles -> [..., R, C]
+    fp32: the reference dequantisation (static shapes only: graph-safe)."""
+    *lead, r, c = values.shape
     sr, sc = -(-r // block_r), -(-c // block_c)
-    if tuple(scale.shape) != (sr, sc):
-        raise ValueError(f"scale shape {list(scale.shape)}, expected [{sr}, {sc}] for a [{r}, {c}] weight")
+    if tuple(scale.shape[-2:]) != (sr, sc):
+        raise ValueError(f"scale shape {list(scale.shape)}, expected [..., {sr}, {sc}] for a [{r}, {c}] weight")
     pr, pc = sr * block_r - r, sc * block_c - c
     if pr or pc:
         values = torch.nn.functional.pad(values, (0, pc, 0, pr))
-    tiles = values.reshape(sr, block_r, sc, block_c) * scale[:, None, :, None]
-    return tiles.reshape(sr * block_r, sc * block_c)[:r, :c]
+    tiles = values.reshape(*lead, sr, block_r, sc, block_c) * scale[..., :, None, :, None]
+    return tiles.reshape(*lead, sr * block_r, sc * block_c)[..., :r, :c]
 
 
 def dequantize_fp8(w: Tensor, scale: Tensor, block: int) -> Tensor:
     """w float8_e4m3fn [out, in], scale [ceil(out/block), ceil(in/block)] (e8m0 or fp32) -> fp32 [out, in]."""
     if w.dim() != 2:
         raise ValueError(f"dequantize_fp8: expected a 2-D weight, got shape {list(w.shape)}")
-    return _tile_expand(w.float(), scale_to_float(scale), block, block)
+    return scale_tiles(w.float(), scale_to_float(scale), block, block)
 
 
 _E2M1_LUT = torch.tensor(list(_E2M1_GRID) + [-v for v in _E2M1_GRID], dtype=torch.float32)  # code -> value
@@ -237,7 +239,7 @@ def dequantize_fp4(packed: Tensor, scale: Tensor, block: int = FP4_BLOCK) -> Ten
     """packed int8 [out, in/2], scale [out, in/block] (e8m0 or fp32) -> fp32 [out, in]."""
     if packed.dim() != 2:
         raise ValueError(f"dequantize_fp4: expected a 2-D weight, got shape {list(packed.shape)}")
-    return _tile_expand(unpack_fp4(packed), scale_to_float(scale), 1, block)
+    return scale_tiles(unpack_fp4(packed), scale_to_float(scale), 1, block)
 
 
 def pack_fp4(values: Tensor, check: bool = True) -> Tensor:

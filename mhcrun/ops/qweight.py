@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from mhcrun.ops.quant import FP4_BLOCK, e8m0_to_float, scale_to_float
+from mhcrun.ops.quant import FP4_BLOCK
 from mhcrun.ops.scan import first_bad
 from mhcrun.parallel import Shard
 
@@ -38,13 +38,6 @@ def format_of(dtype: torch.dtype) -> str:
     if dtype.is_floating_point:
         return "float"
     raise ValueError(f"no weight format is stored as {dtype}")
-
-
-def scale_f32(scale: Tensor) -> Tensor:
-    """A stored scale as fp32: e8m0 (float8_e8m0fnu, or its raw bytes as uint8) decoded, fp32 as is."""
-    if scale.dtype == torch.uint8:
-        return e8m0_to_float(scale)
-    return scale_to_float(scale)
 
 
 @dataclass(eq=False)
