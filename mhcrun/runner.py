@@ -85,6 +85,8 @@ class Runner:
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp)
         self.model.opts.quant_sim = self.quant_sim
+        if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
+            torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
             qgemv.available()  # build (first run only) or load the fused GEMV kernel now, not inside prefill

@@ -217,6 +217,7 @@ def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == [f"error: rank 1: layers.2.ffn.experts.6.w1.weight: tensor missing from {ckpt}/"
                      f"model.safetensors.index.json"], lines
+    assert r.stdout == ""  # rank 0 waited for every rank's share before it printed the prompt
     assert not _ranks_alive(str(ckpt))
 
 
