@@ -293,6 +293,24 @@ def test_hc_post_vs_loop_nonsymmetric_comb(dtype):
         assert torch.equal(out, exp.float().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,s,d", [(1, 1, 1), (2, 7, 33), (1, 64, 2048)])
+def test_hc_collapse_and_post_are_bitwise_the_reference_broadcast_form(dtype, b, s, d):
+    """The loops over streams round exactly as DeepSeek's broadcast-and-sum form (torch.sum adds in stream order),
+    also with infinities and NaN in the residual."""
+    x = randn(b, s, N, d, seed=19, dtype=dtype)
+    x[0, 0, 1, 0], x[-1, -1, 2, -1], x[0, -1, 3, d // 2] = float("inf"), float("nan"), float("-inf")
+    y = randn(b, s, d, seed=20, dtype=dtype)
+    pre, post = torch.rand(b, s, N, generator=gen(21)) + 0.1, torch.rand(b, s, N, generator=gen(22)) * 2
+    comb = torch.rand(b, s, N, N, generator=gen(23))
+    want = (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(dtype)
+    assert torch.equal(hc_collapse(x, pre).isnan(), want.isnan())
+    assert torch.equal(hc_collapse(x, pre).nan_to_num(), want.nan_to_num())
+    want = (post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * x.unsqueeze(-2)).sum(dim=2)).type_as(y)
+    got = hc_post(y, x, post, comb)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_hc_post_comb_first_index_is_input_hand_case():
     # one-hot comb: comb[0, 3] = 1 only -> output stream 3 gets input stream 0; post zero
     d = 2
