@@ -446,7 +446,8 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:
         return torch.einsum("mgd,grd->mgr", x3, dequantize_reference(w).view(groups, r, n_in))
     y = torch.empty(groups, m, r, dtype=torch.float32)
     if r and m:
-        rows = _chunk_rows(r, n_in, w.grid[0] if w.fmt != "float" else 1)
+        # the C++ pass scales as it decodes: its chunks may span fp8 block rows (wider GEMMs run faster)
+        rows = _chunk_rows(r, n_in, 1 if w.fmt == "float" or qgemv.decodes(w) else w.grid[0])
         dec = _RowDecoder(w, rows)
         buf = torch.empty(rows, n_in, dtype=torch.float32)
         for g in range(groups):
