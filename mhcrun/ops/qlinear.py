@@ -567,7 +567,7 @@ def _scaled_mm_operands(x2: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad_m)).view(torch.float8_e4m3fn)
         sx = F.pad(sx, (0, 0, 0, pad_m), value=1.0)
     sa = sx.t().contiguous().t()  # [Mp, K/128], strides (1, Mp)
-    sw = scale_to_float(scale).float()  # [N/128, K/128]
+    sw = scale_to_float(scale)  # [N/128, K/128] fp32
     kb = sw.shape[1]
     sw = F.pad(sw, (0, -kb % 4)).contiguous()  # K blocks padded to a multiple of 4
     sb = sw.t()  # [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))
