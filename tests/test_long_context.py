@@ -64,6 +64,22 @@ def prefill_state(model, ids: list[int], chunk: int, context: int) -> tuple[torc
     return logits[0], cache_values(model)
 
 
+def assert_same_state(got: torch.Tensor, want: torch.Tensor, atol: float, quant_sim: bool, what: str = "") -> None:
+    """Cache state equal within atol; with the quant simulation, a GEMM of another shape (another chunk or slice
+    size, another CPU's kernels) may round its last bit the other way, and the FP8/FP4 rounding after it then
+    lands on the neighbouring code now and then: such flips are allowed on at most 0.5% of the elements, each
+    within half the value's magnitude (an e4m3 step is at most 1/8 of it, an e2m1 step at most 1/2). A bug in the
+    carried state moves far more elements than that."""
+    diff = (got.float() - want.float()).abs()
+    off = diff > atol
+    if not quant_sim or not off.any():
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
+        return
+    scale = torch.maximum(got.float().abs(), want.float().abs())
+    assert int(off.sum()) <= max(2, off.numel() // 200), f"{what}: {int(off.sum())} of {off.numel()} differ"
+    assert bool((diff[off] <= scale[off] / 2).all()), f"{what}: a difference beyond one FP8/FP4 step"
+
+
 @pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_chunked_prefill_equals_single_chunk(kind, quant_sim):
@@ -77,7 +93,7 @@ def test_chunked_prefill_equals_single_chunk(kind, quant_sim):
         assert (got - want).abs().max() < bound, (chunk, (got - want).abs().max())
         assert got.argmax() == want.argmax()
         for key, t in want_state.items():
-            torch.testing.assert_close(state[key], t, atol=bound, rtol=0, msg=lambda m, c=chunk, k=key: f"{c} {k}: {m}")
+            assert_same_state(state[key], t, bound, quant_sim, f"chunk {chunk} {key}")
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 17])
@@ -140,7 +156,7 @@ def test_sliced_indexer_and_attention_equal_whole(monkeypatch):
     got, state = prefill_state(model, ids, len(ids), 96)
     assert (got - want).abs().max() < 2e-2
     for key, t in want_state.items():
-        torch.testing.assert_close(state[key], t, atol=2e-2, rtol=0)
+        assert_same_state(state[key], t, 2e-2, True, key)
 
 
 # ---------------------------------------------------------------------------------------------- exact ties
