@@ -109,20 +109,24 @@ def qgemv(x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
     lib = _load()
     if lib is None:
         return None
-    kind, s_ptr, scale = 0, None, w.scale
-    if scale is not None:
-        if scale.dtype == torch.float32:
-            kind = 1
-        else:
-            scale = scale.view(torch.uint8)
-        scale = scale.contiguous()
-        s_ptr = scale.data_ptr()
+    scale, kind = _scale_arg(w)
+    s_ptr = None if scale is None else scale.data_ptr()
     x = x3.float().contiguous()
     n, k = w.out_features, w.in_features
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.mhc_qgemv(_FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k,
                        w.block, groups, _chosen_isa(), torch.get_num_threads())
     return None if rc else y.view(m, groups, n // groups)
+
+
+def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
+    """The weight's scales as the C++ side reads them: (contiguous fp32, 1) or (contiguous e8m0 bytes, 0); (None, 0)
+    for a bf16 weight. The caller keeps the tensor alive through the call."""
+    if w.scale is None:
+        return None, 0
+    if w.scale.dtype == torch.float32:
+        return w.scale.contiguous(), 1
+    return w.scale.view(torch.uint8).contiguous(), 0
 
 
 def decodes(w: QWeight) -> bool:
@@ -139,8 +143,7 @@ def decode_rows(w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
     lib = _load()
     if lib is None:
         return False
-    scale = (w.scale if w.scale.dtype == torch.float32 else w.scale.view(torch.uint8)).contiguous()
-    kind = 1 if scale.dtype == torch.float32 else 0
+    scale, kind = _scale_arg(w)
     return lib.mhc_decode_rows(_FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind, out.data_ptr(), r0, r1,
                                w.out_features, w.in_features, w.block, _decode_isa(), torch.get_num_threads()) == 0
 
