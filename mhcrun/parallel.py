@@ -97,13 +97,16 @@ def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
 def gather_rows(row: torch.Tensor, shard: Shard) -> torch.Tensor:
     """Each rank's `row` -> [world, *row.shape] in rank order on every rank (an all-reduce of rows each rank fills
     its own of: exact, and no all_gather)."""
-    x = torch.zeros(shard.world, *row.shape, dtype=row.dtype)
-    x[shard.rank] = row
-    if shard.world > 1:
-        import torch.distributed as dist
+    if shard.world == 1:
+        return row.unsqueeze(0)
+    import torch.distributed as dist
 
-        dist.all_reduce(x)
-    return x
+    # NCCL reduces only device tensors: put the rows where the process group works, and bring them back
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else row.device
+    x = torch.zeros(shard.world, *row.shape, dtype=row.dtype, device=device)
+    x[shard.rank] = row.to(device)
+    dist.all_reduce(x)
+    return x.to(row.device)
 
 
 def gather_values(values: list[float], shard: Shard) -> list[float]:
