@@ -18,6 +18,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import STORED_DTYPE, cache_formats, fp32_param, make_state_roots
 from mhcrun.ops.attention import ATTN_WORKSPACE
 from mhcrun.ops.index import INDEX_WORKSPACE
+from mhcrun.snapshot import extent
 from mhcrun.weights import dequantized_dtype, scale_name
 
 PREFILL_BUDGET = 512 << 20  # what a prefill chunk's activations may grow to (chooses the default chunk)
@@ -225,6 +226,20 @@ def kv_bytes_per_token(cfg: ModelConfig, layers: int, dtype: torch.dtype, quant_
             total += formats["kv"].bytes_per_entry(dtype) / ratio
         if ratio == 4:
             total += formats["idx_kv"].bytes_per_entry(dtype) / 4
+    return total
+
+
+def snapshot_bytes(cfg: ModelConfig, layers: int, n_tokens: int, dtype: torch.dtype, quant_sim: bool = True) -> int:
+    """Bytes of a state snapshot after `n_tokens` tokens (`mhcrun.snapshot`: the ring, the closed compressed
+    entries and indexer keys, the compressors' state), over the first `layers` layers: no more than the state
+    it copies."""
+    ratios = [cfg.compress_ratios[i] for i in range(layers)]
+    total = 0
+    for ratio in sorted(set(ratios)):
+        roots = make_state_roots(cfg, ratio, ratios.count(ratio), 1, max(n_tokens, 1), dtype, "meta", quant_sim)
+        for name, t in roots.items():
+            n = extent(cfg.window_size, ratio, name, n_tokens, t.size(2))
+            total += numel(t.shape[:2]) * numel(t.shape[3:]) * t.element_size() * n  # [L, 1, n, ...]
     return total
 
 

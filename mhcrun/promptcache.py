@@ -1,0 +1,121 @@
+"""Prompt caches on disk (`generate --prompt-cache FILE`, `chat --prompt-cache FILE`): the state after a prompt,
+saved so that a later run whose prompt starts with the same tokens prefills only the rest.
+
+The file is safetensors: the snapshot's tensors (`state.<ratio>.<root key>`, in the cache's stored formats),
+`tokens` (int64, the prompt it holds) and `logits` (fp32, the last token's: a prompt equal to the cached one
+needs no step). Its metadata names the format, the model (config and weights hashes, as golden files do) and
+every run setting that changes the state (dtype, quantisation simulation, layers, --tp); loading checks each
+and refuses a file that differs, naming what differs. Files are written atomically and never overwritten
+without --force.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from mhcrun.errors import InputError
+from mhcrun.fileio import write_atomic
+from mhcrun.snapshot import Snapshot
+
+FORMAT = "mhcrun-prompt-cache/1"
+STATE = "state."
+IDENTITY_KEYS = ("config_hash", "weights_hash")
+
+
+@dataclass
+class PromptCache:
+    """The state after `tokens`, and the logits [V] of the last of them."""
+
+    tokens: list[int]
+    snapshot: Snapshot
+    logits: torch.Tensor
+
+
+def describe(identity: dict, settings: dict) -> dict[str, str]:
+    """The metadata a cache is saved with and checked against: the model's identity and the run's settings."""
+    return {"format": FORMAT, "model": str(identity.get("name")),
+            **{k: str(identity[k]) for k in IDENTITY_KEYS}, **{f"setting.{k}": str(v) for k, v in settings.items()}}
+
+
+def save_prompt_cache(path: str | Path, cache: PromptCache, identity: dict, settings: dict,
+                      force: bool = False) -> Path:
+    """Write `cache` to `path` atomically (refused if it exists, unless `force`)."""
+    tensors = {STATE + k: t.contiguous() for k, t in cache.snapshot.tensors.items()}
+    tensors["tokens"] = torch.tensor(cache.tokens, dtype=torch.int64)
+    tensors["logits"] = cache.logits.detach().float().reshape(-1).contiguous()
+    meta = describe(identity, settings) | {"n_tokens": str(cache.snapshot.n_tokens)}
+    return write_atomic(path, save_bytes(tensors, meta), force)
+
+
+def load_prompt_cache(path: str | Path, identity: dict, settings: dict) -> PromptCache:
+    """Read a prompt cache, refusing (InputError naming the file) one that is not a whole safetensors file of
+    this format, or that was saved for another model or with other settings."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise InputError(f"prompt cache {p}: cannot read ({e.strerror or e})") from None
+    meta = read_metadata(p, data)
+    if meta.get("format") != FORMAT:
+        raise InputError(f"prompt cache {p}: not an mhcrun prompt cache (format {meta.get('format')!r}, "
+                         f"expected {FORMAT!r})")
+    want = describe(identity, settings)
+    for key in (*IDENTITY_KEYS, *(k for k in want if k.startswith("setting."))):
+        if meta.get(key) != want[key]:
+            what = key.removeprefix("setting.")
+            raise InputError(f"prompt cache {p}: saved with {what} {meta.get(key)} (model {meta.get('model')}), this "
+                             f"run has {want[key]}")
+    try:
+        tensors = load_bytes(data)
+    except (SafetensorError, ValueError) as e:
+        raise InputError(f"prompt cache {p}: corrupt ({e})") from None
+    if "tokens" not in tensors or "logits" not in tensors:
+        raise InputError(f"prompt cache {p}: corrupt (no tokens or logits)")
+    tokens = tensors.pop("tokens").tolist()
+    n = int(meta.get("n_tokens", -1))
+    if n != len(tokens) or n < 1:
+        raise InputError(f"prompt cache {p}: corrupt ({len(tokens)} tokens, metadata says {n})")
+    logits = tensors.pop("logits")
+    state = {k.removeprefix(STATE): t for k, t in tensors.items() if k.startswith(STATE)}
+    return PromptCache(tokens, Snapshot(n, state), logits)
+
+
+def read_metadata(p: Path, data: bytes) -> dict[str, str]:
+    """The safetensors header's metadata, after checking that the bytes are a whole safetensors file."""
+    if len(data) < 8:
+        raise InputError(f"prompt cache {p}: not a safetensors file ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise InputError(f"prompt cache {p}: not a safetensors file, or truncated (a header of {n} bytes in a file "
+                         f"of {len(data)})")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputError(f"prompt cache {p}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise InputError(f"prompt cache {p}: not a safetensors file (its header is not a JSON object)")
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and "data_offsets" in v]
+    if 8 + n + max(ends, default=0) != len(data):
+        raise InputError(f"prompt cache {p}: truncated or corrupt ({len(data)} bytes, its header describes "
+                         f"{8 + n + max(ends, default=0)})")
+    meta = header.get("__metadata__") or {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,254 @@
+"""State snapshots: a row restored from the snapshot taken after N tokens continues bit for bit as the row that ran
+on, for N on every edge (0, 1, the window, the ratio-4 and ratio-16 groups, prefill chunk boundaries), with the
+quantisation simulation on and off, in another row of a batch whose other row runs something else, and under
+compiled regions; a snapshot costs the bytes of the state it copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save as save_bytes
+
+from mhcrun.config import config_from_hf
+from mhcrun.errors import InputError
+from mhcrun.memory import kv_bytes_per_token, snapshot_bytes
+from mhcrun.model import build_model
+from mhcrun.promptcache import PromptCache, load_prompt_cache, save_prompt_cache
+from mhcrun.regions.runner import RegionDecoder
+from mhcrun.snapshot import Snapshot, restore_snapshot, take_snapshot
+from mhcrun.tiny import init_tensors, tiny_config_raw
+
+RATIOS = [0, 4, 16, 4]  # window-only, CSA (overlapping ratio 4, indexer) and HCA (ratio 16) layers; window 16
+EDGES = [0, 1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 47, 48, 49]  # group edges of 4 and 16, the window of 16
+CONTEXT = 96
+
+
+def make_model(quant_sim: bool, seed: int = 0):
+    cfg = config_from_hf(dict(tiny_config_raw(), compress_ratios=RATIOS, num_hidden_layers=len(RATIOS)))
+    model = build_model(cfg, init_tensors(cfg, seed), set())
+    model.opts.quant_sim = quant_sim
+    return model
+
+
+def sequence(n: int, seed: int) -> list[int]:
+    return [0] + torch.randint(3, 512, (n - 1,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, row: int, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """Feed ids (positions start + [0, len)) into cache row `row`, `chunk` tokens at a time -> last logits [V]."""
+    logits = None
+    for c0 in range(0, len(ids), chunk):
+        part = ids[c0:c0 + chunk]
+        logits = model(torch.tensor([part]), torch.tensor([row]), torch.tensor([start + c0]))[0]
+    return logits
+
+
+def continue_greedy(model, row: int, logits: torch.Tensor, start: int, steps: int) -> list[torch.Tensor]:
+    """Decode `steps` greedy tokens in `row` after a sequence of `start` tokens whose last logits are `logits`."""
+    out = []
+    for i in range(steps):
+        tok = int(logits.argmax())
+        logits = model(torch.tensor([[tok]]), torch.tensor([row]), torch.tensor([start + i]))[0]
+        out.append(logits)
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
+@pytest.mark.parametrize("n", EDGES)
+def test_restore_then_run_on_equals_running_on(n, quant_sim):
+    chunk = 5  # prefill chunks end off the groups' edges too
+    model = make_model(quant_sim)
+    ids = sequence(n + 7, seed=n)
+    model.setup_caches(2, CONTEXT)
+    run(model, 0, ids[:n], 0, chunk)
+    snap = take_snapshot(model, 0, n)
+    want_prefill = run(model, 0, ids[n:], n, chunk)
+    want = continue_greedy(model, 0, want_prefill, len(ids), 20)
+
+    model.setup_caches(2, CONTEXT)
+    run(model, 1, sequence(60, seed=99), 0, 7)  # row 1 full of another sequence: restore must not read it
+    restore_snapshot(model, snap, 1)
+    got_prefill = run(model, 1, ids[n:], n, chunk)
+    got = continue_greedy(model, 1, got_prefill, len(ids), 20)
+    assert torch.equal(got_prefill, want_prefill)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"decode step {step} after restoring at {n}"
+
+
+@torch.inference_mode()
+def test_restored_row_decodes_in_a_batch_beside_another_row():
+    """Row 0 restored after 33 tokens, row 1 in the middle of another sequence: decoding both together (rows at
+    different positions) gives the logits of the batch that never snapshotted."""
+    model = make_model(True)
+    a, b = sequence(33, seed=1), sequence(50, seed=2)
+
+    def batch_steps(restore: Snapshot | None) -> list[torch.Tensor]:
+        model.setup_caches(2, CONTEXT)
+        if restore is None:
+            la = run(model, 0, a, 0, 8)
+        else:
+            run(model, 0, sequence(40, seed=3), 0, 8)
+            restore_snapshot(model, restore, 0)
+            la = ref_last
+        lb = run(model, 1, b, 0, 8)
+        toks, out = [int(la.argmax()), int(lb.argmax())], []
+        for i in range(12):
+            logits = model(torch.tensor([[toks[0]], [toks[1]]]), torch.tensor([0, 1]),
+                           torch.tensor([len(a) + i, len(b) + i]))
+            out.append(logits)
+            toks = logits.argmax(-1).tolist()
+        return out
+
+    model.setup_caches(2, CONTEXT)
+    ref_last = run(model, 0, a, 0, 8)
+    snap = take_snapshot(model, 0, len(a))
+    want = batch_steps(None)
+    got = batch_steps(snap)
+    for a_, b_ in zip(got, want, strict=True):
+        assert torch.equal(a_, b_)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", [16, 17, 32])
+def test_restore_then_compiled_regions_decode_equals_running_on(n):
+    model = make_model(True)
+    ids = sequence(n, seed=5)
+
+    def decode(restore: Snapshot | None) -> list[torch.Tensor]:
+        model.setup_caches(1, CONTEXT)
+        if restore is None:
+            last = run(model, 0, ids, 0, 6)
+        else:
+            run(model, 0, sequence(30, seed=6), 0, 6)
+            restore_snapshot(model, restore, 0)
+            last = ref_last
+        decoder = RegionDecoder(model, "regions", "aot_eager")
+        out = []
+        for i in range(10):
+            last = decoder(last.argmax().view(1), torch.tensor([n + i]))[0]
+            out.append(last)
+        return out
+
+    model.setup_caches(1, CONTEXT)
+    ref_last = run(model, 0, ids, 0, 6)
+    snap = take_snapshot(model, 0, n)
+    want = decode(None)
+    got = decode(snap)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
+def test_snapshot_bytes_are_the_state_it_copies(quant_sim):
+    model = make_model(quant_sim)
+    model.setup_caches(2, CONTEXT)
+    run(model, 0, sequence(40, seed=4), 0, 16)
+    for n in (0, 1, 17, 40):
+        snap = take_snapshot(model, 0, n)
+        assert snap.nbytes == snapshot_bytes(model.cfg, len(RATIOS), n, model.dtype, quant_sim)
+        one_row = sum(t[:, 0].nbytes for roots in model.roots.values() for t in roots.values())
+        assert snap.nbytes <= one_row
+    per_token = kv_bytes_per_token(model.cfg, len(RATIOS), model.dtype, quant_sim)
+    grow = snapshot_bytes(model.cfg, len(RATIOS), 64 + 16 * 4, model.dtype, quant_sim) - \
+        snapshot_bytes(model.cfg, len(RATIOS), 64, model.dtype, quant_sim)
+    assert grow == per_token * 64
+
+
+@torch.inference_mode()
+def test_restore_refuses_a_snapshot_of_another_model():
+    snap_model, other = make_model(True), make_model(False)
+    snap_model.setup_caches(1, CONTEXT)
+    other.setup_caches(1, CONTEXT)
+    snap = take_snapshot(snap_model, 0, 10)
+    with pytest.raises(ValueError, match="does not match this model's"):
+        restore_snapshot(other, snap, 0)  # the FP8 cache's parts against a plain one
+    bf16 = make_model(True)
+    bf16.dtype = torch.bfloat16
+    bf16.setup_caches(1, CONTEXT)
+    with pytest.raises(ValueError, match="snapshot tensor 0.kv.rope"):
+        restore_snapshot(bf16, snap, 0)  # the rope channels are stored in the activation dtype
+    with pytest.raises(ValueError, match="cache row 3"):
+        restore_snapshot(snap_model, snap, 3)
+    small = make_model(True)
+    small.setup_caches(1, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        restore_snapshot(small, snap, 0)
+
+
+# ---------------------------------------------------------------------------------------------- prompt cache files
+
+IDENTITY = {"name": "tiny", "config_hash": "c1", "weights_hash": "w1"}
+SETTINGS = {"dtype": "fp32", "quant_sim": True, "layers": None, "tp": 1}
+
+
+@torch.inference_mode()
+def saved_cache(tmp_path, n: int = 21):
+    model = make_model(True)
+    model.setup_caches(1, CONTEXT)
+    ids = sequence(n, seed=8)
+    logits = run(model, 0, ids, 0, 8)
+    cache = PromptCache(ids, take_snapshot(model, 0, n), logits)
+    path = save_prompt_cache(tmp_path / "p.safetensors", cache, IDENTITY, SETTINGS)
+    return model, cache, path
+
+
+def test_prompt_cache_round_trips_bit_for_bit(tmp_path):
+    model, cache, path = saved_cache(tmp_path)
+    back = load_prompt_cache(path, IDENTITY, SETTINGS)
+    assert back.tokens == cache.tokens and back.snapshot.n_tokens == cache.snapshot.n_tokens
+    assert torch.equal(back.logits, cache.logits)
+    assert set(back.snapshot.tensors) == set(cache.snapshot.tensors)
+    for k, t in cache.snapshot.tensors.items():
+        assert back.snapshot.tensors[k].dtype == t.dtype
+        assert torch.equal(back.snapshot.tensors[k].view(torch.uint8), t.view(torch.uint8)), k
+    assert path.stat().st_size < cache.snapshot.nbytes + 4 * 512 + 8192  # the state, the logits, a header
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"identity": {"weights_hash": "w2"}}, "weights_hash w1"),
+    ({"identity": {"config_hash": "c2"}}, "config_hash c1"),
+    ({"settings": {"quant_sim": False}}, "quant_sim True"),
+    ({"settings": {"dtype": "bf16"}}, "dtype fp32"),
+    ({"settings": {"layers": 2}}, "layers None"),
+    ({"settings": {"tp": 2}}, "tp 1"),
+])
+def test_prompt_cache_of_another_model_or_settings_is_refused(tmp_path, change, what):
+    _, _, path = saved_cache(tmp_path)
+    identity = IDENTITY | change.get("identity", {})
+    settings = SETTINGS | change.get("settings", {})
+    with pytest.raises(InputError, match=f"prompt cache {path}: saved with {what}"):
+        load_prompt_cache(path, identity, settings)
+
+
+def test_truncated_corrupt_or_foreign_files_are_refused(tmp_path):
+    _, _, path = saved_cache(tmp_path)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(InputError, match="truncated"):
+        load_prompt_cache(cut, IDENTITY, SETTINGS)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, this is not a prompt cache at all")
+    with pytest.raises(InputError, match="not a safetensors file"):
+        load_prompt_cache(text, IDENTITY, SETTINGS)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(save_bytes({"x": torch.zeros(3)}, {"format": "something"}))
+    with pytest.raises(InputError, match="not an mhcrun prompt cache"):
+        load_prompt_cache(other, IDENTITY, SETTINGS)
+    with pytest.raises(InputError, match="already exists"):
+        save_prompt_cache(path, load_prompt_cache(path, IDENTITY, SETTINGS), IDENTITY, SETTINGS)
+    assert path.read_bytes() == data  # nothing overwritten
+
+
+@torch.inference_mode()
+def test_loaded_cache_continues_bit_for_bit(tmp_path):
+    model, cache, path = saved_cache(tmp_path)
+    want = continue_greedy(model, 0, cache.logits, len(cache.tokens), 6)
+    back = load_prompt_cache(path, IDENTITY, SETTINGS)
+    model.setup_caches(1, CONTEXT)
+    restore_snapshot(model, back.snapshot, 0)
+    got = continue_greedy(model, 0, back.logits, len(back.tokens), 6)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
