@@ -214,6 +214,56 @@ def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_
     return [p.id for p in items], [p.text for p in items], ids
 
 
+PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): loaded when it exists "
+                              "and this prompt starts with its tokens (only the rest is prefilled); else written "
+                              "with the state after this prompt. Never overwritten.")
+
+
+def cache_settings(runner) -> dict:
+    """The run settings that change the state a prompt cache holds."""
+    return {"dtype": runner.dtype, "quant_sim": runner.quant_sim, "layers": runner.n_layers, "tp": runner.tp.world}
+
+
+def read_prompt_cache(runner, path: Path, ids: list[int]):
+    """The prompt cache at `path` (None when there is none), checked against this model, these settings and
+    this prompt, which must start with its tokens."""
+    from mhcrun.promptcache import load_prompt_cache, shared_prefix
+
+    if not path.exists():
+        return None
+    cache = load_prompt_cache(path, runner.identity, cache_settings(runner))
+    n = shared_prefix(cache.tokens, ids)
+    if n < len(cache.tokens):
+        raise InputError(f"prompt cache {path}: this prompt does not start with its {len(cache.tokens)} tokens "
+                         f"(they part at token {n}); give another file, or delete it to cache this prompt")
+    return cache
+
+
+def start_session(runner, cache, context: int):
+    """One cache row of `context` tokens as a session, holding `cache`'s state when there is one."""
+    from mhcrun.session import Session
+
+    runner.model.setup_caches(1, context)
+    session = Session(runner.model, chunk=1)
+    if cache is not None:
+        session.keep(cache.tokens, cache.snapshot, cache.logits)
+    return session
+
+
+def save_prompt_cache_once(runner, path: Path, session, ids: list[int]) -> dict:
+    """Write the state after the prompt to `path` when no file is there (rank 0 under --tp) -> stats."""
+    from mhcrun.promptcache import PromptCache, save_prompt_cache
+
+    note = {"reused_tokens": session.reused, "prefilled_tokens": session.prefilled}
+    kept = next((k for k in session.kept if k.tokens == ids and k.logits is not None), None)
+    if not path.exists() and kept is not None:
+        if runner.tp.rank == 0:
+            save_prompt_cache(path, PromptCache(ids, kept.snapshot, kept.logits), runner.identity,
+                              cache_settings(runner))
+        note["saved"] = True
+    return note
+
+
 @app.command()
 def generate(
     model: str = ModelOpt,
@@ -242,6 +292,7 @@ def generate(
     prefill_chunk: int = PrefillChunkOpt,
     force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
     check_weights: bool = CheckWeightsOpt,
+    prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -284,6 +335,9 @@ def generate(
         if not force:
             check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit, chunk),
                        str(runner.path))
+        if prompt_cache is not None and len(ids) != 1:
+            raise InputError("--prompt-cache takes one prompt (not a --prompts-file batch)")
+        cache = read_prompt_cache(runner, prompt_cache, ids[0]) if prompt_cache is not None else None
         if check_weights:
             from mhcrun.weightcheck import raise_if_bad
 
@@ -299,13 +353,20 @@ def generate(
             if stream is not None:
                 out.print(stream.push(token), end="", markup=False)
 
+        session = cache_note = None
+        if prompt_cache is not None:
+            cache_note = {"file": str(prompt_cache), "loaded": cache is not None, "saved": False}
+            session = start_session(runner, cache, len(ids[0]) + max_new_tokens)
         try:
             results = run_generate(runner.model, ids, max_new_tokens, eos,
                                    SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                                   graph_mode=mode, stages=plan, prefill_chunk=chunk)
+                                   graph_mode=mode, stages=plan, prefill_chunk=chunk, session=session)
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
+        if session is not None:
+            cache_note |= save_prompt_cache_once(runner, prompt_cache, session, ids[0])
+            results[0].stats["prompt_cache"] = cache_note
         kernel = None
         if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
             from mhcrun.ops import qgemv
@@ -331,7 +392,10 @@ def generate(
             err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
                       f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
                       f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
-                      + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "") + "[/]", soft_wrap=True)
+                      + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "")
+                      + (f" | prompt cache: {cache_note['reused_tokens']} tokens reused, "
+                         f"{cache_note['prefilled_tokens']} prefilled" + (", saved" if cache_note["saved"] else "")
+                         if cache_note else "") + "[/]", soft_wrap=True)
 
     run_guarded(debug, body)
 

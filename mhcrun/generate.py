@@ -20,6 +20,7 @@ from mhcrun.model import Probe, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import MOVED, Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
+from mhcrun.session import Session
 
 
 @dataclass
@@ -227,7 +228,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
              forced: list[list[int]] | None = None, on_logits: Callable[[int, int, torch.Tensor], None] | None = None,
              probe_at: Callable[[int, int], Probe | None] | None = None,
-             on_nonfinite: str = "raise") -> list[GenerationResult]:
+             on_nonfinite: str = "raise", session: Session | None = None,
+             marks: tuple[int, ...] = ()) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams.
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`).
@@ -239,7 +241,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     Logits that are not finite end their row before a token is taken from them; the row's steps run again to
     find where the value first appeared (`locate_nonfinite`). on_nonfinite "raise": a NonFiniteError naming the
     prompt, the step and that place; "stop": the row's result carries the same line in `nonfinite` and the
-    other rows go on."""
+    other rows go on.
+    With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
+    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs."""
     sampling = sampling or SamplingOptions()
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
@@ -256,7 +260,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(sampling.seed)
     hc_ops.reset_kernel_stats()
-    model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+    if session is None:
+        model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+    elif len(prompts) != 1 or len(prompts[0]) + max_new_tokens > model.max_seq or forced is not None:
+        raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply, not teacher "
+                         f"forced")
     bad: dict[int, tuple[int, str]] = {}  # row -> (step, NaN|Inf)
 
     def accept(row: int, logits: torch.Tensor, token: int) -> None:
@@ -304,7 +312,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             prefill_s.append(0.0)
             continue
         t0 = time.perf_counter()
-        logits = prefill(model, ids, row, chunk, probe(row, 0))
+        if session is None:
+            logits = prefill(model, ids, row, chunk, probe(row, 0))
+        else:
+            session.chunk, session.row = chunk, row
+            logits = session.prefill(ids, marks)
         prefill_s.append(time.perf_counter() - t0)
         take([row], logits)
         if bad and on_nonfinite == "raise":
@@ -332,6 +344,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         step_s.append(time.perf_counter() - t0)
         decode_tokens += len(active)
         active = [r for r in active if not finished(r)]
+    if session is not None and bad:
+        session.lose_live_state()
+    elif session is not None:  # the row holds the prompt and every token fed back (all but the last one taken)
+        session.fed(results[0].tokens[:-1])
 
     for row, (step, kind) in sorted(bad.items()):
         where = locate_nonfinite(model, decoder, prompts[row], results[row].tokens[:step], row, chunk)

@@ -5,22 +5,32 @@ compiled regions; a snapshot costs the bytes of the state it copies."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save as save_bytes
+from typer.testing import CliRunner
 
+from mhcrun.cli import app
 from mhcrun.config import config_from_hf
 from mhcrun.errors import InputError
 from mhcrun.memory import kv_bytes_per_token, snapshot_bytes
 from mhcrun.model import build_model
 from mhcrun.promptcache import PromptCache, load_prompt_cache, save_prompt_cache
 from mhcrun.regions.runner import RegionDecoder
+from mhcrun.session import Session
 from mhcrun.snapshot import Snapshot, restore_snapshot, take_snapshot
 from mhcrun.tiny import init_tensors, tiny_config_raw
 
 RATIOS = [0, 4, 16, 4]  # window-only, CSA (overlapping ratio 4, indexer) and HCA (ratio 16) layers; window 16
 EDGES = [0, 1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 47, 48, 49]  # group edges of 4 and 16, the window of 16
 CONTEXT = 96
+
+try:
+    CLI = CliRunner(mix_stderr=False)
+except TypeError:
+    CLI = CliRunner()
 
 
 def make_model(quant_sim: bool, seed: int = 0):
@@ -252,3 +262,94 @@ def test_loaded_cache_continues_bit_for_bit(tmp_path):
     got = continue_greedy(model, 0, back.logits, len(back.tokens), 6)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+@torch.inference_mode()
+def test_session_reuses_live_state_and_falls_back_to_snapshots():
+    """A session runs only what it does not hold: the rest of a prompt that extends its live state; from the
+    snapshot at a mark when the new prompt parts from the live state after it; nothing for a prompt it holds a
+    snapshot of with its logits. Each gives the logits of running on from that point."""
+    model = make_model(True)
+    model.setup_caches(1, CONTEXT)
+    session = Session(model, chunk=5)
+    first = sequence(30, seed=11)
+    want_first = run(model, 0, first, 0, 5)  # the same chunks a session runs from 0
+    got_first = session.prefill(first, marks=(20,))
+    assert (session.reused, session.prefilled) == (0, 30)
+    session.fed(first[-3:])  # as if decode had run three tokens
+    live = first + first[-3:]
+
+    longer = live + [7, 8, 9]
+    got = session.prefill(longer)
+    assert (session.reused, session.prefilled) == (33, 3)
+
+    model.clear_row(0)
+    run(model, 0, first[:20], 0, 5)
+    want = run(model, 0, [5, 6, 7, 8], 20, 5)
+    got = session.prefill(first[:20] + [5, 6, 7, 8])  # parts from the live state at 20: the mark's snapshot
+    assert (session.reused, session.prefilled) == (20, 4)
+    assert torch.equal(got[0], want)
+
+    got = session.prefill(first)  # the first prompt whole: its snapshot carries its logits
+    assert (session.reused, session.prefilled) == (30, 0)
+    assert torch.equal(got[0], want_first) and torch.equal(got_first[0], want_first)
+
+    session.reset()
+    session.prefill(first[:4])
+    assert (session.reused, session.prefilled) == (0, 4)
+
+
+def generate_json(tmp_path, *args: str) -> dict:
+    res = CLI.invoke(app, ["generate", "--json", "-n", "6", "--ignore-eos", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def test_generate_prompt_cache_saves_then_prefills_only_the_rest(tmp_path):
+    path = tmp_path / "doc.safetensors"
+    base = "The river runs past the mill"
+    plain = generate_json(tmp_path, "--prompt", base + " and the town")
+    first = generate_json(tmp_path, "--prompt", base, "--prompt-cache", str(path))
+    assert first["stats"]["prompt_cache"] == {"file": str(path), "loaded": False, "saved": True,
+                                                   "reused_tokens": 0, "prefilled_tokens": first["prompt_tokens"]}
+    assert first["tokens"] == generate_json(tmp_path, "--prompt", base)["tokens"]
+    data = path.read_bytes()
+    again = generate_json(tmp_path, "--prompt", base + " and the town", "--prompt-cache", str(path))
+    note = again["stats"]["prompt_cache"]
+    assert note["loaded"] and not note["saved"] and note["reused_tokens"] == first["prompt_tokens"]
+    assert note["prefilled_tokens"] == again["prompt_tokens"] - first["prompt_tokens"]
+    assert again["tokens"] == plain["tokens"]
+    assert path.read_bytes() == data  # never overwritten
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "Something else entirely"], "this prompt does not start with its"),
+    (["--no-quant-sim"], "saved with quant_sim True"),
+    (["--layers", "2"], "saved with layers 4"),
+    (["--dtype", "bf16"], "saved with dtype fp32"),
+])
+def test_generate_prompt_cache_that_does_not_fit_is_one_line_exit_2(tmp_path, args, message):
+    path = tmp_path / "p.safetensors"
+    generate_json(tmp_path, "--prompt-cache", str(path))
+    data = path.read_bytes()
+    res = CLI.invoke(app, ["generate", "-n", "2", "--prompt-cache", str(path), *args])
+    assert res.exit_code == 2
+    assert res.stderr.startswith(f"error: prompt cache {path}: ") and message in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert path.read_bytes() == data
+
+
+def test_generate_prompt_cache_refuses_a_batch_and_a_foreign_file(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not safetensors")
+    res = CLI.invoke(app, ["generate", "-n", "2", "--prompt-cache", str(junk)])
+    assert res.exit_code == 2 and "not a safetensors file" in res.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    res = CLI.invoke(app, ["generate", "-n", "2", "--prompts-file", str(prompts), "--prompt-cache",
+                           str(tmp_path / "x.safetensors")])
+    assert res.exit_code == 2 and "takes one prompt" in res.stderr
+    assert not (tmp_path / "x.safetensors").exists()
