@@ -724,6 +724,9 @@ def info(
                       f"{mp.batch}, plus the windows' rings)", markup=False)
             if mp.layers == runner.config.n_layers:
                 break
+        out.print(f"a snapshot of one sequence's state after {mp.context:,} tokens (a prompt cache, a chat turn): "
+                  f"{format_bytes(mp.snapshot_bytes)} ({mp.kv_bytes_per_token:,.1f} bytes per token plus the rings and "
+                  f"the compressors' open groups)", markup=False)
         verdict = "fits" if mp.fits else "does NOT fit"
         out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
         if bad is not None:

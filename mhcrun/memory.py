@@ -42,6 +42,7 @@ class MemoryPlan:
     state: dict[str, int] = field(default_factory=dict)  # KV cache, compressor and indexer state, rope tables
     kv_bytes_per_token: float = 0.0  # KV and indexer cache bytes one more token of context adds (these layers)
     kv_bytes_per_token_model: float = 0.0  # the same for every layer of the model (when --layers runs fewer)
+    snapshot_bytes: int = 0  # a state snapshot (prompt cache) of one sequence after `context` tokens (these layers)
     activations: int = 0  # the largest transient: one prefill chunk's activations and score workspaces
     runtime: int = RUNTIME_BYTES
     available: int | None = None  # bytes this machine (or the given limit) allows
@@ -58,7 +59,7 @@ class MemoryPlan:
         return {"layers": self.layers, "batch": self.batch, "context": self.context, "prompt_len": self.prompt_len,
                 "prefill_chunk": self.prefill_chunk, "dtype": self.dtype, "dequantize": self.dequantize,
                 "quant_sim": self.quant_sim, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
+                "kv_bytes_per_token_model": self.kv_bytes_per_token_model, "snapshot_bytes": self.snapshot_bytes,
                 "disk_by_dtype": dict(sorted(
                     self.disk_by_dtype.items())), "disk_bytes": sum(self.disk_by_dtype.values()),
                 "weights_bytes": self.weights, "state_bytes": self.state, "activation_bytes": self.activations,
@@ -259,6 +260,7 @@ def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, pro
         state=state_bytes(cfg, layers, batch, context, dtype, quant_sim),
         kv_bytes_per_token=kv_bytes_per_token(cfg, layers, dtype, quant_sim),
         kv_bytes_per_token_model=kv_bytes_per_token(cfg, cfg.n_layers, dtype, quant_sim),
+        snapshot_bytes=snapshot_bytes(cfg, layers, context, dtype, quant_sim),
         activations=activation_bytes(cfg, chunk), available=available if available is not None else available_bytes())
 
 
