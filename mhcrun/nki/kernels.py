@@ -2,11 +2,15 @@ import nki
 import nki.language as nl
 import nki.isa as nisa
 
-# NKI 0.3+ kernels of mhcrun: the mHC steps (expand, mixes + Sinkhorn, collapse, post, head), RMSNorm, SwiGLU.
+# NKI kernels of mhcrun: the mHC steps (expand, mixes + Sinkhorn, collapse, post, head), RMSNorm, SwiGLU.
 #
 # This file is kernel source for the real ``nki`` package and imports nothing else: on a Neuron device it is
 # imported as is, on CPU mhcrun's simulator executes it unchanged (``mhcrun.nki.sim.load_kernel_module``).
 # The math follows ``mhcrun/ops/hc.py`` (see shared/spec/deepseek-v4.md section 1).
+#
+# Written against the NKI 0.3 API (mhcrun.nki.sim.target) in the Python subset the NKI compiler accepts
+# (mhcrun.nki.sim.lint): module-level functions, plain loops (no lambdas, comprehensions or closures), HBM
+# vectors repeated over partitions with a stride-0 access pattern (``.ap``; ``.broadcast`` is NKI 0.5).
 #
 # Layout: every kernel works on 2-D HBM tensors with tokens on the rows; token rows go onto the partition axis
 # in tiles of 128 (plus one partial tile), features lie along the free axis in chunks. Activations are bf16 or
@@ -31,14 +35,14 @@ K_CHUNK = 512  # columns of x loaded at once by the mixes GEMM (a multiple of K_
 FREE_CHUNK = 1024  # columns per elementwise tile (fp32: 4 KiB of a partition's 192 KiB)
 
 
-def over_token_tiles(t, tile):
-    """tile(t0, tp) for each tile of tokens on the partition axis: full tiles of PMAX, then the partial one."""
-    full, rest = t // PMAX, t % PMAX
-    if full > 0:
-        for i in nl.affine_range(full):
-            tile(i * PMAX, PMAX)
-    if rest > 0:
-        tile(full * PMAX, rest)
+def n_tiles(total, size):
+    """Pieces of ``size`` covering ``total`` (the last one may be shorter): piece i starts at i * size and is
+    ``piece_width(total, size, i)`` wide."""
+    return (total + size - 1) // size
+
+
+def piece_width(total, size, i):
+    return min(size, total - i * size)
 
 
 def mixes_supported(hc_mult, sinkhorn_iters, hc_eps, norm_eps) -> bool:
@@ -54,15 +58,10 @@ def mixes_supported(hc_mult, sinkhorn_iters, hc_eps, norm_eps) -> bool:
 # ------------------------------------------------------------------------------------------ plain helpers
 
 
-def _chunks(total, size):
-    """[(start, width), ...] covering ``range(total)`` in pieces of ``size`` (the last one may be shorter)."""
-    return [(c0, min(size, total - c0)) for c0 in range(0, total, size)]
-
-
 def _row_broadcast(vec, lo, hi, tp):
-    """SBUF fp32 [tp, hi - lo]: HBM vector ``vec[lo:hi]`` (shape [F] or [1, F]) repeated on every partition."""
-    flat = vec.reshape((1, vec.size))
-    return nl.load(flat[0:1, lo:hi].broadcast(0, tp))
+    """SBUF fp32 [tp, hi - lo]: HBM vector ``vec[lo:hi]`` (shape [F] or [1, F], contiguous) repeated on every
+    partition, through a stride-0 access pattern on the partition axis."""
+    return nl.load(vec.ap(pattern=[[0, tp], [1, hi - lo]], offset=lo))
 
 
 def _transpose(dst, src):
@@ -120,7 +119,9 @@ def _norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps):
     mix = fn_hi_t.shape[2]
     sumsq = nl.zeros((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
     acc = nl.ndarray((tp, mix), dtype=nl.float32, buffer=nl.psum)
-    for c0, cw in _chunks(k, K_CHUNK):
+    for c in nl.affine_range(n_tiles(k, K_CHUNK)):
+        c0 = c * K_CHUNK
+        cw = piece_width(k, K_CHUNK, c)
         xc = nl.load(x[t0:t0 + tp, c0:c0 + cw])
         _add_sum_of_squares(sumsq, xc)
         for j in range(cw // K_TILE):
@@ -231,7 +232,8 @@ def _hc_mixes(x, fn_hi, fn_lo, scale, base, norm_eps):
     comb = nl.ndarray((t, n * n), dtype=nl.float32, buffer=nl.shared_hbm)
     fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
     fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
-    over_token_tiles(t, lambda t0, tp: _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, t0, tp, norm_eps))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, i * PMAX, piece_width(t, PMAX, i), norm_eps)
     return pre, post, comb
 
 
@@ -254,7 +256,9 @@ def _collapse_tile(x, pre_w, out, t0, tp):
     """out[t0:t0+tp] = sum_m pre_w[:, m] * x[t0:t0+tp, m*d:(m+1)*d] in fp32, stored in out's dtype."""
     n = HC_MULT
     d = out.shape[1]
-    for c0, cw in _chunks(d, FREE_CHUNK):
+    for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        cw = piece_width(d, FREE_CHUNK, c)
         acc = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
         xm = nl.load(x[t0:t0 + tp, c0:c0 + cw])
         nisa.tensor_scalar(dst=acc, data=xm, op0=nl.multiply, operand0=pre_w[:, 0:1])
@@ -278,13 +282,16 @@ def hc_collapse(x, pre):
     t, k = x.shape
     d = k // HC_MULT
     out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
-    over_token_tiles(t, lambda t0, tp: _collapse_from_hbm_tile(x, pre, out, t0, tp))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _collapse_from_hbm_tile(x, pre, out, i * PMAX, piece_width(t, PMAX, i))
     return out
 
 
 def _expand_tile(e, out, t0, tp):
     d = e.shape[1]
-    for c0, cw in _chunks(d, FREE_CHUNK):
+    for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        cw = piece_width(d, FREE_CHUNK, c)
         tile = nl.load(e[t0:t0 + tp, c0:c0 + cw])
         for m in range(HC_MULT):
             nl.store(out[t0:t0 + tp, m * d + c0:m * d + c0 + cw], value=tile)
@@ -295,7 +302,8 @@ def hc_expand(e):
     """e [T, d] -> [T, n*d]: n copies of each row, stream-major (out[:, m*d:(m+1)*d] = e)."""
     t, d = e.shape
     out = nl.ndarray((t, HC_MULT * d), dtype=e.dtype, buffer=nl.shared_hbm)
-    over_token_tiles(t, lambda t0, tp: _expand_tile(e, out, t0, tp))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _expand_tile(e, out, i * PMAX, piece_width(t, PMAX, i))
     return out
 
 
@@ -305,7 +313,9 @@ def _attn_out_tile(y, residual, post, comb, out, t0, tp):
     d = y.shape[1]
     post_w = nl.load(post[t0:t0 + tp, :])
     comb_w = nl.load(comb[t0:t0 + tp, :])
-    for c0, cw in _chunks(d, FREE_CHUNK):
+    for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        cw = piece_width(d, FREE_CHUNK, c)
         yc = nl.load(y[t0:t0 + tp, c0:c0 + cw])
         res = []
         for i in range(n):
@@ -328,7 +338,8 @@ def hc_attn_out(y, residual, post, comb):
     -> [T, n*d] in y's dtype: out[o] = post[o] * y + sum_i comb[i, o] * residual[i], fp32 math."""
     t, d = y.shape
     out = nl.ndarray((t, HC_MULT * d), dtype=y.dtype, buffer=nl.shared_hbm)
-    over_token_tiles(t, lambda t0, tp: _attn_out_tile(y, residual, post, comb, out, t0, tp))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _attn_out_tile(y, residual, post, comb, out, i * PMAX, piece_width(t, PMAX, i))
     return out
 
 
@@ -348,7 +359,8 @@ def _hc_head(x, fn_hi, fn_lo, scale, base, norm_eps):
     out = nl.ndarray((t, k // HC_MULT), dtype=x.dtype, buffer=nl.shared_hbm)
     fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
     fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
-    over_token_tiles(t, lambda t0, tp: _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, t0, tp, norm_eps))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, i * PMAX, piece_width(t, PMAX, i), norm_eps)
     return out
 
 
@@ -376,10 +388,13 @@ HEAD_KERNELS = {NORM_EPS_V4: "hc_head_v4", NORM_EPS_V41: "hc_head_v41"}
 def _rmsnorm_tile(x, w, out, t0, tp, eps):
     d = x.shape[1]
     sumsq = nl.zeros((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-    for c0, cw in _chunks(d, FREE_CHUNK):
-        _add_sum_of_squares(sumsq, nl.load(x[t0:t0 + tp, c0:c0 + cw]))
+    for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        _add_sum_of_squares(sumsq, nl.load(x[t0:t0 + tp, c0:c0 + piece_width(d, FREE_CHUNK, c)]))
     r = _rsqrt_mean(sumsq, d, eps)
-    for c0, cw in _chunks(d, FREE_CHUNK):
+    for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        cw = piece_width(d, FREE_CHUNK, c)
         xc = nl.load(x[t0:t0 + tp, c0:c0 + cw])
         wc = _row_broadcast(w, c0, c0 + cw, tp)
         yc = nl.ndarray((tp, cw), dtype=x.dtype, buffer=nl.sbuf)
@@ -392,13 +407,16 @@ def rmsnorm(x, w, eps):
     """x [T, d] (bf16/fp32), w [d] fp32 -> [T, d] in x's dtype: w * x * rsqrt(mean(x^2) + eps), fp32 math."""
     t, d = x.shape
     out = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
-    over_token_tiles(t, lambda t0, tp: _rmsnorm_tile(x, w, out, t0, tp, eps))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _rmsnorm_tile(x, w, out, i * PMAX, piece_width(t, PMAX, i), eps)
     return out
 
 
 def _swiglu_tile(g, u, out, t0, tp, limit):
     f = g.shape[1]
-    for c0, cw in _chunks(f, FREE_CHUNK):
+    for c in nl.affine_range(n_tiles(f, FREE_CHUNK)):
+        c0 = c * FREE_CHUNK
+        cw = piece_width(f, FREE_CHUNK, c)
         gc = nl.load(g[t0:t0 + tp, c0:c0 + cw])
         uc = nl.load(u[t0:t0 + tp, c0:c0 + cw])
         if limit > 0:
@@ -419,5 +437,6 @@ def swiglu(g, u, limit):
     """g, u [T, f] (bf16/fp32) -> [T, f] fp32: silu(min(g, L)) * clamp(u, -L, L) (no clamp when L <= 0)."""
     t, f = g.shape
     out = nl.ndarray((t, f), dtype=nl.float32, buffer=nl.shared_hbm)
-    over_token_tiles(t, lambda t0, tp: _swiglu_tile(g, u, out, t0, tp, limit))
+    for i in nl.affine_range(n_tiles(t, PMAX)):
+        _swiglu_tile(g, u, out, i * PMAX, piece_width(t, PMAX, i), limit)
     return out
