@@ -7,7 +7,11 @@ in a ``torch.compile`` graph as one node. The public functions below pick a back
 - ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
 - a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
   ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
-- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator.
+- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator
+  (exact fp32 engine math); ``MHCRUN_NKI_SIM=device``: the same with the simulator's device-like numerics
+  (Scalar-engine activations carry the target's bounded error, ``mhcrun.nki.sim.numerics``). The simulator
+  first checks kernels.py against the NKI compiler's rules; a refused kernel stops the run (``KernelRefused``,
+  exit 2).
 - otherwise (a CPU or CUDA tensor): the torch reference, as plain torch that a compiled region can fuse.
 
 Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)
@@ -19,6 +23,7 @@ compiled graphs are counted when the graph runs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mhcrun.errors import MhcrunError
 from mhcrun.ops import hc as _ref
 from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
@@ -37,15 +43,30 @@ BACKENDS = ("torch", "nki-sim", "nki")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _load_sim_kernels():
+class KernelRefused(MhcrunError):
+    """The NKI simulator refused mhcrun's kernel source (a rule of the NKI compiler or the target hardware)."""
+
+
+@functools.cache
+def sim_kernels(source: Path, numerics: str):
+    """kernels.py loaded into the simulator (checked against the NKI compiler's rules) with ``numerics``."""
+    from mhcrun.nki.sim import NkiSimError, load_kernel_module
+
+    try:
+        return load_kernel_module(source, numerics=numerics)
+    except NkiSimError as e:
+        raise KernelRefused(f"NKI simulator refused {e}") from None
+
+
+def _read_constants():
     from mhcrun.nki.sim import load_kernel_module
 
-    return load_kernel_module(KERNEL_SOURCE)
+    return load_kernel_module(KERNEL_SOURCE, check=False)
 
 
-# kernels.py executed once on the simulator: its kernels (the nki-sim backend) and its baked constants, copied
-# into plain values here so that torch.compile traces the backend choice without entering the kernel module.
-_SIM = _load_sim_kernels()
+# kernels.py executed once for its baked constants, copied into plain values here so that torch.compile traces the
+# backend choice without entering the kernel module (the kernels themselves come from `sim_kernels`).
+_SIM = _read_constants()
 HC_MULT: int = _SIM.HC_MULT
 SINKHORN_ITERS: int = _SIM.SINKHORN_ITERS
 HC_EPS: float = _SIM.HC_EPS
@@ -90,8 +111,16 @@ def _hc_disabled() -> bool:
     return os.environ.get("MHCRUN_NKI_HC", "1") == "0"
 
 
+SIM_MODES = {"1": "exact", "device": "device"}  # MHCRUN_NKI_SIM value -> simulator numerics
+
+
+def _sim_mode() -> str | None:
+    """The simulator's numerics under MHCRUN_NKI_SIM ("exact" for 1, "device"), None when the simulator is off."""
+    return SIM_MODES.get(os.environ.get("MHCRUN_NKI_SIM", "0"))
+
+
 def _sim_enabled() -> bool:
-    return os.environ.get("MHCRUN_NKI_SIM", "0") == "1"
+    return _sim_mode() is not None
 
 
 def hc_backend(device_type: str) -> str:
@@ -116,7 +145,7 @@ def _neuron_kernel(name: str):
 
 
 def _sim_kernel(name: str):
-    return getattr(_SIM, name)
+    return getattr(sim_kernels(KERNEL_SOURCE, _sim_mode() or "exact"), name)
 
 
 def split_hi_lo(fn: Tensor) -> tuple[Tensor, Tensor]:
@@ -345,6 +374,8 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     shapes), the custom op with MHCRUN_NKI_SIM=1 (its CPU implementation runs the kernel in the simulator and
     counts), else the torch reference: plain torch that a compiled region can fuse."""
     path = hc_backend(t.device.type)
+    if path == "nki-sim" and not torch.compiler.is_compiling():
+        sim_kernels(KERNEL_SOURCE, _sim_mode())  # a refused kernel stops the run here, outside the custom op
     if path == "nki" and ok():
         _count(name, "nki")
         return run(_neuron_kernel)

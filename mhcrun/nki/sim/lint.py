@@ -193,18 +193,23 @@ class _Checker(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def check_source(source: str, filename: str) -> None:
-    """Raise NkiLanguageError naming file, line and construct for the first construct outside NKI's subset."""
+def find_problems(source: str, filename: str) -> list[tuple[int, str]]:
+    """(line, construct) of every construct outside NKI's subset, in line order."""
     try:
         tree = ast.parse(source, filename)
     except SyntaxError as e:
         raise NkiLanguageError(f"{filename}:{e.lineno}: not valid Python: {e.msg}") from None
     c = _Checker()
     c.check_module(tree)
-    if c.problems:
-        c.problems.sort()
-        line, what = c.problems[0]
-        more = f" (and {len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+    return sorted(c.problems)
+
+
+def check_source(source: str, filename: str) -> None:
+    """Raise NkiLanguageError naming file, line and construct for the first construct outside NKI's subset."""
+    problems = find_problems(source, filename)
+    if problems:
+        line, what = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise NkiLanguageError(f"{filename}:{line}: {what} is not in the Python subset the NKI compiler accepts"
                                f"{more}")
 
