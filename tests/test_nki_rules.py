@@ -342,7 +342,8 @@ def test_refused_kernel_stops_a_simulated_run_with_exit_2(tmp_path, monkeypatch)
     r = CliRunner().invoke(app, args, env={"MHCRUN_NKI_SIM": "1"})
     assert r.exit_code == 2, r.output
     err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: NKI simulator refused ") and f"kernels.py:{line}: lambda" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: NKI simulator refused ")
+    assert f"kernels.py:{line}: lambda" in err[0]
     r = CliRunner().invoke(app, args, env={"MHCRUN_NKI_SIM": "0"})  # the simulator off: the torch path runs
     assert r.exit_code == 0, r.output
 
