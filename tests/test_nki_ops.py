@@ -290,3 +290,23 @@ def test_head_on_a_strided_last_position(case, monkeypatch):
 def test_no_neuron_import_off_device(case):
     run_all(case)
     assert "torch_neuronx" not in sys.modules
+
+
+def test_tp_on_neuron_joins_torchneuron_s_neuron_backend(monkeypatch):
+    """--tp on --device neuron: `import torch_neuronx` (lazily, on that path only), then the `neuron` backend."""
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from mhcrun import parallel
+
+    calls = []
+    fake = types.ModuleType("torch_neuronx")
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["rank"])))
+    parallel.init_workers(parallel.Shard(1, 2), "neuron")
+    assert calls == [("neuron", 1)]
+    src = Path(parallel.__file__).read_text()
+    assert "torch_xla" not in src and '"xla"' not in src
