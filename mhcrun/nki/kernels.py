@@ -203,15 +203,21 @@ def _sinkhorn(c):
         _normalise_cols(c, HC_EPS)
 
 
-def _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, t0, tp, norm_eps):
+def _weights(mixes, scale, base):
+    """(pre, post, comb) SBUF fp32 [tp, n], [tp, n], [tp, n*n] from the norm-applied mixes [tp, mix]."""
     n = HC_MULT
-    mixes = _norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps)
+    tp = mixes.shape[0]
     sc = _row_broadcast(scale, 0, 3, tp)
     bs = _row_broadcast(base, 0, MIX, tp)
     pre_w = _sigmoid_weights(_affine(mixes, 0, n, sc[:, 0:1], bs), 1.0, HC_EPS)
     post_w = _sigmoid_weights(_affine(mixes, n, 2 * n, sc[:, 1:2], bs), POST_MULT, 0.0)
     c = _affine(mixes, 2 * n, MIX, sc[:, 2:3], bs)
     _sinkhorn(c)
+    return pre_w, post_w, c
+
+
+def _mixes_tile(x, fn_hi_t, fn_lo_t, scale, base, pre, post, comb, t0, tp, norm_eps):
+    pre_w, post_w, c = _weights(_norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps), scale, base)
     nl.store(pre[t0:t0 + tp, :], value=pre_w)
     nl.store(post[t0:t0 + tp, :], value=post_w)
     nl.store(comb[t0:t0 + tp, :], value=c)
@@ -252,23 +258,28 @@ def hc_mixes_v41(x, fn_hi, fn_lo, scale, base):
 hc_mixes = hc_mixes_v4
 
 
+def _collapse_chunk(x, pre_w, t0, tp, c0, cw, d):
+    """SBUF [tp, cw] in x's dtype: sum_m pre_w[:, m] * x[t0:t0+tp, m*d+c0 : m*d+c0+cw], fp32 accumulation."""
+    n = HC_MULT
+    acc = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
+    xm = nl.load(x[t0:t0 + tp, c0:c0 + cw])
+    nisa.tensor_scalar(dst=acc, data=xm, op0=nl.multiply, operand0=pre_w[:, 0:1])
+    res = nl.ndarray((tp, cw), dtype=x.dtype, buffer=nl.sbuf)
+    for m in range(1, n):
+        xm = nl.load(x[t0:t0 + tp, m * d + c0:m * d + c0 + cw])
+        dst = res if m == n - 1 else acc
+        nisa.scalar_tensor_tensor(dst=dst, data=xm, op0=nl.multiply, operand0=pre_w[:, m:m + 1], op1=nl.add,
+                                  operand1=acc)
+    return res
+
+
 def _collapse_tile(x, pre_w, out, t0, tp):
     """out[t0:t0+tp] = sum_m pre_w[:, m] * x[t0:t0+tp, m*d:(m+1)*d] in fp32, stored in out's dtype."""
-    n = HC_MULT
     d = out.shape[1]
     for c in nl.affine_range(n_tiles(d, FREE_CHUNK)):
         c0 = c * FREE_CHUNK
         cw = piece_width(d, FREE_CHUNK, c)
-        acc = nl.ndarray((tp, cw), dtype=nl.float32, buffer=nl.sbuf)
-        xm = nl.load(x[t0:t0 + tp, c0:c0 + cw])
-        nisa.tensor_scalar(dst=acc, data=xm, op0=nl.multiply, operand0=pre_w[:, 0:1])
-        res = nl.ndarray((tp, cw), dtype=out.dtype, buffer=nl.sbuf)
-        for m in range(1, n):
-            xm = nl.load(x[t0:t0 + tp, m * d + c0:m * d + c0 + cw])
-            dst = res if m == n - 1 else acc
-            nisa.scalar_tensor_tensor(dst=dst, data=xm, op0=nl.multiply, operand0=pre_w[:, m:m + 1], op1=nl.add,
-                                      operand1=acc)
-        nl.store(out[t0:t0 + tp, c0:c0 + cw], value=res)
+        nl.store(out[t0:t0 + tp, c0:c0 + cw], value=_collapse_chunk(x, pre_w, t0, tp, c0, cw, d))
 
 
 def _collapse_from_hbm_tile(x, pre, out, t0, tp):
@@ -439,4 +450,249 @@ def swiglu(g, u, limit):
     out = nl.ndarray((t, f), dtype=nl.float32, buffer=nl.shared_hbm)
     for i in nl.affine_range(n_tiles(t, PMAX)):
         _swiglu_tile(g, u, out, i * PMAX, piece_width(t, PMAX, i), limit)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ fused pre and post
+#
+# hc_pre: the mHC pre step of a site in one launch: mixes (with Sinkhorn), the collapse and the sublayer's RMSNorm
+# (y = rms_norm(collapse(x, pre), w), the collapse rounded to x's dtype first as the unfused path does), plus the
+# post and comb weights the post step needs. hc_post_fused: the post step. Each picks its layout by shape:
+#
+# - prefill (T > DECODE_MAX_T): tokens on the partition axis in tiles of 128, as the kernels above;
+# - decode (T <= DECODE_MAX_T): hidden on the partition axis. Hidden element k = m*d + p*dj + i of stream m goes
+#   to partition p (dj = d / 128), so one DMA brings all of x ([128, T, n, dj]) and one each of fn's hi and lo
+#   ([128, mix, n, dj], 6 KiB per partition); the GEMM contracts over partitions with one matmul per (m, i); the
+#   per-token weights are spread over the partitions by a matmul with ones. DECODE_MAX_T = 32 keeps the spread
+#   comb weights (T * n * n fp32) in one PSUM bank.
+
+DECODE_MAX_T = 32
+
+
+def _identity(t):
+    """SBUF fp32 [t, t]: the identity (iota of column - row, compared with 0)."""
+    io = nl.ndarray((t, t), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(io, [[1, t]], 0, channel_multiplier=-1)
+    eye = nl.ndarray((t, t), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=eye, data=io, op0=nl.equal, operand0=0)
+    return eye
+
+
+def _spread(v, eye, ones_t):
+    """SBUF fp32 [128, t*w] with out[p, r*w + j] = v[r, j] for every partition p: v [t, w] fp32 on t partitions,
+    made block-diagonal ([t, t*w], row r holding v[r] in its block) and summed over rows by a matmul with ones."""
+    t, w = v.shape
+    blocks = nl.ndarray((t, t * w), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(t):
+        nisa.tensor_scalar(dst=blocks[:, r * w:(r + 1) * w], data=v, op0=nl.multiply, operand0=eye[:, r:r + 1])
+    ps = nl.ndarray((PMAX, t * w), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps, stationary=ones_t, moving=blocks)
+    out = nl.ndarray((PMAX, t * w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps)
+    return out
+
+
+def _partition_sum(part, ones_col):
+    """SBUF fp32 [t, 1]: the sum over the 128 partitions of part [128, t] (a matmul with a ones column)."""
+    t = part.shape[1]
+    ps = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps, stationary=part, moving=ones_col)
+    out = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps)
+    return out
+
+
+def _ones(p, f):
+    one = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(one, 1.0)
+    return one
+
+
+def _hidden_view(a, t, d):
+    """The HBM view of a [t, n*d] tensor as [128, t, n, d/128]: element (p, r, m, i) = a[r, m*d + p*(d/128) + i]."""
+    dj = d // PMAX
+    return a.ap(pattern=[[dj, PMAX], [HC_MULT * d, t], [d, HC_MULT], [1, dj]], offset=0)
+
+
+def _load_hidden_fn(fn, d, mm_dtype):
+    """SBUF [128, mix, n, dj] in the GEMM dtype: fn [mix, n*d] with hidden on the partitions, in one DMA."""
+    raw = nl.load(_hidden_view(fn, fn.shape[0], d))
+    if mm_dtype == raw.dtype:
+        return raw
+    wide = nl.ndarray(raw.shape, dtype=mm_dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=wide, src=raw)
+    return wide
+
+
+def _hidden_mixes(xs, fn_hi_h, fn_lo_h, ones_col, d, norm_eps):
+    """SBUF fp32 [t, mix]: the norm-applied mixes of the t rows held hidden-on-partitions in xs [128, t, n, dj]."""
+    t = xs.shape[1]
+    dj = d // PMAX
+    mix = fn_hi_h.shape[1]
+    acc = nl.ndarray((t, mix), dtype=nl.float32, buffer=nl.psum)
+    for m in range(HC_MULT):
+        for i in range(dj):
+            nisa.nc_matmul(dst=acc, stationary=xs[:, :, m, i], moving=fn_hi_h[:, :, m, i])
+            nisa.nc_matmul(dst=acc, stationary=xs[:, :, m, i], moving=fn_lo_h[:, :, m, i])
+    part = nl.ndarray((PMAX, t), dtype=nl.float32, buffer=nl.sbuf)
+    sq = nl.ndarray((PMAX, HC_MULT * dj), dtype=nl.float32, buffer=nl.sbuf)
+    flat = xs.reshape((PMAX, t, HC_MULT * dj))
+    for r in range(t):
+        nisa.activation_reduce(dst=sq, op=nl.square, data=flat[:, r, :], reduce_op=nl.add,
+                               reduce_res=part[:, r:r + 1])
+    rs = _rsqrt_mean(_partition_sum(part, ones_col), HC_MULT * d, norm_eps)
+    mixes = nl.ndarray((t, mix), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mixes, data=acc, op0=nl.multiply, operand0=rs)
+    return mixes
+
+
+def _hidden_pre(x, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps):
+    """hc_pre for t <= DECODE_MAX_T rows, hidden on the partitions."""
+    t, k = x.shape
+    d = k // HC_MULT
+    dj = d // PMAX
+    xs = nl.load(_hidden_view(x, t, d))
+    mm = _gemm_dtype(x)
+    if mm != xs.dtype:
+        xw = nl.ndarray(xs.shape, dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=xw, src=xs)
+        xg = xw
+    else:
+        xg = xs
+    ones_col = _ones(PMAX, 1)
+    mixes = _hidden_mixes(xg, _load_hidden_fn(fn_hi, d, mm), _load_hidden_fn(fn_lo, d, mm), ones_col, d, norm_eps)
+    pre_w, post_w, c = _weights(mixes, scale, base)
+    nl.store(post[0:t, :], value=post_w)
+    nl.store(comb[0:t, :], value=c)
+    eye = _identity(t)
+    ones_t = _ones(t, PMAX)
+    pre_b = _spread(pre_w, eye, ones_t)  # [128, t*n]
+    ys = nl.ndarray((PMAX, t, dj), dtype=x.dtype, buffer=nl.sbuf)
+    acc = nl.ndarray((PMAX, dj), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(t):
+        j = r * HC_MULT
+        nisa.tensor_scalar(dst=acc, data=xs[:, r, 0, :], op0=nl.multiply, operand0=pre_b[:, j:j + 1])
+        for m in range(1, HC_MULT):
+            dst = ys[:, r, :] if m == HC_MULT - 1 else acc
+            nisa.scalar_tensor_tensor(dst=dst, data=xs[:, r, m, :], op0=nl.multiply,
+                                      operand0=pre_b[:, j + m:j + m + 1], op1=nl.add, operand1=acc)
+    part = nl.ndarray((PMAX, t), dtype=nl.float32, buffer=nl.sbuf)
+    sq = nl.ndarray((PMAX, dj), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(t):
+        nisa.activation_reduce(dst=sq, op=nl.square, data=ys[:, r, :], reduce_op=nl.add,
+                               reduce_res=part[:, r:r + 1])
+    rs_b = _spread(_rsqrt_mean(_partition_sum(part, ones_col), d, norm_eps), eye, ones_t)  # [128, t]
+    wt = nl.load(w.ap(pattern=[[dj, PMAX], [1, dj]], offset=0))
+    out = nl.ndarray((PMAX, t, dj), dtype=x.dtype, buffer=nl.sbuf)
+    for r in range(t):
+        nisa.scalar_tensor_tensor(dst=out[:, r, :], data=ys[:, r, :], op0=nl.multiply, operand0=rs_b[:, r:r + 1],
+                                  op1=nl.multiply, operand1=wt)
+    nl.store(y.ap(pattern=[[dj, PMAX], [d, t], [1, dj]], offset=0), value=out)
+
+
+def _token_pre_tile(x, fn_hi_t, fn_lo_t, scale, base, w, y, post, comb, t0, tp, norm_eps):
+    """hc_pre for token rows t0 .. t0 + tp, tokens on the partitions."""
+    d = y.shape[1]
+    pre_w, post_w, c = _weights(_norm_mixes(x, fn_hi_t, fn_lo_t, t0, tp, norm_eps), scale, base)
+    nl.store(post[t0:t0 + tp, :], value=post_w)
+    nl.store(comb[t0:t0 + tp, :], value=c)
+    chunks = []
+    sumsq = nl.zeros((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+    for ci in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        res = _collapse_chunk(x, pre_w, t0, tp, ci * FREE_CHUNK, piece_width(d, FREE_CHUNK, ci), d)
+        _add_sum_of_squares(sumsq, res)
+        chunks.append(res)
+    r = _rsqrt_mean(sumsq, d, norm_eps)
+    for ci in nl.affine_range(n_tiles(d, FREE_CHUNK)):
+        c0 = ci * FREE_CHUNK
+        cw = piece_width(d, FREE_CHUNK, ci)
+        wc = _row_broadcast(w, c0, c0 + cw, tp)
+        yc = nl.ndarray((tp, cw), dtype=y.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=yc, data=chunks[ci], op0=nl.multiply, operand0=r, op1=nl.multiply,
+                                  operand1=wc)
+        nl.store(y[t0:t0 + tp, c0:c0 + cw], value=yc)
+
+
+def _hc_pre(x, fn_hi, fn_lo, scale, base, w, norm_eps, layout):
+    """x [T, n*d]; fn_hi / fn_lo [mix, n*d] bf16; scale [3]; base [mix]; w [d] fp32 ->
+    y [T, d] (x's dtype) = rms_norm(collapse(x, pre), w), post [T, n], comb [T, n*n] (fp32).
+    ``layout``: "hidden" (hidden on partitions, T <= DECODE_MAX_T), "tokens", or "auto" (by T)."""
+    t, k = x.shape
+    d = k // HC_MULT
+    assert d % PMAX == 0, "hc_pre: d must be a multiple of 128"
+    assert fn_hi.shape[0] == MIX and fn_lo.shape[0] == MIX, "hc_pre: fn must have (2+n)*n rows"
+    y = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    post = nl.ndarray((t, HC_MULT), dtype=nl.float32, buffer=nl.shared_hbm)
+    comb = nl.ndarray((t, HC_MULT * HC_MULT), dtype=nl.float32, buffer=nl.shared_hbm)
+    hidden = layout == "hidden" or (layout == "auto" and t <= DECODE_MAX_T)
+    if hidden:
+        assert t <= DECODE_MAX_T, "hc_pre: the hidden-on-partitions layout takes at most DECODE_MAX_T rows"
+        _hidden_pre(x, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps)
+    else:
+        fn_hi_t = _load_fn_transposed(fn_hi, _gemm_dtype(x))
+        fn_lo_t = _load_fn_transposed(fn_lo, _gemm_dtype(x))
+        for i in nl.affine_range(n_tiles(t, PMAX)):
+            _token_pre_tile(x, fn_hi_t, fn_lo_t, scale, base, w, y, post, comb, i * PMAX, piece_width(t, PMAX, i),
+                            norm_eps)
+    return y, post, comb
+
+
+@nki.jit
+def hc_pre_v4(x, fn_hi, fn_lo, scale, base, w):
+    """The fused pre step with V4's norm epsilon (1e-6), layout by T."""
+    return _hc_pre(x, fn_hi, fn_lo, scale, base, w, NORM_EPS_V4, "auto")
+
+
+@nki.jit
+def hc_pre_v41(x, fn_hi, fn_lo, scale, base, w):
+    """The fused pre step with V4.1's norm epsilon (1e-20), layout by T."""
+    return _hc_pre(x, fn_hi, fn_lo, scale, base, w, NORM_EPS_V41, "auto")
+
+
+@nki.jit
+def hc_pre_tokens_v4(x, fn_hi, fn_lo, scale, base, w):
+    """hc_pre_v4 with tokens on the partitions at any T (the prefill layout)."""
+    return _hc_pre(x, fn_hi, fn_lo, scale, base, w, NORM_EPS_V4, "tokens")
+
+
+PRE_KERNELS = {NORM_EPS_V4: "hc_pre_v4", NORM_EPS_V41: "hc_pre_v41"}
+
+
+def _hidden_post(y, residual, post, comb, out):
+    """hc_post for t <= DECODE_MAX_T rows, hidden on the partitions: three large DMAs (y, residual, out)."""
+    t, d = y.shape
+    n = HC_MULT
+    dj = d // PMAX
+    ys = nl.load(y.ap(pattern=[[dj, PMAX], [d, t], [1, dj]], offset=0))
+    rs = nl.load(_hidden_view(residual, t, d))
+    eye = _identity(t)
+    ones_t = _ones(t, PMAX)
+    post_b = _spread(nl.load(post), eye, ones_t)  # [128, t*n]
+    comb_b = _spread(nl.load(comb), eye, ones_t)  # [128, t*n*n]
+    os = nl.ndarray((PMAX, t, n, dj), dtype=y.dtype, buffer=nl.sbuf)
+    mixed = nl.ndarray((PMAX, dj), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(t):
+        for o in range(n):
+            cb = r * n * n
+            nisa.tensor_scalar(dst=mixed, data=rs[:, r, 0, :], op0=nl.multiply, operand0=comb_b[:, cb + o:cb + o + 1])
+            for i in range(1, n):
+                j = cb + i * n + o
+                nisa.scalar_tensor_tensor(dst=mixed, data=rs[:, r, i, :], op0=nl.multiply,
+                                          operand0=comb_b[:, j:j + 1], op1=nl.add, operand1=mixed)
+            pj = r * n + o
+            nisa.scalar_tensor_tensor(dst=os[:, r, o, :], data=ys[:, r, :], op0=nl.multiply,
+                                      operand0=post_b[:, pj:pj + 1], op1=nl.add, operand1=mixed)
+    nl.store(_hidden_view(out, t, d), value=os)
+
+
+@nki.jit
+def hc_post(y, residual, post, comb):
+    """hc_attn_out with the layout by T: hidden on the partitions for T <= DECODE_MAX_T, else tokens."""
+    t, d = y.shape
+    out = nl.ndarray((t, HC_MULT * d), dtype=y.dtype, buffer=nl.shared_hbm)
+    if t <= DECODE_MAX_T and d % PMAX == 0:
+        _hidden_post(y, residual, post, comb, out)
+    else:
+        for i in nl.affine_range(n_tiles(t, PMAX)):
+            _attn_out_tile(y, residual, post, comb, out, i * PMAX, piece_width(t, PMAX, i))
     return out
