@@ -24,6 +24,7 @@ N = 4
 B, S, D = 2, 3, 128
 EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 HC_OPS = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head")
+BLOCK = (*HC_OPS, "rmsnorm", "swiglu")  # the kernels of the compiled block below
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +71,8 @@ def run_all(c):
                                EPS, NORM_EPS),  # fmt: skip
         "rmsnorm": ops.rms_norm(c["y"], c["w"], NORM_EPS),
         "swiglu": ops.swiglu(c["gate"], c["up"], 10.0),
+        "hc_pre": ops.hc_pre(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], c["w"], N, ITERS, EPS,
+                             NORM_EPS),
     }
 
 
@@ -83,6 +86,7 @@ def reference_all(c):
         "hc_head": ref.hc_head(c["x"], c["head_fn"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
         "rmsnorm": ref_rms_norm(c["y"], c["w"], NORM_EPS),
         "swiglu": ref_swiglu(c["gate"], c["up"], 10.0),
+        "hc_pre": (ref_rms_norm(ref.hc_collapse(c["x"], pre), c["w"], NORM_EPS), post, comb),
     }
 
 
@@ -143,6 +147,12 @@ def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
         tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else bf16_tol
         torch.testing.assert_close(got[k], want[k], **tol)
     torch.testing.assert_close(got["swiglu"], want["swiglu"], rtol=1e-5, atol=1e-6)
+    y, post, comb = got["hc_pre"]
+    torch.testing.assert_close(post, want["hc_pre"][1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(comb, want["hc_pre"][2], rtol=0, atol=2e-5)
+    # y: rounded twice in bf16 (the collapse, then the norm), so up to two ulps
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 1e-5}
+    torch.testing.assert_close(y, want["hc_pre"][0], **tol)
 
 
 def test_sim_path_without_precomputed_split(case, monkeypatch):
@@ -205,6 +215,7 @@ def _op_samples(c):
         "hc_head": (c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
         "rmsnorm": (c["y"], c["w"], NORM_EPS),
         "swiglu": (c["gate"], c["up"], 10.0),
+        "hc_pre": (c["x"], c["fn"], hi, lo, c["scale"], c["base"], c["w"], N, ITERS, EPS, NORM_EPS),
     }
 
 
@@ -249,10 +260,10 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         packet = getattr(torch.ops.mhcrun, name)
         assert sum(t in (packet, packet.default) for t in targets) == 1, name
     # the custom ops count the graph's executions: twice each, on the simulator
-    assert_counts("nki-sim", times=2)
+    assert_counts("nki-sim", times=2, kernels=BLOCK)
     ops.reset_kernel_stats()
     eager = block(*args)
-    assert_counts("nki-sim", times=1)
+    assert_counts("nki-sim", times=1, kernels=BLOCK)
     for a, b, c in zip(first, second, eager, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     # through AOTAutograd too (the fake kernels trace the graph, the real ones run it)
@@ -262,7 +273,7 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         aot = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
     finally:
         torch._dynamo.reset()
-    assert_counts("nki-sim", times=1)
+    assert_counts("nki-sim", times=1, kernels=BLOCK)
     for a, c in zip(aot, eager, strict=True):
         assert torch.equal(a, c)
 

@@ -38,7 +38,7 @@ from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
-KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu")
+KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre")
 BACKENDS = ("torch", "nki-sim", "nki")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -72,6 +72,7 @@ SINKHORN_ITERS: int = _SIM.SINKHORN_ITERS
 HC_EPS: float = _SIM.HC_EPS
 MIXES_KERNELS: dict[float, str] = dict(_SIM.MIXES_KERNELS)  # norm_eps -> kernel name
 HEAD_KERNELS: dict[float, str] = dict(_SIM.HEAD_KERNELS)
+PRE_KERNELS: dict[float, str] = dict(_SIM.PRE_KERNELS)
 
 
 def mixes_supported(hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> bool:
@@ -193,6 +194,11 @@ def _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps) -> bool:
             and _gemm_ok(x, fn_hi, fn_lo, scale, base, HC_MULT))  # fmt: skip
 
 
+def _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps) -> bool:
+    return (_mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps) and x.shape[-1] % 128 == 0
+            and _fp32(weight) and weight.shape == x.shape[-1:])  # fmt: skip
+
+
 def _collapse_ok(x: Tensor, pre: Tensor) -> bool:
     return x.dim() >= 2 and x.shape[-2] == HC_MULT and x.numel() > 0 and _act(x) and _fp32(pre)
 
@@ -227,6 +233,19 @@ def _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps):
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
 
+def _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps):
+    *lead, n, d = x.shape
+    kernel = get(PRE_KERNELS[norm_eps])
+    y, post, comb = kernel(x.reshape(-1, n * d).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(),
+                           scale.reshape(1, -1).contiguous(), base.contiguous(), weight.contiguous())  # fmt: skip
+    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps):
+    pre, post, comb = _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+    return _ref_rms_norm(_ref.hc_collapse(x, pre), weight, norm_eps), post, comb
+
+
 def _run_collapse(get, x: Tensor, pre: Tensor) -> Tensor:
     *lead, n, d = x.shape
     out = get("hc_collapse")(x.reshape(-1, n * d).contiguous(), pre.reshape(-1, n).contiguous())
@@ -235,7 +254,7 @@ def _run_collapse(get, x: Tensor, pre: Tensor) -> Tensor:
 
 def _run_post(get, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     *lead, n, d = residual.shape
-    out = get("hc_attn_out")(y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(),
+    out = get("hc_post")(y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(),
                              post.reshape(-1, n).contiguous(), comb.reshape(-1, n * n).contiguous())  # fmt: skip
     return out.view(*lead, n, d)
 
@@ -292,6 +311,25 @@ def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
     lead = x.shape[:-2]
     f32 = torch.float32
     return x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n, n), dtype=f32)
+
+
+@torch.library.custom_op("mhcrun::hc_pre", mutates_args=())
+def _hc_pre_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, weight: Tensor, n: int,
+               iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    if _sim_enabled() and _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+        _count("hc_pre", "nki-sim")
+        return _run_pre(_sim_kernel, x, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _count("hc_pre", "torch")
+    y, post, comb = _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
+    return y.contiguous(), post.contiguous(), comb.contiguous()
+
+
+@_hc_pre_op.register_fake
+def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+    lead = x.shape[:-2]
+    f32 = torch.float32
+    return (x.new_empty((*lead, x.shape[-1])), x.new_empty((*lead, n), dtype=f32),
+            x.new_empty((*lead, n, n), dtype=f32))  # fmt: skip
 
 
 @torch.library.custom_op("mhcrun::hc_collapse", mutates_args=())
@@ -409,6 +447,26 @@ def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, 
     return _dispatch("hc_mixes", x, lambda: _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
                      lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
                      lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps))
+
+
+def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
+           weight: Tensor, n: int, iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The mHC pre step of a site and its sublayer's RMSNorm in one kernel: x [b, s, n, d] ->
+    y [b, s, d] = rms_norm(hc_collapse(x, pre), weight, norm_eps), post [b, s, n], comb [b, s, n, n] (fp32).
+    The same values as hc_mixes, hc_collapse and rms_norm one after the other (the layer's RMSNorm epsilon is
+    the mixes' norm epsilon in V4 and V4.1)."""
+    def ref():
+        return _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
+
+    if not mixes_supported(n, iters, eps, norm_eps):
+        _count("hc_pre", "torch")
+        return ref()
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    return _dispatch("hc_pre", x, lambda: _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps),
+                     lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps), ref,
+                     lambda: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                                                     norm_eps))
 
 
 def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
