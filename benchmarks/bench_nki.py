@@ -64,7 +64,16 @@ def today(k, a: dict) -> Step:
     return Step(3, log)
 
 
-VARIANTS = {"today": today}
+def fused(k, a: dict) -> Step:
+    """The new site: hc_pre (mixes, collapse and the sublayer's RMSNorm, which today's three leave to torch) and
+    hc_post, each in the layout its T asks for (two launches)."""
+    log = CostLog()
+    log.extend(run(k.hc_pre_v4, a["x"], a["hi"], a["lo"], a["scale"], a["base"], a["w"]))
+    log.extend(run(k.hc_post, a["y"], a["x"], a["post"], a["comb"]))
+    return Step(2, log)
+
+
+VARIANTS = {"today": today, "fused": fused}
 
 
 def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:

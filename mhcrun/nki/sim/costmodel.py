@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from .costs import CostLog
 
-PARTITIONS = 128
+PARTITIONS = 128  # lanes of the Vector engine's data path
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ def estimate(log: CostLog, f: Figures = FIGURES) -> Estimate:
     small = 0
     nbytes = 0
     for d in log.dmas:
-        eff = min(1.0, d.bytes_per_partition / f.dma_full_bpp) if d.partitions > 1 else min(
-            1.0, d.nbytes / (f.dma_full_bpp * PARTITIONS))
+        eff = min(1.0, d.bytes_per_partition / f.dma_full_bpp)
         small += d.bytes_per_partition < f.dma_full_bpp
         nbytes += d.nbytes
         dma_s += d.nbytes / (f.hbm_bytes_per_s * max(eff, 1e-6)) + f.dma_fixed_s
