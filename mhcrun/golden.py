@@ -385,6 +385,11 @@ TOLERANCES = {
     # bf16 activations (inductor keeps intermediates in fp32 where eager rounds each op): up to 5.6 between
     # compiled and eager bf16, 6.0 between bf16 and an fp32 golden, on low-probability candidates
     "bf16": (8.0, 0.1),
+    # the hc steps in the NKI simulator's device-like numerics (MHCRUN_NKI_SIM=device: every Scalar-engine
+    # activation off by up to 2^-9): up to 4.86 against tests/golden/tiny.json (teacher-forced, 14 prompts x 32
+    # tokens; per-prompt maxima 0.04 to 4.86, at late steps; 3 teacher-forced argmax flips at near-ties); the locate
+    # tolerance is not measured
+    "nki-device": (6.0, 0.05),
 }
 
 
