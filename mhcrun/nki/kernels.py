@@ -154,32 +154,30 @@ def _sigmoid_weights(z, mult, add):
 
 
 def _normalise_rows(c, eps):
-    """Each row of the n x n block (per token): row / (row sum + eps), as a multiply by the reciprocal."""
+    """Each row of the n x n block (per token) of the whole tile c [tp, n*n]: row / (row sum + eps), as a multiply
+    by the reciprocal; the reciprocals repeat along each row through a stride-0 access pattern (one instruction)."""
     n = HC_MULT
     tp = c.shape[0]
+    c3 = c.reshape((tp, n, n))
     inv = nl.ndarray((tp, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=inv, op=nl.add, data=c.reshape((tp, n, n)), axis=2)
+    nisa.tensor_reduce(dst=inv, op=nl.add, data=c3, axis=2)
     if eps != 0.0:
         nisa.tensor_scalar(dst=inv, data=inv, op0=nl.add, operand0=eps)
     nisa.reciprocal(dst=inv, data=inv)
-    for i in range(n):
-        row = c[:, i * n:(i + 1) * n]
-        nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=inv[:, i:i + 1])
+    nisa.tensor_tensor(dst=c3, data1=c3, data2=inv.ap(pattern=[[n, tp], [1, n], [0, n]], offset=0), op=nl.multiply)
 
 
 def _normalise_cols(c, eps):
-    """Each column of the n x n block (per token): column / (column sum + eps)."""
+    """Each column of the n x n block (per token) of the whole tile c [tp, n*n]: column / (column sum + eps); the
+    columns are summed through a transposing access pattern, the reciprocals repeat down them by a stride-0 one."""
     n = HC_MULT
     tp = c.shape[0]
+    c3 = c.reshape((tp, n, n))
     inv = nl.ndarray((tp, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=inv, data1=c[:, 0:n], data2=c[:, n:2 * n], op=nl.add)
-    for i in range(2, n):
-        nisa.tensor_tensor(dst=inv, data1=inv, data2=c[:, i * n:(i + 1) * n], op=nl.add)
+    nisa.tensor_reduce(dst=inv, op=nl.add, data=c.ap(pattern=[[n * n, tp], [1, n], [n, n]], offset=0), axis=2)
     nisa.tensor_scalar(dst=inv, data=inv, op0=nl.add, operand0=eps)
     nisa.reciprocal(dst=inv, data=inv)
-    for i in range(n):
-        row = c[:, i * n:(i + 1) * n]
-        nisa.tensor_tensor(dst=row, data1=row, data2=inv, op=nl.multiply)
+    nisa.tensor_tensor(dst=c3, data1=c3, data2=inv.ap(pattern=[[n, tp], [0, n], [1, n]], offset=0), op=nl.multiply)
 
 
 def _sinkhorn(c):
