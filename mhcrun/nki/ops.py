@@ -1,7 +1,8 @@
 """The mHC steps, RMSNorm and SwiGLU as torch custom ops backed by mhcrun's NKI kernels.
 
 Each step is a ``torch.library.custom_op`` (``mhcrun::hc_expand``, ``mhcrun::hc_mixes``, ``mhcrun::hc_collapse``,
-``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``) with a fake kernel, so it sits
+``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``, and ``mhcrun::hc_pre``: the
+fused pre step with the sublayer's RMSNorm) with a fake kernel, so it sits
 in a ``torch.compile`` graph as one node. The public functions below pick a backend per call:
 
 - ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
