@@ -6,8 +6,9 @@
 Each kernel runs once in the simulator on V4-Flash's shapes (d = 4096, n = 4, fn 24 x 16,384, bf16
 activations); the simulator counts its DMA transfers and engine instructions and mhcrun.nki.sim.costmodel turns
 them into an estimated time (busiest engine, engines overlapping) plus 32 us per launch. Per layer: two mHC sites;
-per token: 43 layers (and the head once), divided by the T rows of the step. The floor is the bytes the kernels
-move at one core's share of HBM bandwidth; the fn floor is the fn bytes alone (hi + lo bf16 = fp32 size).
+per token: 43 layers (the head's one launch a token left out), divided by the T rows of the step. The floor is
+the bytes the kernels move at one core's share of HBM bandwidth; the fn floor is the fn bytes alone (hi + lo
+bf16 = fp32 size).
 An estimate from documented figures, not a measurement: see the cost model's docstring for what it rests on and
 the sensitivity table for the constants no document gives.
 """
@@ -73,7 +74,16 @@ def fused(k, a: dict) -> Step:
     return Step(2, log)
 
 
-VARIANTS = {"today": today, "fused": fused}
+def chained(k, a: dict) -> Step:
+    """Decode rows only: hc_post of one site and hc_pre of the next in one launch (hc_post_pre), one launch a site;
+    at T above DECODE_MAX_T the kernel does not exist and the site runs as "fused"."""
+    if a["x"].shape[0] > k.DECODE_MAX_T:
+        return fused(k, a)
+    return Step(1, run(k.hc_post_pre_v4, a["y"], a["x"], a["post"], a["comb"], a["hi"], a["lo"], a["scale"],
+                       a["base"], a["w"]))
+
+
+VARIANTS = {"today": today, "fused": fused, "chained": chained}
 
 
 def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:

@@ -391,3 +391,26 @@ def test_hc_post_layouts(K, KD, t, d, dtype):
     assert out.dtype == dtype and out.shape == (t, N * d)
     assert_close_dtype(out, want, rtol=1e-6)
     assert torch.equal(KD.hc_post(*args), out)  # no activation: the device mode leaves it as is
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), [(1, 128), (4, 4096), (32, 256)], ids=["T1-d128", "T4-d4096", "T32-d256"])
+def test_hc_post_pre_equals_post_then_pre(K, KD, t, d, dtype):
+    """One launch for a site's post and the next site's pre: the same values as the two kernels one after the
+    other (bit for bit, in both numerics), the streams kept in SBUF between them."""
+    g = _gen(t * 53 + d)
+    y = torch.randn(t, d, generator=g).to(dtype)
+    residual = _streams(t, d, dtype, g).reshape(t, N * d)
+    post = 2 * torch.rand(t, N, generator=g)
+    comb = ref.sinkhorn(torch.randn(1, t, N, N, generator=g), 20, 1e-6).reshape(t, N * N)
+    (_, hi, lo, scale, base, w), _ = _pre_case(t, d, dtype, t + d)
+    for kern in (K, KD):
+        got = kern.hc_post_pre_v4(y, residual, post, comb, hi, lo, scale, base, w)
+        x_new = kern.hc_post(y, residual, post, comb)
+        want = (x_new, *kern.hc_pre_v4(x_new, hi, lo, scale, base, w))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="at most DECODE_MAX_T rows"):  # the kernel's own assert
+        big = 33
+        K.hc_post_pre_v4(torch.zeros(big, d, dtype=dtype), torch.zeros(big, N * d, dtype=dtype),
+                         torch.zeros(big, N), torch.zeros(big, N * N), hi, lo, scale, base, w)

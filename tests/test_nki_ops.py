@@ -73,6 +73,8 @@ def run_all(c):
         "swiglu": ops.swiglu(c["gate"], c["up"], 10.0),
         "hc_pre": ops.hc_pre(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], c["w"], N, ITERS, EPS,
                              NORM_EPS),
+        "hc_post_pre": ops.hc_post_pre(c["y"], c["x"], post, comb, c["fn"], c["hi"], c["lo"], c["scale"], c["base"],
+                                       c["w"], N, ITERS, EPS, NORM_EPS),
     }
 
 
@@ -87,7 +89,14 @@ def reference_all(c):
         "rmsnorm": ref_rms_norm(c["y"], c["w"], NORM_EPS),
         "swiglu": ref_swiglu(c["gate"], c["up"], 10.0),
         "hc_pre": (ref_rms_norm(ref.hc_collapse(c["x"], pre), c["w"], NORM_EPS), post, comb),
+        "hc_post_pre": _ref_post_pre(c, post, comb),
     }
+
+
+def _ref_post_pre(c, post, comb):
+    x_new = ref.hc_post(c["y"], c["x"], post, comb)
+    p2, post2, comb2 = ref.hc_mixes(x_new, c["fn"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+    return x_new, ref_rms_norm(ref.hc_collapse(x_new, p2), c["w"], NORM_EPS), post2, comb2
 
 
 def _flat(v):
@@ -153,6 +162,12 @@ def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
     # y: rounded twice in bf16 (the collapse, then the norm), so up to two ulps
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 1e-5}
     torch.testing.assert_close(y, want["hc_pre"][0], **tol)
+    x_new, y2, post2, comb2 = got["hc_post_pre"]
+    torch.testing.assert_close(x_new, want["hc_post_pre"][0], **(tol if dtype == torch.float32 else bf16_tol))
+    # the post/comb of the next site see the bf16-rounded streams: 2e-5 as hc_mixes, a little more in bf16
+    torch.testing.assert_close(post2, want["hc_post_pre"][2], rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(comb2, want["hc_post_pre"][3], rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(y2, want["hc_post_pre"][1], rtol=1e-5 if dtype == torch.float32 else 2**-5, atol=1e-4)
 
 
 def test_sim_path_without_precomputed_split(case, monkeypatch):
@@ -216,6 +231,8 @@ def _op_samples(c):
         "rmsnorm": (c["y"], c["w"], NORM_EPS),
         "swiglu": (c["gate"], c["up"], 10.0),
         "hc_pre": (c["x"], c["fn"], hi, lo, c["scale"], c["base"], c["w"], N, ITERS, EPS, NORM_EPS),
+        "hc_post_pre": (c["y"], c["x"], torch.rand(B, S, N), torch.rand(B, S, N, N), c["fn"], hi, lo, c["scale"],
+                        c["base"], c["w"], N, ITERS, EPS, NORM_EPS),
     }
 
 

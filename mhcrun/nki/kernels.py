@@ -547,10 +547,15 @@ def _hidden_mixes(xs, fn_hi_h, fn_lo_h, ones_col, d, norm_eps):
 def _hidden_pre(x, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps):
     """hc_pre for t <= DECODE_MAX_T rows, hidden on the partitions."""
     t, k = x.shape
-    d = k // HC_MULT
+    _hidden_pre_of(nl.load(_hidden_view(x, t, k // HC_MULT)), fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps)
+
+
+def _hidden_pre_of(xs, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps):
+    """hc_pre of the rows held in SBUF as xs [128, t, n, d/128] (hidden on the partitions)."""
+    t = xs.shape[1]
+    d = y.shape[1]
     dj = d // PMAX
-    xs = nl.load(_hidden_view(x, t, d))
-    mm = _gemm_dtype(x)
+    mm = _gemm_dtype(xs)
     if mm != xs.dtype:
         xw = nl.ndarray(xs.shape, dtype=mm, buffer=nl.sbuf)
         nisa.tensor_copy(dst=xw, src=xs)
@@ -565,7 +570,7 @@ def _hidden_pre(x, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps):
     eye = _identity(t)
     ones_t = _ones(t, PMAX)
     pre_b = _spread(pre_w, eye, ones_t)  # [128, t*n]
-    ys = nl.ndarray((PMAX, t, dj), dtype=x.dtype, buffer=nl.sbuf)
+    ys = nl.ndarray((PMAX, t, dj), dtype=xs.dtype, buffer=nl.sbuf)
     acc = nl.ndarray((PMAX, dj), dtype=nl.float32, buffer=nl.sbuf)
     for r in range(t):
         j = r * HC_MULT
@@ -581,7 +586,7 @@ def _hidden_pre(x, fn_hi, fn_lo, scale, base, w, y, post, comb, norm_eps):
                                reduce_res=part[:, r:r + 1])
     rs_b = _spread(_rsqrt_mean(_partition_sum(part, ones_col), d, norm_eps), eye, ones_t)  # [128, t]
     wt = nl.load(w.ap(pattern=[[dj, PMAX], [1, dj]], offset=0))
-    out = nl.ndarray((PMAX, t, dj), dtype=x.dtype, buffer=nl.sbuf)
+    out = nl.ndarray((PMAX, t, dj), dtype=xs.dtype, buffer=nl.sbuf)
     for r in range(t):
         nisa.scalar_tensor_tensor(dst=out[:, r, :], data=ys[:, r, :], op0=nl.multiply, operand0=rs_b[:, r:r + 1],
                                   op1=nl.multiply, operand1=wt)
@@ -659,6 +664,12 @@ PRE_KERNELS = {NORM_EPS_V4: "hc_pre_v4", NORM_EPS_V41: "hc_pre_v41"}
 def _hidden_post(y, residual, post, comb, out):
     """hc_post for t <= DECODE_MAX_T rows, hidden on the partitions: three large DMAs (y, residual, out)."""
     t, d = y.shape
+    nl.store(_hidden_view(out, t, d), value=_hidden_post_of(y, residual, post, comb))
+
+
+def _hidden_post_of(y, residual, post, comb):
+    """SBUF [128, t, n, d/128] in y's dtype: the post step's new streams, hidden on the partitions."""
+    t, d = y.shape
     n = HC_MULT
     dj = d // PMAX
     ys = nl.load(y.ap(pattern=[[dj, PMAX], [d, t], [1, dj]], offset=0))
@@ -680,7 +691,7 @@ def _hidden_post(y, residual, post, comb, out):
             pj = r * n + o
             nisa.scalar_tensor_tensor(dst=os[:, r, o, :], data=ys[:, r, :], op0=nl.multiply,
                                       operand0=post_b[:, pj:pj + 1], op1=nl.add, operand1=mixed)
-    nl.store(_hidden_view(out, t, d), value=os)
+    return os
 
 
 @nki.jit
@@ -694,3 +705,34 @@ def hc_post(y, residual, post, comb):
         for i in nl.affine_range(n_tiles(t, PMAX)):
             _attn_out_tile(y, residual, post, comb, out, i * PMAX, piece_width(t, PMAX, i))
     return out
+
+
+def _hc_post_pre(y, residual, post, comb, fn_hi, fn_lo, scale, base, w, norm_eps):
+    """One site's post step and the next site's pre step in one launch, for t <= DECODE_MAX_T rows (hidden on the
+    partitions): the new streams stay in SBUF between the two and are stored once (the next post's residual).
+    -> x_new [t, n*d] (y's dtype), and hc_pre's y [t, d], post [t, n], comb [t, n*n] of the next site."""
+    t, d = y.shape
+    assert t <= DECODE_MAX_T and d % PMAX == 0, "hc_post_pre: at most DECODE_MAX_T rows, d a multiple of 128"
+    x_new = nl.ndarray((t, HC_MULT * d), dtype=y.dtype, buffer=nl.shared_hbm)
+    y_next = nl.ndarray((t, d), dtype=y.dtype, buffer=nl.shared_hbm)
+    post_next = nl.ndarray((t, HC_MULT), dtype=nl.float32, buffer=nl.shared_hbm)
+    comb_next = nl.ndarray((t, HC_MULT * HC_MULT), dtype=nl.float32, buffer=nl.shared_hbm)
+    xs = _hidden_post_of(y, residual, post, comb)
+    nl.store(_hidden_view(x_new, t, d), value=xs)
+    _hidden_pre_of(xs, fn_hi, fn_lo, scale, base, w, y_next, post_next, comb_next, norm_eps)
+    return x_new, y_next, post_next, comb_next
+
+
+@nki.jit
+def hc_post_pre_v4(y, residual, post, comb, fn_hi, fn_lo, scale, base, w):
+    """hc_post, then hc_pre_v4 of the next site on its result, in one launch (decode rows)."""
+    return _hc_post_pre(y, residual, post, comb, fn_hi, fn_lo, scale, base, w, NORM_EPS_V4)
+
+
+@nki.jit
+def hc_post_pre_v41(y, residual, post, comb, fn_hi, fn_lo, scale, base, w):
+    """hc_post, then hc_pre_v41 of the next site on its result, in one launch (decode rows)."""
+    return _hc_post_pre(y, residual, post, comb, fn_hi, fn_lo, scale, base, w, NORM_EPS_V41)
+
+
+POST_PRE_KERNELS = {NORM_EPS_V4: "hc_post_pre_v4", NORM_EPS_V41: "hc_post_pre_v41"}

@@ -39,7 +39,8 @@ from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
-KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre")
+KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre",
+                "hc_post_pre")
 BACKENDS = ("torch", "nki-sim", "nki")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -74,6 +75,8 @@ HC_EPS: float = _SIM.HC_EPS
 MIXES_KERNELS: dict[float, str] = dict(_SIM.MIXES_KERNELS)  # norm_eps -> kernel name
 HEAD_KERNELS: dict[float, str] = dict(_SIM.HEAD_KERNELS)
 PRE_KERNELS: dict[float, str] = dict(_SIM.PRE_KERNELS)
+POST_PRE_KERNELS: dict[float, str] = dict(_SIM.POST_PRE_KERNELS)
+DECODE_MAX_T: int = _SIM.DECODE_MAX_T  # rows up to which the kernels put hidden on the partitions
 
 
 def mixes_supported(hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> bool:
@@ -200,6 +203,12 @@ def _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps) -> bo
             and _fp32(weight) and weight.shape == x.shape[-1:])  # fmt: skip
 
 
+def _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps) -> bool:
+    rows = y.numel() // max(y.shape[-1], 1)
+    return (rows <= DECODE_MAX_T and _post_ok(y, residual, post, comb)
+            and _pre_ok(residual, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps))  # fmt: skip
+
+
 def _collapse_ok(x: Tensor, pre: Tensor) -> bool:
     return x.dim() >= 2 and x.shape[-2] == HC_MULT and x.numel() > 0 and _act(x) and _fp32(pre)
 
@@ -240,6 +249,21 @@ def _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps):
     y, post, comb = kernel(x.reshape(-1, n * d).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(),
                            scale.reshape(1, -1).contiguous(), base.contiguous(), weight.contiguous())  # fmt: skip
     return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def _run_post_pre(get, y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps):
+    *lead, n, d = residual.shape
+    kernel = get(POST_PRE_KERNELS[norm_eps])
+    x_new, y_next, post_next, comb_next = kernel(
+        y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(), post.reshape(-1, n).contiguous(),
+        comb.reshape(-1, n * n).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(), scale.reshape(1, -1).contiguous(),
+        base.contiguous(), weight.contiguous())  # fmt: skip
+    return x_new.view(*lead, n, d), y_next.view(*lead, d), post_next.view(*lead, n), comb_next.view(*lead, n, n)
+
+
+def _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps):
+    x_new = _ref.hc_post(y, residual, post, comb)
+    return (x_new, *_ref_pre(x_new, fn, scale, base, weight, n, iters, eps, norm_eps))
 
 
 def _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps):
@@ -331,6 +355,26 @@ def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
     f32 = torch.float32
     return (x.new_empty((*lead, x.shape[-1])), x.new_empty((*lead, n), dtype=f32),
             x.new_empty((*lead, n, n), dtype=f32))  # fmt: skip
+
+
+@torch.library.custom_op("mhcrun::hc_post_pre", mutates_args=())
+def _hc_post_pre_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor,
+                    scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
+                    norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _sim_enabled() and _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                                       norm_eps):
+        _count("hc_post_pre", "nki-sim")
+        return _run_post_pre(_sim_kernel, y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _count("hc_post_pre", "torch")
+    return tuple(t.contiguous() for t in _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps,
+                                                       norm_eps))
+
+
+@_hc_post_pre_op.register_fake
+def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+    f32 = torch.float32
+    return (residual.new_empty(residual.shape, dtype=y.dtype), y.new_empty(y.shape),
+            post.new_empty(post.shape, dtype=f32), comb.new_empty(comb.shape, dtype=f32))  # fmt: skip
 
 
 @torch.library.custom_op("mhcrun::hc_collapse", mutates_args=())
@@ -468,6 +512,26 @@ def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, sc
                      lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps), ref,
                      lambda: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
                                                      norm_eps))
+
+
+def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
+                fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
+                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A site's post step and the next site's pre step (``fn`` ... ``weight`` are the next site's): the new streams
+    [b, s, n, d] and hc_pre's (y, post, comb) of them. One kernel for decode rows (b * s <= DECODE_MAX_T), where
+    the streams stay on chip between the two; above, hc_post then hc_pre."""
+    rows = y.numel() // max(y.shape[-1], 1)
+    if rows > DECODE_MAX_T or not mixes_supported(n, iters, eps, norm_eps):
+        x_new = hc_post(y, residual, post, comb)
+        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps))
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
+    return _dispatch("hc_post_pre", y, lambda: _post_pre_ok(*args, n, iters, eps, norm_eps),
+                     lambda get: _run_post_pre(get, *args, norm_eps),
+                     lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
+                     lambda: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
+                                                          weight, n, iters, eps, norm_eps))
 
 
 def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
