@@ -446,7 +446,9 @@ def golden_check(
         entries = golden["prompts"]
         ids = [p["prompt_ids"] for p in entries]
         load_weights(runner, quiet=as_json)
-        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized))
+        from mhcrun.nki.ops import sim_mode
+
+        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized), sim_mode())
         tol = logprob_tol if logprob_tol is not None else TOLERANCES[kind][0]
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         forced = [[] for _ in entries]  # per prompt, per step: (log-probs of the golden candidates, argmax)

@@ -393,9 +393,13 @@ TOLERANCES = {
 }
 
 
-def path_kind(dtype: str, golden_dtype: str, quant_sim: bool, quantised_weights: bool) -> str:
+def path_kind(dtype: str, golden_dtype: str, quant_sim: bool, quantised_weights: bool,
+              nki_sim: str | None = None) -> str:
     """Which TOLERANCES entry a path under test takes: quantised_weights when the checkpoint stores FP8/FP4
-    weights (the golden or this run may have kept them quantised, summing in the kernel's order)."""
+    weights (the golden or this run may have kept them quantised, summing in the kernel's order); nki_sim the NKI
+    simulator's numerics the hc steps run in ("exact", "device" or None: not simulated)."""
+    if nki_sim == "device":
+        return "nki-device"
     if "bf16" in (dtype, golden_dtype):
         return "bf16"
     return "fp32-kernel" if quant_sim and quantised_weights else "fp32"

@@ -119,13 +119,13 @@ def _hc_disabled() -> bool:
 SIM_MODES = {"1": "exact", "device": "device"}  # MHCRUN_NKI_SIM value -> simulator numerics
 
 
-def _sim_mode() -> str | None:
+def sim_mode() -> str | None:
     """The simulator's numerics under MHCRUN_NKI_SIM ("exact" for 1, "device"), None when the simulator is off."""
     return SIM_MODES.get(os.environ.get("MHCRUN_NKI_SIM", "0"))
 
 
 def _sim_enabled() -> bool:
-    return _sim_mode() is not None
+    return sim_mode() is not None
 
 
 def hc_backend(device_type: str) -> str:
@@ -150,7 +150,7 @@ def _neuron_kernel(name: str):
 
 
 def _sim_kernel(name: str):
-    return getattr(sim_kernels(KERNEL_SOURCE, _sim_mode() or "exact"), name)
+    return getattr(sim_kernels(KERNEL_SOURCE, sim_mode() or "exact"), name)
 
 
 def split_hi_lo(fn: Tensor) -> tuple[Tensor, Tensor]:
@@ -458,7 +458,7 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     counts), else the torch reference: plain torch that a compiled region can fuse."""
     path = hc_backend(t.device.type)
     if path == "nki-sim" and not torch.compiler.is_compiling():
-        sim_kernels(KERNEL_SOURCE, _sim_mode())  # a refused kernel stops the run here, outside the custom op
+        sim_kernels(KERNEL_SOURCE, sim_mode())  # a refused kernel stops the run here, outside the custom op
     if path == "nki" and ok():
         _count(name, "nki")
         return run(_neuron_kernel)
