@@ -37,8 +37,8 @@ from mhcrun.chat_text import (
 from mhcrun.errors import InputError
 
 __all__ = ["Chat", "Message", "ToolCall", "parse_chat", "read_messages", "encode_chat", "parse_reply",
-           "history_message", "reply_mode", "resolve_format", "check_effort", "FORMATS", "MODES", "BOS", "EOS",
-           "THINK", "END_THINK"]
+           "history_message", "reply_mode", "check_replyable", "resolve_format", "check_effort", "FORMATS", "MODES",
+           "BOS", "EOS", "THINK", "END_THINK"]
 
 MODES = ("chat", "thinking")
 MARKERS = (BOS, EOS, USER, ASSISTANT, REMINDER, THINK, END_THINK, DSML)
@@ -99,6 +99,17 @@ def encode_chat(chat: Chat, mode: str = "thinking", effort: str | None = None, f
     if mode not in MODES:
         raise InputError(f"unknown --mode {mode!r} (choose from: {', '.join(MODES)})")
     return FORMATS[fmt].encode(chat, mode, check_effort(fmt, effort))
+
+
+def check_replyable(chat: Chat, prompt: str) -> None:
+    """A prompt to generate from must end where a reply begins: the v4 layout opens no reply after a trailing
+    assistant, system or reminder message (chat-prompt still prints such a prompt)."""
+    last = chat.messages[-1]
+    if last.prefix or prompt.endswith((THINK, END_THINK, *TASK_TOKENS.values())):
+        return
+    raise chat.refuse(last.path, f"the conversation ends with a {last.role} message, after which this chat format "
+                                 f"opens no reply (end with a user message, or mark a last assistant message "
+                                 f"\"prefix\": true to continue it)")
 
 
 def reply_mode(prompt: str) -> str:

@@ -277,12 +277,14 @@ def generate(
             return code
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
         if messages is not None:
-            from mhcrun.chat import encode_chat, read_messages, resolve_format
+            from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
             if any(x is not None for x in (prompt, prompt_ids, prompts_file)):
                 raise InputError("give --messages alone, not together with --prompt, --prompt-ids or --prompts-file")
             fmt = resolve_format(chat_format, runner.path)
-            chat_text = encode_chat(read_messages(messages), chat_mode, reasoning_effort, fmt)
+            conversation = read_messages(messages)
+            chat_text = encode_chat(conversation, chat_mode, reasoning_effort, fmt)
+            check_replyable(conversation, chat_text)
             names, texts, ids = ["messages"], [""], [chat_ids(runner, chat_text, fmt)]
         else:
             names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)

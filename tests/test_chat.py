@@ -330,6 +330,19 @@ def test_bad_messages_files_get_one_line_naming_the_file_and_the_json_path(tmp_p
         assert len(line.splitlines()) == 1 and line.startswith(f"error: {path}: ") and where in line, line
 
 
+def test_generate_refuses_a_conversation_the_format_opens_no_reply_after(tmp_path):
+    for last in ({"role": "assistant", "content": "A"}, {"role": "latest_reminder", "content": "R"}):
+        path = write(tmp_path, [{"role": "user", "content": "Q"}, last])
+        r = CLI.invoke(app, ["generate", "--messages", path, "-n", "1"])
+        assert r.exit_code == 2 and r.stdout == "", r.stdout + r.stderr
+        assert f"error: {path}: $[1]: the conversation ends with a {last['role']} message" in r.stderr
+        assert CLI.invoke(app, ["chat-prompt", path]).exit_code == 0  # the prompt itself is still printed
+        r = CLI.invoke(app, ["generate", "--messages", path, "-n", "1", "--chat-format", "recipe-v4"])
+        assert r.exit_code == 0, r.stdout + r.stderr  # recipe-v4 always opens a reply
+    path = write(tmp_path, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "prefix": True}])
+    assert CLI.invoke(app, ["generate", "--messages", path, "-n", "1"]).exit_code == 0
+
+
 def test_messages_with_another_prompt_source_is_refused(tmp_path):
     r = CLI.invoke(app, ["generate", "--messages", write(tmp_path, [{"role": "user", "content": "q"}]), "--prompt",
                          "hi"])
