@@ -1,5 +1,5 @@
 """A conversation as mhcrun reads it: OpenAI-style JSON messages -> Chat, every malformed part refused with the
-file and the JSON path. The layouts that turn a Chat into a prompt are in mhcrun.chat_formats."""
+file and the JSON path. The layouts that turn a Chat into a prompt: mhcrun.chat."""
 
 from __future__ import annotations
 

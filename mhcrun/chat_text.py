@@ -1,7 +1,7 @@
 """The fixed texts of DeepSeek V4's chat formats: marker tokens, reasoning-effort preambles and the tools block.
 
 The released checkpoints were trained on these texts, so they must match byte for byte. Three layouts use them
-(`mhcrun.chat_formats`): the encoder published with V4 (`v4`), and the V4 and V4.1 encodings of the
+(`mhcrun.chat`): the encoder published with V4 (`v4`), and the V4 and V4.1 encodings of the
 `deepseek-recipe` package (`recipe-v4`, `recipe-v41`).
 """
 
