@@ -2,8 +2,8 @@
 
 Each turn encodes the whole history (`mhcrun.chat`; earlier turns' reasoning dropped as the format says) and
 generates the reply, streamed: in thinking mode the reasoning is shown dimmed (or hidden) until `</think>`, then
-the answer. Ctrl-C stops a reply and keeps what was generated; /reset, /mode chat|thinking, /effort high|max and
-/exit (or Ctrl-D) are the commands.
+the answer. Ctrl-C stops a reply and keeps what was generated; /reset, /mode chat|thinking, /effort (what the chat
+format takes) and /exit (or Ctrl-D) are the commands.
 """
 
 from __future__ import annotations
@@ -13,10 +13,22 @@ from collections.abc import Callable
 
 from rich.console import Console
 
-from mhcrun.chat import EFFORTS, END_THINK, EOS, MODES, THINK, Chat, Message, encode_chat, history_message, parse_reply
+from mhcrun.chat import (
+    END_THINK,
+    EOS,
+    FORMATS,
+    MODES,
+    THINK,
+    Chat,
+    Message,
+    check_effort,
+    encode_chat,
+    history_message,
+    parse_reply,
+)
 from mhcrun.generate import SamplingOptions, generate
 
-HELP = ("commands: /reset (forget the conversation), /mode chat|thinking, /effort high|max, /exit (or Ctrl-D); "
+HELP = ("commands: /reset (forget the conversation), /mode chat|thinking, /effort {efforts}, /exit (or Ctrl-D); "
         "Ctrl-C stops a reply")
 
 
@@ -68,14 +80,17 @@ class ReplyView:
             self.out.print(text, end="", markup=False, highlight=False)
 
 
-def run_chat(runner, out: Console, err: Console, mode: str, effort: str, system: str | None, hide_thinking: bool,
-             max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]]) -> None:
+def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
+             hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]]) -> None:
     tok = runner.require_tokenizer()
-    encode_chat(Chat([Message("user", "")]), mode, effort)  # a bad --mode or --reasoning-effort fails now
+    effort = check_effort(fmt, effort)
+    encode_chat(Chat([Message("user", "")]), mode, effort, fmt)  # a bad --mode fails now
+    efforts = FORMATS[fmt].efforts
+    help_line = HELP.format(efforts="|".join(efforts))
     start = [Message("system", system)] if system else []
     history = list(start)
     context = runner.config.max_position_embeddings
-    out.print(f"[bold]mhcrun chat[/] on {runner.path.name} ({mode} mode). {HELP}", highlight=False)
+    out.print(f"[bold]mhcrun chat[/] on {runner.path.name} ({fmt} format, {mode} mode). {help_line}", highlight=False)
     while True:
         try:
             line = out.input("[bold green]you>[/] ")
@@ -98,14 +113,14 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str, system:
             elif cmd == "/mode" and arg.strip() in MODES:
                 mode = arg.strip()
                 out.print(f"[dim](mode {mode})[/]")
-            elif cmd == "/effort" and arg.strip() in EFFORTS:
+            elif cmd == "/effort" and arg.strip() in efforts:
                 effort = arg.strip()
                 out.print(f"[dim](reasoning effort {effort})[/]")
             else:
-                out.print(f"[dim]unknown command {line!r}; {HELP}[/]", highlight=False)
+                out.print(f"[dim]unknown command {line!r}; {help_line}[/]", highlight=False)
             continue
         history.append(Message("user", line))
-        ids = to_ids(encode_chat(Chat(history), mode, effort))
+        ids = to_ids(encode_chat(Chat(history), mode, effort, fmt))
         budget = min(max_new_tokens, context - len(ids))
         if budget < 1:
             history.pop()
@@ -119,7 +134,7 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str, system:
         except KeyboardInterrupt:
             stopped = True
         view.finish()
-        reply = parse_reply(tok.decode(view.tokens, keep_special=True), mode)
+        reply = parse_reply(tok.decode(view.tokens, keep_special=True), mode, fmt)
         history.append(history_message(reply))
         out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens, prefill "
                   f"{view.prefill_rate(len(ids)):.1f} tok/s | {len(view.tokens)} tokens, decode "

@@ -175,19 +175,25 @@ def memory_limit_option(value: str | None) -> int | None:
 
 
 ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.")
-EffortOpt = typer.Option("high", "--reasoning-effort", help="Thinking mode's reasoning-effort preamble: high or max.")
+EffortOpt = typer.Option(None, "--reasoning-effort", help="Thinking mode's reasoning effort, as the chat format "
+                         "takes it: v4 none|high|max (default none; only max adds a preamble), recipe-v4 and "
+                         "recipe-v41 low|high|xhigh|max (default high).")
+FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the encoder published with DeepSeek V4), "
+                         "recipe-v4 or recipe-v41 (the deepseek-recipe package's); default: what the checkpoint's "
+                         "encoding/ folder says, else v4 (docs/chat-format.md).")
 
 
-def chat_ids(runner, text: str) -> list[int]:
-    """A chat prompt's token ids from the model's tokenizer (BOS is in the text). A tokenizer without V4's chat
-    tokens (the bundled tiny one) encodes their spellings as plain text: said once on stderr."""
-    from mhcrun.chat import SPECIAL_TOKENS
+def chat_ids(runner, text: str, fmt: str) -> list[int]:
+    """A chat prompt's token ids from the model's tokenizer (BOS is in the text). A tokenizer without the chat
+    format's tokens (the bundled tiny one) encodes their spellings as plain text: said once on stderr."""
+    from mhcrun.chat import FORMATS
 
     tok = runner.require_tokenizer()
-    if not tok.has_tokens(SPECIAL_TOKENS) and runner.path not in WARNED:
+    if not tok.has_tokens(FORMATS[fmt].special_tokens) and runner.path not in WARNED:
         WARNED.add(runner.path)
-        err.print(f"warning: {runner.path}'s tokenizer has no DeepSeek V4 chat tokens: the chat markers are encoded "
-                  f"as plain text (a released V4 checkpoint's tokenizer.json has them)", markup=False, soft_wrap=True)
+        err.print(f"warning: {runner.path}'s tokenizer has no DeepSeek V4 chat tokens ({fmt}): the chat markers are "
+                  f"encoded as plain text (a released V4 checkpoint's tokenizer.json has them)", markup=False,
+                  soft_wrap=True)
     return tok.encode(text, add_bos=False)
 
 
@@ -275,6 +281,7 @@ def generate(
                                   "format: generates the assistant's reply (--json adds it parsed as `message`)."),
     chat_mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
+    chat_format: str = FormatOpt,
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -321,12 +328,15 @@ def generate(
             return code
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
         if messages is not None:
-            from mhcrun.chat import encode_chat, read_messages
+            from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
             if any(x is not None for x in (prompt, prompt_ids, prompts_file)):
                 raise InputError("give --messages alone, not together with --prompt, --prompt-ids or --prompts-file")
-            text = encode_chat(read_messages(messages), chat_mode, reasoning_effort)
-            names, texts, ids = ["messages"], [""], [chat_ids(runner, text)]
+            fmt = resolve_format(chat_format, runner.path)
+            conversation = read_messages(messages)
+            chat_text = encode_chat(conversation, chat_mode, reasoning_effort, fmt)
+            check_replyable(conversation, chat_text)
+            names, texts, ids = ["messages"], [""], [chat_ids(runner, chat_text, fmt)]
         else:
             names, texts, ids = collect_prompts(runner, prompt, prompt_ids, prompts_file)
         cfg = runner.config
@@ -379,9 +389,9 @@ def generate(
                 row = {"id": name, "tokens": res.tokens, "prompt_tokens": len(res.prompt_ids),
                        "prompt_ids": res.prompt_ids, "text": res.text, "stats": res.stats}
                 if messages is not None:
-                    from mhcrun.chat import parse_reply
+                    from mhcrun.chat import parse_reply, reply_mode
 
-                    row["message"] = parse_reply(res.text, chat_mode)
+                    row["message"] = parse_reply(res.text, reply_mode(chat_text), fmt)
                 print(json.dumps(row, ensure_ascii=False))
                 continue
             if stream is None:
@@ -510,7 +520,9 @@ def golden_check(
         entries = golden["prompts"]
         ids = [p["prompt_ids"] for p in entries]
         load_weights(runner, quiet=as_json)
-        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized))
+        from mhcrun.nki.ops import sim_mode
+
+        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized), sim_mode())
         tol = logprob_tol if logprob_tol is not None else TOLERANCES[kind][0]
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         forced = [[] for _ in entries]  # per prompt, per step: (log-probs of the golden candidates, argmax)
@@ -593,6 +605,7 @@ def chat_prompt(
                                     "{\"messages\": [...], \"tools\": [...]}."),
     mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
+    chat_format: str = FormatOpt,
     ids: bool = typer.Option(False, "--ids", help="Print the token ids (from the model's tokenizer) instead."),
     model: str = ModelOpt,
     debug: bool = DebugOpt,
@@ -600,15 +613,17 @@ def chat_prompt(
     """Print the exact prompt a conversation becomes in DeepSeek V4's chat format (nothing else on stdout)."""
 
     def body() -> None:
-        from mhcrun.chat import encode_chat, read_messages
+        from mhcrun.chat import encode_chat, read_messages, resolve_format
+        from mhcrun.runner import resolve_model_path
 
-        text = encode_chat(read_messages(messages), mode, reasoning_effort)
+        fmt = resolve_format(chat_format, resolve_model_path(model))
+        text = encode_chat(read_messages(messages), mode, reasoning_effort, fmt)
         if not ids:
             sys.stdout.write(text)
             return
         from mhcrun.runner import open_runner
 
-        print(",".join(map(str, chat_ids(open_runner(model), text))))
+        print(",".join(map(str, chat_ids(open_runner(model), text, fmt))))
 
     run_guarded(debug, body)
 
@@ -618,6 +633,7 @@ def chat(
     model: str = ModelOpt,
     mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
+    chat_format: str = FormatOpt,
     system: str = typer.Option(None, "--system", help="A system message to start the conversation with."),
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning, only the answer."),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Longest reply."),
@@ -639,8 +655,11 @@ def chat(
         runner = open_runner(model, dtype, True, device, layers)
         runner.require_tokenizer()
         load_weights(runner)
-        run_chat(runner, out, err, mode, reasoning_effort, system, hide_thinking, max_new_tokens, temperature,
-                 lambda text: chat_ids(runner, text))
+        from mhcrun.chat import resolve_format
+
+        fmt = resolve_format(chat_format, runner.path)
+        run_chat(runner, out, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens, temperature,
+                 lambda text: chat_ids(runner, text, fmt))
 
     run_guarded(debug, body)
 

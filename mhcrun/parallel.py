@@ -131,19 +131,19 @@ def env_shard() -> Shard | None:
 
 
 def init_workers(shard: Shard, device: str) -> None:
-    """Join the process group (gloo on cpu, nccl on cuda, the Neuron SDK's xla backend on neuron: wired, not
-    verified here); a peer that never comes ends this rank in 60 s."""
+    """Join the process group (gloo on cpu, nccl on cuda, TorchNeuron's `neuron` backend on neuron: wired, not run on
+    a device here); a peer that never comes ends this rank in 60 s."""
     import datetime
 
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    backend = {"cpu": "gloo", "cuda": "nccl", "neuron": "xla"}[device]
+    backend = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}[device]
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", shard.rank)))
-    if device == "neuron":  # the Neuron SDK's process group (torch-xla's backend); imported on this path only
-        import torch_xla.distributed.xla_backend  # noqa: F401
+    if device == "neuron":  # registers the neuron device and its process-group backend; imported on this path only
+        import torch_neuronx  # noqa: F401
     dist.init_process_group(backend, rank=shard.rank, world_size=shard.world,
                             timeout=datetime.timedelta(seconds=60))
 

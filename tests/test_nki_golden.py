@@ -36,3 +36,16 @@ def test_golden_check_passes(env, mode):
     assert r.exit_code == 0, r.stdout[-2000:] + r.stderr
     report = json.loads(r.stdout)
     assert report["ok"] and report["counts"]["mismatch"] == 0
+
+
+def test_golden_check_in_device_like_numerics_within_the_nki_device_tolerance():
+    """MHCRUN_NKI_SIM=device: golden-check takes TOLERANCES["nki-device"] by itself and the goldens pass at it, and
+    the device-like error is visible (it would fail the fp32 paths' tolerance)."""
+    from mhcrun.golden import TOLERANCES
+
+    tol = TOLERANCES["nki-device"][0]
+    r = run("golden-check", GOLDEN, "--json", env={"MHCRUN_NKI_SIM": "device"})
+    assert r.exit_code == 0, r.stdout[-2000:] + r.stderr
+    report = json.loads(r.stdout)
+    worst = max(p["max_logprob_diff"] for p in report["prompts"])
+    assert report["ok"] and TOLERANCES["fp32"][0] < worst <= tol

@@ -240,3 +240,177 @@ def test_swiglu(K, t, f, dtype, limit):
     out = K.swiglu(gate, up, limit)
     assert out.dtype == torch.float32 and out.shape == (t, f)
     torch.testing.assert_close(out, ref_swiglu(gate, up, limit), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ device-like numerics
+#
+# The same kernels with every Scalar-engine activation off by up to mhcrun.nki.sim.numerics.ACT_REL_ERR (2^-9),
+# compared at AWS's simulator-versus-hardware rtol 1e-2 plus an absolute part of DEVICE_RANGE_TOL times the
+# output's largest magnitude: an output that is a sum (a collapse, a normalised Sinkhorn entry) carries the
+# activations' relative error of its largest terms, which near a cancellation is far more than 1e-2 of its own
+# value (AWS's atol 1e-5 is for outputs of order 1). Kernels without approximated activations (expand, collapse,
+# post) are unchanged by the mode.
+
+DEVICE_RANGE_TOL = 3e-3
+
+
+def assert_device_close(out: torch.Tensor, want: torch.Tensor) -> None:
+    o, w = out.double(), want.double()
+    atol = DEVICE_RANGE_TOL * w.abs().max().item()
+    if want.dtype == torch.bfloat16:  # plus the bf16 rounding of the stored result
+        atol += 2.0**-8 * w.abs().max().item()
+    torch.testing.assert_close(o, w, rtol=1e-2, atol=atol)
+
+DEVICE_SHAPES = [(1, 128), (129, 256), (1, 4096), (129, 4096)]
+DEVICE_IDS = [f"T{t}-d{d}" for t, d in DEVICE_SHAPES]
+
+
+@pytest.fixture(scope="module")
+def KD():
+    return sim.load_kernel_module(KERNELS_PY, numerics="device")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), DEVICE_SHAPES, ids=DEVICE_IDS)
+def test_device_numerics_mixes_and_head(K, KD, t, d, dtype):
+    g = _gen(t * 29 + d)
+    x = _streams(t, d, dtype, g)
+    fn, scale, base = _mix_params(t, d, MIX, g, 3)
+    hi, lo = _split(fn)
+    got = KD.hc_mixes_v4(x.reshape(t, N * d), hi, lo, scale, base)
+    exact = K.hc_mixes_v4(x.reshape(t, N * d), hi, lo, scale, base)
+    want = [r[0].reshape(g_.shape) for r, g_ in zip(ref.hc_mixes(x, fn, scale, base, N, 20, 1e-6, 1e-6), got,
+                                                    strict=True)]
+    for a, b, e in zip(got, want, exact, strict=True):
+        assert_device_close(a, b)
+        assert (a - e).abs().max() > 1e-6  # the mode changed the result
+    off = ref.hc_mixes(x, fn, scale, base + 0.05, N, 20, 1e-6, 1e-6)[0][0]  # a small bug: the tolerance sees it
+    with pytest.raises(AssertionError):
+        assert_device_close(got[0], off)
+    hfn, hscale, hbase = _mix_params(t, d, N, g, 1)
+    hhi, hlo = _split(hfn)
+    out = KD.hc_head_v4(x.reshape(t, N * d), hhi, hlo, hscale, hbase)
+    assert_device_close(out, ref.hc_head(x, hfn, hscale, hbase, 1e-6, 1e-6).view(t, d))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), DEVICE_SHAPES, ids=DEVICE_IDS)
+def test_device_numerics_rmsnorm_swiglu(KD, t, d, dtype):
+    g = _gen(t * 31 + d)
+    x = (torch.randn(t, d, generator=g) * 3).to(dtype)
+    w = torch.randn(d, generator=g)
+    assert_device_close(KD.rmsnorm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6))
+    gate, up = (torch.randn(t, d, generator=g) * 8).to(dtype), (torch.randn(t, d, generator=g) * 8).to(dtype)
+    assert_device_close(KD.swiglu(gate, up, 10.0), ref_swiglu(gate, up, 10.0))
+
+
+@pytest.mark.parametrize(("t", "d"), DEVICE_SHAPES, ids=DEVICE_IDS)
+def test_device_numerics_leave_the_linear_steps_alone(K, KD, t, d):
+    g = _gen(t * 37 + d)
+    x = _streams(t, d, torch.bfloat16, g)
+    pre = torch.rand(t, N, generator=g) + 0.1
+    assert torch.equal(KD.hc_collapse(x.reshape(t, N * d), pre), K.hc_collapse(x.reshape(t, N * d), pre))
+    y = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    post, comb = 2 * torch.rand(t, N, generator=g), torch.rand(t, N * N, generator=g)
+    assert torch.equal(KD.hc_attn_out(y, x.reshape(t, N * d), post, comb),
+                       K.hc_attn_out(y, x.reshape(t, N * d), post, comb))
+
+
+# ------------------------------------------------------------------------------------------ fused pre / post
+#
+# hc_pre = mixes + collapse + the sublayer's RMSNorm in one kernel, hc_post = the post step, each in the layout
+# its T asks for: hidden on the partitions for T <= DECODE_MAX_T (decode rows), tokens on the partitions above.
+# post / comb within 5e-6 as hc_mixes (the hidden layout sums the GEMM in another order); y in fp32 within 1e-5
+# relative, in bf16 within 2 ulps: it is rounded twice (the collapse to bf16, then the norm), and a pre weight
+# ~1e-6 off can flip the first rounding by one ulp.
+
+PRE_SHAPES = [(1, 128), (4, 128), (16, 256), (32, 128), (1, 4096), (4, 4096), (16, 4096), (33, 128), (129, 256),
+              (300, 128), (129, 4096)]  # fmt: skip
+PRE_IDS = [f"T{t}-d{d}" for t, d in PRE_SHAPES]
+
+
+def _pre_case(t, d, dtype, seed):
+    g = _gen(seed)
+    x = _streams(t, d, dtype, g)
+    fn, scale, base = _mix_params(t, d, MIX, g, 3)
+    hi, lo = _split(fn)
+    w = torch.randn(d, generator=g)
+    pre, post, comb = (r[0] for r in ref.hc_mixes(x, hi.float() + lo.float(), scale, base, N, 20, 1e-6, 1e-6))
+    y = ref_rms_norm(ref.hc_collapse(x, pre[None]), w, 1e-6)[0]
+    return (x.reshape(t, N * d), hi, lo, scale, base, w), (y, post, comb.reshape(t, N * N))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), PRE_SHAPES, ids=PRE_IDS)
+def test_hc_pre(K, t, d, dtype):
+    args, (y, post, comb) = _pre_case(t, d, dtype, t * 41 + d)
+    kernels = [K.hc_pre_v4] + ([K.hc_pre_tokens_v4] if t <= K.DECODE_MAX_T else [])  # both layouts at decode T
+    for kernel in kernels:
+        gy, gpost, gcomb = kernel(*args)
+        assert gy.dtype == dtype and gy.shape == (t, d)
+        torch.testing.assert_close(gpost, post, rtol=0, atol=5e-6)
+        torch.testing.assert_close(gcomb, comb, rtol=0, atol=5e-6)
+        if dtype == torch.bfloat16:
+            assert_bf16_ulps(gy, y, ulps=2, atol=1e-5)
+        else:
+            torch.testing.assert_close(gy, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("t", "d"), [(1, 4096), (16, 256), (129, 256)], ids=["T1-d4096", "T16-d256", "T129-d256"])
+def test_hc_pre_device_numerics(K, KD, t, d):
+    args, (y, post, comb) = _pre_case(t, d, torch.bfloat16, t * 43 + d)
+    gy, gpost, gcomb = KD.hc_pre_v4(*args)
+    assert_device_close(gpost, post)
+    assert_device_close(gcomb, comb)
+    assert_device_close(gy, y)
+    assert not torch.equal(gcomb, K.hc_pre_v4(*args)[2])
+
+
+def test_hc_pre_v41_epsilon(K):
+    args, _ = _pre_case(4, 128, torch.float32, 5)
+    x = args[0] * 1e-4
+    a = (x, *args[1:])
+    want = [r[0] for r in ref.hc_mixes(x.view(1, 4, N, 128), args[1].float() + args[2].float(), args[3], args[4], N,
+                                       20, 1e-6, 1e-20)]
+    torch.testing.assert_close(K.hc_pre_v41(*a)[1], want[1], rtol=0, atol=5e-6)
+    assert (K.hc_pre_v41(*a)[1] - K.hc_pre_v4(*a)[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), [(1, 128), (4, 4096), (32, 256), (33, 128), (129, 256)],
+                         ids=["T1-d128", "T4-d4096", "T32-d256", "T33-d128", "T129-d256"])
+def test_hc_post_layouts(K, KD, t, d, dtype):
+    g = _gen(t * 47 + d)
+    y = torch.randn(1, t, d, generator=g).to(dtype)
+    residual = _streams(t, d, dtype, g)
+    post = 2 * torch.rand(1, t, N, generator=g)
+    comb = ref.sinkhorn(torch.randn(1, t, N, N, generator=g), 20, 1e-6)
+    args = (y[0], residual.reshape(t, N * d), post[0], comb.reshape(t, N * N))
+    want = ref.hc_post(y, residual, post, comb).view(t, N * d)
+    out = K.hc_post(*args)
+    assert out.dtype == dtype and out.shape == (t, N * d)
+    assert_close_dtype(out, want, rtol=1e-6)
+    assert torch.equal(KD.hc_post(*args), out)  # no activation: the device mode leaves it as is
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "d"), [(1, 128), (4, 4096), (32, 256)], ids=["T1-d128", "T4-d4096", "T32-d256"])
+def test_hc_post_pre_equals_post_then_pre(K, KD, t, d, dtype):
+    """One launch for a site's post and the next site's pre: the same values as the two kernels one after the
+    other (bit for bit, in both numerics), the streams kept in SBUF between them."""
+    g = _gen(t * 53 + d)
+    y = torch.randn(t, d, generator=g).to(dtype)
+    residual = _streams(t, d, dtype, g).reshape(t, N * d)
+    post = 2 * torch.rand(t, N, generator=g)
+    comb = ref.sinkhorn(torch.randn(1, t, N, N, generator=g), 20, 1e-6).reshape(t, N * N)
+    (_, hi, lo, scale, base, w), _ = _pre_case(t, d, dtype, t + d)
+    for kern in (K, KD):
+        got = kern.hc_post_pre_v4(y, residual, post, comb, hi, lo, scale, base, w)
+        x_new = kern.hc_post(y, residual, post, comb)
+        want = (x_new, *kern.hc_pre_v4(x_new, hi, lo, scale, base, w))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="at most DECODE_MAX_T rows"):  # the kernel's own assert
+        big = 33
+        K.hc_post_pre_v4(torch.zeros(big, d, dtype=dtype), torch.zeros(big, N * d, dtype=dtype),
+                         torch.zeros(big, N), torch.zeros(big, N * N), hi, lo, scale, base, w)

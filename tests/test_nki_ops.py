@@ -24,6 +24,7 @@ N = 4
 B, S, D = 2, 3, 128
 EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 HC_OPS = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head")
+BLOCK = (*HC_OPS, "rmsnorm", "swiglu")  # the kernels of the compiled block below
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +71,10 @@ def run_all(c):
                                EPS, NORM_EPS),  # fmt: skip
         "rmsnorm": ops.rms_norm(c["y"], c["w"], NORM_EPS),
         "swiglu": ops.swiglu(c["gate"], c["up"], 10.0),
+        "hc_pre": ops.hc_pre(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], c["w"], N, ITERS, EPS,
+                             NORM_EPS),
+        "hc_post_pre": ops.hc_post_pre(c["y"], c["x"], post, comb, c["fn"], c["hi"], c["lo"], c["scale"], c["base"],
+                                       c["w"], N, ITERS, EPS, NORM_EPS),
     }
 
 
@@ -83,7 +88,15 @@ def reference_all(c):
         "hc_head": ref.hc_head(c["x"], c["head_fn"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
         "rmsnorm": ref_rms_norm(c["y"], c["w"], NORM_EPS),
         "swiglu": ref_swiglu(c["gate"], c["up"], 10.0),
+        "hc_pre": (ref_rms_norm(ref.hc_collapse(c["x"], pre), c["w"], NORM_EPS), post, comb),
+        "hc_post_pre": _ref_post_pre(c, post, comb),
     }
+
+
+def _ref_post_pre(c, post, comb):
+    x_new = ref.hc_post(c["y"], c["x"], post, comb)
+    p2, post2, comb2 = ref.hc_mixes(x_new, c["fn"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+    return x_new, ref_rms_norm(ref.hc_collapse(x_new, p2), c["w"], NORM_EPS), post2, comb2
 
 
 def _flat(v):
@@ -143,6 +156,18 @@ def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
         tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else bf16_tol
         torch.testing.assert_close(got[k], want[k], **tol)
     torch.testing.assert_close(got["swiglu"], want["swiglu"], rtol=1e-5, atol=1e-6)
+    y, post, comb = got["hc_pre"]
+    torch.testing.assert_close(post, want["hc_pre"][1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(comb, want["hc_pre"][2], rtol=0, atol=2e-5)
+    # y: rounded twice in bf16 (the collapse, then the norm), so up to two ulps
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 1e-5}
+    torch.testing.assert_close(y, want["hc_pre"][0], **tol)
+    x_new, y2, post2, comb2 = got["hc_post_pre"]
+    torch.testing.assert_close(x_new, want["hc_post_pre"][0], **(tol if dtype == torch.float32 else bf16_tol))
+    # the post/comb of the next site see the bf16-rounded streams: 2e-5 as hc_mixes, a little more in bf16
+    torch.testing.assert_close(post2, want["hc_post_pre"][2], rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(comb2, want["hc_post_pre"][3], rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(y2, want["hc_post_pre"][1], rtol=1e-5 if dtype == torch.float32 else 2**-5, atol=1e-4)
 
 
 def test_sim_path_without_precomputed_split(case, monkeypatch):
@@ -205,6 +230,9 @@ def _op_samples(c):
         "hc_head": (c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"], EPS, NORM_EPS),
         "rmsnorm": (c["y"], c["w"], NORM_EPS),
         "swiglu": (c["gate"], c["up"], 10.0),
+        "hc_pre": (c["x"], c["fn"], hi, lo, c["scale"], c["base"], c["w"], N, ITERS, EPS, NORM_EPS),
+        "hc_post_pre": (c["y"], c["x"], torch.rand(B, S, N), torch.rand(B, S, N, N), c["fn"], hi, lo, c["scale"],
+                        c["base"], c["w"], N, ITERS, EPS, NORM_EPS),
     }
 
 
@@ -249,10 +277,10 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         packet = getattr(torch.ops.mhcrun, name)
         assert sum(t in (packet, packet.default) for t in targets) == 1, name
     # the custom ops count the graph's executions: twice each, on the simulator
-    assert_counts("nki-sim", times=2)
+    assert_counts("nki-sim", times=2, kernels=BLOCK)
     ops.reset_kernel_stats()
     eager = block(*args)
-    assert_counts("nki-sim", times=1)
+    assert_counts("nki-sim", times=1, kernels=BLOCK)
     for a, b, c in zip(first, second, eager, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     # through AOTAutograd too (the fake kernels trace the graph, the real ones run it)
@@ -262,7 +290,7 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         aot = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
     finally:
         torch._dynamo.reset()
-    assert_counts("nki-sim", times=1)
+    assert_counts("nki-sim", times=1, kernels=BLOCK)
     for a, c in zip(aot, eager, strict=True):
         assert torch.equal(a, c)
 
@@ -290,3 +318,23 @@ def test_head_on_a_strided_last_position(case, monkeypatch):
 def test_no_neuron_import_off_device(case):
     run_all(case)
     assert "torch_neuronx" not in sys.modules
+
+
+def test_tp_on_neuron_joins_torchneuron_s_neuron_backend(monkeypatch):
+    """--tp on --device neuron: `import torch_neuronx` (lazily, on that path only), then the `neuron` backend."""
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from mhcrun import parallel
+
+    calls = []
+    fake = types.ModuleType("torch_neuronx")
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["rank"])))
+    parallel.init_workers(parallel.Shard(1, 2), "neuron")
+    assert calls == [("neuron", 1)]
+    src = Path(parallel.__file__).read_text()
+    assert "torch_xla" not in src and '"xla"' not in src

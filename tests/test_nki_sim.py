@@ -158,7 +158,7 @@ def test_transposes(load):
 
 ROUNDING = """
 @nki.jit
-def to_dtypes(x):
+def to_dtypes(x, y):
     P, F = x.shape
     o_bf = nl.ndarray((P, F), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     o_st = nl.ndarray((P, F), dtype=nl.bfloat16, buffer=nl.shared_hbm)
@@ -169,7 +169,7 @@ def to_dtypes(x):
     nl.store(o_bf, value=b)
     nl.store(o_st, value=t)  # fp32 tile into a bf16 HBM tensor: rounded on the store
     f8 = nl.ndarray((P, F), dtype=nl.float8_e4m3, buffer=nl.sbuf)
-    nisa.activation(dst=f8, op=nl.copy, data=t, scale=0.5)
+    nisa.activation(dst=f8, op=nl.copy, data=nl.load(y), scale=0.5)
     nl.store(o_f8, value=f8)
     return o_bf, o_st, o_f8
 """
@@ -180,12 +180,25 @@ def test_bf16_and_fp8_rounding_on_write(load):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 300, generator=g) * 10
     x[0, :4] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38])  # ties to even, overflow
-    o_bf, o_st, o_f8 = m.to_dtypes(x)
-    assert o_bf.dtype == torch.bfloat16 and o_f8.dtype == torch.float8_e4m3fn
+    y = x.clone()
+    y[0, :4] = torch.tensor([479.0, -479.0, 400.0, 2.0**-10])  # 239.5 and 200 round within trn2's e4m3 (max 240)
+    o_bf, o_st, o_f8 = m.to_dtypes(x, y)
+    assert o_bf.dtype == torch.bfloat16 and o_f8.dtype == torch.float8_e4m3fn  # torch's holder of the <=240 values
     assert torch.equal(o_bf, x.to(torch.bfloat16))
     assert torch.equal(o_st, x.to(torch.bfloat16))
-    ok = x[1:] * 0.5  # row 0 holds an out-of-fp8-range value
-    assert torch.equal(o_f8[1:].float(), ok.to(torch.float8_e4m3fn).float())
+    assert torch.equal(o_f8.float(), (y * 0.5).to(torch.float8_e4m3fn).float())
+    assert o_f8[0, :3].tolist() == [240.0, -240.0, 192.0]
+
+
+def test_fp8_is_the_targets_e4m3_with_240_its_largest_value(load):
+    m = load(ROUNDING)
+    x = torch.ones(4, 8)
+    y = torch.ones(4, 8)
+    y[1, 2] = 2 * 250.0  # 250 rounds to 256: a value OCP e4m3fn has (up to 448), trn2's float8_e4m3 has not
+    with pytest.raises(NkiSimError, match="float8_e4m3 overflow: 250 rounds beyond 240"):
+        m.to_dtypes(x, y)
+    with pytest.raises(NkiSimError, match="float8_e4m3fn exists only from NeuronCore-v4"):
+        load("@nki.jit\ndef k():\n    t = nl.ndarray((4, 4), dtype=nl.float8_e4m3fn, buffer=nl.sbuf)\n").k()
 
 
 MISC = """
@@ -195,7 +208,8 @@ def misc(x, col):
     t = nl.load(x)
     c = nl.load(col)
     e = nl.exp(t)                      # nl.* math on tiles -> new SBUF tiles
-    s = nl.add(e, c)                   # a [P, 1] tile broadcasts along the free axis
+    s = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=s, data=e, op0=nl.add, operand0=c)  # a [P, 1] column broadcasts in tensor_scalar
     s2 = nl.multiply(s, 2.0)
     r = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=r, op=nl.maximum, data=s2, axis=1, keepdims=True)
@@ -312,8 +326,14 @@ def test_psum_tile_must_be_fp32(load):
     assert "PSUM tile must be float32" in msg
 
 
-def test_psum_free_size_limit(load):
-    assert "PSUM tile free size 1024 exceeds nl.tile_size.psum_fmax (512)" in _err(load, f"t = {ps('(128, 2, 512)')}\n")
+def test_psum_tile_larger_than_psum(load):
+    assert "PSUM tile of 16388 bytes per partition exceeds a PSUM partition (8 banks x 2048 bytes)" in _err(
+        load, f"t = {ps('(128, 4097)')}\n")
+
+
+def test_nl_binary_ops_do_not_broadcast_a_column(load):
+    body = f"s = nl.load(a0)\nc = {sb('(128, 1)')}\nnisa.memset(c, 2.0)\nd = nl.add(s, c)\n"
+    assert "binary nl.* operations do not broadcast" in _err(load, body, X)
 
 
 def test_matmul_stationary_free_limit(load):

@@ -1,13 +1,18 @@
 """The mHC steps, RMSNorm and SwiGLU as torch custom ops backed by mhcrun's NKI kernels.
 
 Each step is a ``torch.library.custom_op`` (``mhcrun::hc_expand``, ``mhcrun::hc_mixes``, ``mhcrun::hc_collapse``,
-``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``) with a fake kernel, so it sits
+``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``, and ``mhcrun::hc_pre``: the
+fused pre step with the sublayer's RMSNorm) with a fake kernel, so it sits
 in a ``torch.compile`` graph as one node. The public functions below pick a backend per call:
 
 - ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
 - a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
   ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
-- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator.
+- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator
+  (exact fp32 engine math); ``MHCRUN_NKI_SIM=device``: the same with the simulator's device-like numerics
+  (Scalar-engine activations carry the target's bounded error, ``mhcrun.nki.sim.numerics``). The simulator
+  first checks kernels.py against the NKI compiler's rules; a refused kernel stops the run (``KernelRefused``,
+  exit 2).
 - otherwise (a CPU or CUDA tensor): the torch reference, as plain torch that a compiled region can fuse.
 
 Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)
@@ -19,6 +24,7 @@ compiled graphs are counted when the graph runs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -27,30 +33,50 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mhcrun.errors import MhcrunError
 from mhcrun.ops import hc as _ref
 from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
-KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu")
+KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre",
+                "hc_post_pre")
 BACKENDS = ("torch", "nki-sim", "nki")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _load_sim_kernels():
+class KernelRefused(MhcrunError):
+    """The NKI simulator refused mhcrun's kernel source (a rule of the NKI compiler or the target hardware)."""
+
+
+@functools.cache
+def sim_kernels(source: Path, numerics: str):
+    """kernels.py loaded into the simulator (checked against the NKI compiler's rules) with ``numerics``."""
+    from mhcrun.nki.sim import NkiSimError, load_kernel_module
+
+    try:
+        return load_kernel_module(source, numerics=numerics)
+    except NkiSimError as e:
+        raise KernelRefused(f"NKI simulator refused {e}") from None
+
+
+def _read_constants():
     from mhcrun.nki.sim import load_kernel_module
 
-    return load_kernel_module(KERNEL_SOURCE)
+    return load_kernel_module(KERNEL_SOURCE, check=False)
 
 
-# kernels.py executed once on the simulator: its kernels (the nki-sim backend) and its baked constants, copied
-# into plain values here so that torch.compile traces the backend choice without entering the kernel module.
-_SIM = _load_sim_kernels()
+# kernels.py executed once for its baked constants, copied into plain values here so that torch.compile traces the
+# backend choice without entering the kernel module (the kernels themselves come from `sim_kernels`).
+_SIM = _read_constants()
 HC_MULT: int = _SIM.HC_MULT
 SINKHORN_ITERS: int = _SIM.SINKHORN_ITERS
 HC_EPS: float = _SIM.HC_EPS
 MIXES_KERNELS: dict[float, str] = dict(_SIM.MIXES_KERNELS)  # norm_eps -> kernel name
 HEAD_KERNELS: dict[float, str] = dict(_SIM.HEAD_KERNELS)
+PRE_KERNELS: dict[float, str] = dict(_SIM.PRE_KERNELS)
+POST_PRE_KERNELS: dict[float, str] = dict(_SIM.POST_PRE_KERNELS)
+DECODE_MAX_T: int = _SIM.DECODE_MAX_T  # rows up to which the kernels put hidden on the partitions
 
 
 def mixes_supported(hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> bool:
@@ -90,8 +116,16 @@ def _hc_disabled() -> bool:
     return os.environ.get("MHCRUN_NKI_HC", "1") == "0"
 
 
+SIM_MODES = {"1": "exact", "device": "device"}  # MHCRUN_NKI_SIM value -> simulator numerics
+
+
+def sim_mode() -> str | None:
+    """The simulator's numerics under MHCRUN_NKI_SIM ("exact" for 1, "device"), None when the simulator is off."""
+    return SIM_MODES.get(os.environ.get("MHCRUN_NKI_SIM", "0"))
+
+
 def _sim_enabled() -> bool:
-    return os.environ.get("MHCRUN_NKI_SIM", "0") == "1"
+    return sim_mode() is not None
 
 
 def hc_backend(device_type: str) -> str:
@@ -116,7 +150,7 @@ def _neuron_kernel(name: str):
 
 
 def _sim_kernel(name: str):
-    return getattr(_SIM, name)
+    return getattr(sim_kernels(KERNEL_SOURCE, sim_mode() or "exact"), name)
 
 
 def split_hi_lo(fn: Tensor) -> tuple[Tensor, Tensor]:
@@ -164,6 +198,17 @@ def _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps) -> bool:
             and _gemm_ok(x, fn_hi, fn_lo, scale, base, HC_MULT))  # fmt: skip
 
 
+def _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps) -> bool:
+    return (_mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps) and x.shape[-1] % 128 == 0
+            and _fp32(weight) and weight.shape == x.shape[-1:])  # fmt: skip
+
+
+def _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps) -> bool:
+    rows = y.numel() // max(y.shape[-1], 1)
+    return (rows <= DECODE_MAX_T and _post_ok(y, residual, post, comb)
+            and _pre_ok(residual, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps))  # fmt: skip
+
+
 def _collapse_ok(x: Tensor, pre: Tensor) -> bool:
     return x.dim() >= 2 and x.shape[-2] == HC_MULT and x.numel() > 0 and _act(x) and _fp32(pre)
 
@@ -198,6 +243,34 @@ def _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps):
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
 
+def _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps):
+    *lead, n, d = x.shape
+    kernel = get(PRE_KERNELS[norm_eps])
+    y, post, comb = kernel(x.reshape(-1, n * d).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(),
+                           scale.reshape(1, -1).contiguous(), base.contiguous(), weight.contiguous())  # fmt: skip
+    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def _run_post_pre(get, y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps):
+    *lead, n, d = residual.shape
+    kernel = get(POST_PRE_KERNELS[norm_eps])
+    x_new, y_next, post_next, comb_next = kernel(
+        y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(), post.reshape(-1, n).contiguous(),
+        comb.reshape(-1, n * n).contiguous(), fn_hi.contiguous(), fn_lo.contiguous(), scale.reshape(1, -1).contiguous(),
+        base.contiguous(), weight.contiguous())  # fmt: skip
+    return x_new.view(*lead, n, d), y_next.view(*lead, d), post_next.view(*lead, n), comb_next.view(*lead, n, n)
+
+
+def _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps):
+    x_new = _ref.hc_post(y, residual, post, comb)
+    return (x_new, *_ref_pre(x_new, fn, scale, base, weight, n, iters, eps, norm_eps))
+
+
+def _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps):
+    pre, post, comb = _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
+    return _ref_rms_norm(_ref.hc_collapse(x, pre), weight, norm_eps), post, comb
+
+
 def _run_collapse(get, x: Tensor, pre: Tensor) -> Tensor:
     *lead, n, d = x.shape
     out = get("hc_collapse")(x.reshape(-1, n * d).contiguous(), pre.reshape(-1, n).contiguous())
@@ -206,7 +279,7 @@ def _run_collapse(get, x: Tensor, pre: Tensor) -> Tensor:
 
 def _run_post(get, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     *lead, n, d = residual.shape
-    out = get("hc_attn_out")(y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(),
+    out = get("hc_post")(y.reshape(-1, d).contiguous(), residual.reshape(-1, n * d).contiguous(),
                              post.reshape(-1, n).contiguous(), comb.reshape(-1, n * n).contiguous())  # fmt: skip
     return out.view(*lead, n, d)
 
@@ -263,6 +336,45 @@ def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
     lead = x.shape[:-2]
     f32 = torch.float32
     return x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n, n), dtype=f32)
+
+
+@torch.library.custom_op("mhcrun::hc_pre", mutates_args=())
+def _hc_pre_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, weight: Tensor, n: int,
+               iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    if _sim_enabled() and _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+        _count("hc_pre", "nki-sim")
+        return _run_pre(_sim_kernel, x, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _count("hc_pre", "torch")
+    y, post, comb = _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
+    return y.contiguous(), post.contiguous(), comb.contiguous()
+
+
+@_hc_pre_op.register_fake
+def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+    lead = x.shape[:-2]
+    f32 = torch.float32
+    return (x.new_empty((*lead, x.shape[-1])), x.new_empty((*lead, n), dtype=f32),
+            x.new_empty((*lead, n, n), dtype=f32))  # fmt: skip
+
+
+@torch.library.custom_op("mhcrun::hc_post_pre", mutates_args=())
+def _hc_post_pre_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor,
+                    scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
+                    norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _sim_enabled() and _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                                       norm_eps):
+        _count("hc_post_pre", "nki-sim")
+        return _run_post_pre(_sim_kernel, y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _count("hc_post_pre", "torch")
+    return tuple(t.contiguous() for t in _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps,
+                                                       norm_eps))
+
+
+@_hc_post_pre_op.register_fake
+def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+    f32 = torch.float32
+    return (residual.new_empty(residual.shape, dtype=y.dtype), y.new_empty(y.shape),
+            post.new_empty(post.shape, dtype=f32), comb.new_empty(comb.shape, dtype=f32))  # fmt: skip
 
 
 @torch.library.custom_op("mhcrun::hc_collapse", mutates_args=())
@@ -345,6 +457,8 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     shapes), the custom op with MHCRUN_NKI_SIM=1 (its CPU implementation runs the kernel in the simulator and
     counts), else the torch reference: plain torch that a compiled region can fuse."""
     path = hc_backend(t.device.type)
+    if path == "nki-sim" and not torch.compiler.is_compiling():
+        sim_kernels(KERNEL_SOURCE, sim_mode())  # a refused kernel stops the run here, outside the custom op
     if path == "nki" and ok():
         _count(name, "nki")
         return run(_neuron_kernel)
@@ -378,6 +492,46 @@ def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, 
     return _dispatch("hc_mixes", x, lambda: _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
                      lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
                      lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps))
+
+
+def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
+           weight: Tensor, n: int, iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The mHC pre step of a site and its sublayer's RMSNorm in one kernel: x [b, s, n, d] ->
+    y [b, s, d] = rms_norm(hc_collapse(x, pre), weight, norm_eps), post [b, s, n], comb [b, s, n, n] (fp32).
+    The same values as hc_mixes, hc_collapse and rms_norm one after the other (the layer's RMSNorm epsilon is
+    the mixes' norm epsilon in V4 and V4.1)."""
+    def ref():
+        return _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
+
+    if not mixes_supported(n, iters, eps, norm_eps):
+        _count("hc_pre", "torch")
+        return ref()
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    return _dispatch("hc_pre", x, lambda: _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps),
+                     lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps), ref,
+                     lambda: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                                                     norm_eps))
+
+
+def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
+                fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
+                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A site's post step and the next site's pre step (``fn`` ... ``weight`` are the next site's): the new streams
+    [b, s, n, d] and hc_pre's (y, post, comb) of them. One kernel for decode rows (b * s <= DECODE_MAX_T), where
+    the streams stay on chip between the two; above, hc_post then hc_pre."""
+    rows = y.numel() // max(y.shape[-1], 1)
+    if rows > DECODE_MAX_T or not mixes_supported(n, iters, eps, norm_eps):
+        x_new = hc_post(y, residual, post, comb)
+        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps))
+    if fn_hi is None or fn_lo is None:
+        fn_hi, fn_lo = split_hi_lo(fn)
+    args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
+    return _dispatch("hc_post_pre", y, lambda: _post_pre_ok(*args, n, iters, eps, norm_eps),
+                     lambda get: _run_post_pre(get, *args, norm_eps),
+                     lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
+                     lambda: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
+                                                          weight, n, iters, eps, norm_eps))
 
 
 def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:

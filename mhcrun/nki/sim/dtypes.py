@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import target as tg
 from .errors import NkiSimError
 
 bool_ = "bool"
@@ -96,8 +97,27 @@ _INT_RANGE = {
 }
 
 
+def round_fp8_e4m3_target(values) -> np.ndarray:
+    """fp32 values rounded into the target's float8_e4m3 (trn2: IEEE-style e4m3, largest finite 240; below 240
+    its values are those of OCP e4m3fn, so the rounding is e4m3fn's). A value that rounds beyond 240 is refused:
+    the documents do not say whether the hardware saturates or overflows to inf."""
+    x = np.asarray(values, dtype=np.float32)
+    r = _round_torch(x, torch.float8_e4m3fn)
+    over = np.isfinite(x) & (np.abs(r) > tg.FP8_E4M3_MAX)
+    if over.any():
+        v = float(x[over].reshape(-1)[0])
+        raise NkiSimError(
+            f"float8_e4m3 overflow: {v:g} rounds beyond {tg.FP8_E4M3_MAX:g}, the largest float8_e4m3 value on "
+            f"{tg.TARGET} (OCP e4m3fn's 448 exists only from NeuronCore-v4); scale the values first"
+        )
+    return r
+
+
 def normalize(dtype, what: str = "dtype") -> str:
     """An NKI dtype name for ``dtype`` (an nl dtype string, a torch dtype or a numpy dtype)."""
+    if dtype == float8_e4m3fn:
+        raise NkiSimError(f"{what}: float8_e4m3fn exists only from NeuronCore-v4 (trn3); the target is {tg.TARGET}, "
+                          "whose fp8 is float8_e4m3 (largest 240)")
     if isinstance(dtype, str) and dtype in INFO:
         return dtype
     if isinstance(dtype, torch.dtype):
@@ -160,8 +180,8 @@ def round_to(values, dtype: str, src_dtype: str | None = None) -> np.ndarray:
     if dtype == float16:
         with np.errstate(over="ignore"):
             return values.astype(np.float32, copy=False).astype(np.float16).astype(np.float32)
-    if dtype in (float8_e4m3, float8_e4m3fn):
-        return _round_torch(values, torch.float8_e4m3fn)
+    if dtype == float8_e4m3:
+        return round_fp8_e4m3_target(values)
     if dtype == float8_e5m2:
         return _round_torch(values, torch.float8_e5m2)
     st = INFO[dtype].storage

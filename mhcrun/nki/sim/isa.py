@@ -15,23 +15,43 @@ import numpy as np
 
 from . import alu
 from . import dtypes as dt
+from . import target as tg
 from .errors import NkiSimError, NkiSimUnsupported
 from .language import check_copy_shapes, reduce_axes
+from .numerics import activation_result
 from .tensor import (
     GEMM_MOVING_FMAX,
     GEMM_STATIONARY_FMAX,
     PMAX,
     NkiTensor,
+    count_dma,
+    count_instr,
     current,
     describe,
     engine_in,
     free_size,
+    psum_banks,
     read,
     require_on_chip,
     require_tensor,
     same_layout,
     write,
 )
+
+
+def _engine_name(engine, default: str) -> str:
+    return {1: "tensor", 2: "vector", 3: "scalar", 4: "gpsimd"}.get(getattr(engine, "value", 0), default)
+
+
+def _tensor_engine_output(op: str, dst: NkiTensor) -> None:
+    """A Tensor-engine result lies in one PSUM bank and opens (or continues) an accumulation group there."""
+    banks = psum_banks(dst)
+    if len(banks) > 1:
+        raise NkiSimError(
+            f"{op}: output {describe(dst)} crosses PSUM banks {banks.start}..{banks.stop - 1}; a Tensor-engine "
+            f"result must lie in one bank ({tg.PSUM_BANK_BYTES} bytes = {tg.PSUM_BANK_FP32} fp32 per partition)"
+        )
+    current().memory.open_group(op, id(dst._st), banks.start, dst.name)
 
 
 class engine(enum.Enum):  # noqa: N801
@@ -186,6 +206,8 @@ def nc_matmul(
             f"{op}: if one operand is float32/tfloat32 the other must be too: stationary {stationary.dtype}, "
             f"moving {moving.dtype}"
         )
+    _tensor_engine_output(op, dst)
+    count_instr("tensor", op, moving, stationary, contraction=K)
     s = engine_in(op, "stationary", stationary)
     m = engine_in(op, "moving", moving).reshape(K, N)
     res = (s.T @ m).reshape(dst.shape)
@@ -233,6 +255,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
             )
         if F > 128:
             raise NkiSimError(f"{op}: Tensor Engine transpose input is at most [128, 128], got {describe(data)}")
+        _tensor_engine_output(op, dst)
     else:
         if P > 32 or F > 32:
             raise NkiSimError(
@@ -247,6 +270,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         )
     if dst.shape[0] != F or free_size(dst.shape) != P:
         raise NkiSimError(f"{op}: dst {describe(dst)} must be [{F}, {P}] for data {describe(data)}")
+    count_instr("tensor" if use_pe else "vector", op, data, contraction=P)
     v = read(op, "data", data).reshape(P, F).T
     write(op, dst, v, src_dtype=data.dtype)
 
@@ -268,6 +292,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     require_on_chip(op, "src", src)
     require_on_chip(op, "dst", dst)
     same_layout(op, "dst", dst, "src", src)
+    count_instr(_engine_name(engine, "vector"), op, src, dst)
     write(op, dst, read(op, "src", src), src_dtype=src.dtype)
 
 
@@ -282,14 +307,15 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, name=None,
         )
     if dst.buffer.kind == "psum":
         raise NkiSimError(f"{op}: DMA into PSUM (dst {describe(dst)}) is not supported; DMA into SBUF instead")
-    check_copy_shapes(op, "dst", dst, "src", src)
-    vals = read(op, "src", src)
     if dst_rmw_op is not None:
-        spec = alu.spec_of(dst_rmw_op, op)
-        vals = alu.apply_binary(spec.name, engine_in(op, "dst", dst), vals.reshape(dst.shape).astype(np.float32))
-        write(op, dst, vals)
-    else:
-        write(op, dst, vals, src_dtype=src.dtype)
+        (removed, instead), = [tg.API_REMOVED["nisa.dma_copy(dst_rmw_op=...)"]]
+        raise NkiSimUnsupported(
+            f"{op}: dst_rmw_op was removed in {tg.version_name(removed)} (mhcrun's kernels target {tg.NKI_API_NAME}); "
+            f"use {instead}"
+        )
+    check_copy_shapes(op, "dst", dst, "src", src)
+    count_dma(op, dst, src)
+    write(op, dst, read(op, "src", src), src_dtype=src.dtype)
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -298,6 +324,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     require_on_chip(op, "dst", dst)
     if not _scalar(value):
         raise NkiSimError(f"{op}: value must be a compile-time scalar, got {value!r}")
+    count_instr(_engine_name(engine, "vector"), op, dst)
     write(op, dst, np.full(dst.shape, value, dtype=np.float64))
 
 
@@ -329,6 +356,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     if spec.name == "power" and any(t.buffer.kind == "psum" for t in (data1, data2, dst)):
         raise NkiSimError(f"{opn}: nl.power runs on GpSimd, which cannot access PSUM")
     _check_int_only(opn, spec, (data1, data2, dst))
+    count_instr(_engine_name(engine, "vector"), opn, data1, data2, dst)
     ints = not any(dt.is_float(t.dtype) for t in (data1, data2, dst))
     if ints and spec.name in ("add", "subtract", "multiply", "maximum", "minimum"):
         a = read(opn, "data1", data1).astype(np.int64)
@@ -374,6 +402,7 @@ def tensor_scalar(
     if s1 is not None and s0.is_bitvec != s1.is_bitvec:
         raise NkiSimError(f"{opn}: op0 and op1 must both be bitvec or both arithmetic operators")
     _check_int_only(opn, s0, (data, dst))
+    count_instr(_engine_name(engine, "vector"), opn, data, dst)
     x = read(opn, "data", data).astype(np.int64) if s0.is_bitvec else engine_in(opn, "data", data)
     x = _alu_step(opn, "op0", s0, x, o0, reverse0)
     if s1 is not None:
@@ -400,6 +429,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         if not s.is_alu_binary or s.is_bitvec:
             raise NkiSimError(f"{opn}: {which} {_op_name(s)} must be an arithmetic binary operator")
     o0 = _vector_operand(opn, "operand0", operand0, data)
+    count_instr("vector", opn, data, operand1, dst)
     x = _alu_step(opn, "op0", s0, engine_in(opn, "data", data), o0, reverse0)
     b = engine_in(opn, "operand1", operand1).reshape(x.shape)
     x = alu.apply_binary(s1.name, b, x) if reverse1 else alu.apply_binary(s1.name, x, b)
@@ -437,7 +467,8 @@ def activation(
         x = x * sc
     if bi is not None:
         x = x + bi
-    y = alu.apply_unary(spec.name, x)
+    count_instr("scalar", opn, data, dst)
+    y = activation_result(spec.name, x, alu.apply_unary(spec.name, x), current().numerics)
     _scalar_engine_reduce(opn, data.shape[0], y, reduce_op, reduce_res, reduce_cmd)
     write(opn, dst, y)
 
@@ -495,6 +526,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if not spec.is_reduction:
         raise NkiSimError(f"{opn}: {_op_name(spec)} is not a legal reduction operator (nl.add, nl.maximum, ...)")
     axes = reduce_axes(opn, data.shape, axis)
+    count_instr("vector", opn, data)
     if spec.is_bitvec or spec.name.startswith("bitwise"):
         _check_int_only(opn, spec, (data, dst))
         x = read(opn, "data", data)
@@ -527,6 +559,7 @@ def tensor_scalar_reduce(
     rs = alu.spec_of(reduce_op, opn)
     if rs.name not in ("add", "multiply", "maximum", "minimum"):
         raise NkiSimError(f"{opn}: reduce_op must be nl.add, nl.multiply, nl.max or nl.min, got {_op_name(rs)}")
+    count_instr("vector", opn, data, dst)
     x = _alu_step(opn, "op0", s0, engine_in(opn, "data", data), o0, reverse0)
     P = data.shape[0]
     row = alu.apply_reduce(rs.name, x.reshape(P, -1), 1, keepdims=False)
@@ -562,6 +595,7 @@ def reciprocal(dst, data, name=None):
     require_on_chip(opn, "data", data)
     require_on_chip(opn, "dst", dst)
     same_layout(opn, "dst", dst, "data", data)
+    count_instr("vector", opn, data, dst)
     write(opn, dst, alu.apply_unary("reciprocal", engine_in(opn, "data", data)))
 
 
@@ -590,6 +624,7 @@ def iota(dst, pattern, offset, channel_multiplier=0, name=None):
             f"{opn}: pattern generates {total} elements per partition but dst {describe(dst)} has "
             f"{free_size(dst.shape)}"
         )
+    count_instr("gpsimd", opn, dst)
     v = np.full((P, 1), int(offset), dtype=np.int64) + np.arange(P, dtype=np.int64)[:, None] * int(channel_multiplier)
     free = np.zeros(1, dtype=np.int64)
     for s, n in levels:

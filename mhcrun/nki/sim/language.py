@@ -33,11 +33,14 @@ from .dtypes import (  # noqa: F401  (re-exported dtype names)
     uint32,
 )
 from .errors import NkiSimError, NkiSimUnsupported
+from .numerics import activation_result
 from .tensor import (  # noqa: F401  (re-exported buffers and the tensor class)
     PMAX,
     Buffer,
     NkiTensor,
     allocate,
+    count_dma,
+    count_instr,
     current,
     engine_in,
     free_size,
@@ -163,6 +166,7 @@ def load(src, dtype=None, **kwargs):
             "nl.load moves HBM -> SBUF (copy between on-chip tiles with nisa.tensor_copy)"
         )
     out = allocate(op, src.shape, dtype or src.dtype, sbuf)
+    count_dma(op, out, src)
     write(op, out, read(op, "src", src), src_dtype=src.dtype)
     return out
 
@@ -174,6 +178,7 @@ def load_transpose2d(src, dtype=None, **kwargs):
     if src.buffer.on_chip or src.ndim != 2:
         raise NkiSimError(f"{op}: source must be a 2-D HBM tensor, got {_describe(src)}")
     out = allocate(op, (src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
+    count_dma(op, out, src)
     write(op, out, read(op, "src", src).T, src_dtype=src.dtype)
     return out
 
@@ -194,6 +199,7 @@ def store(dst, value, **kwargs):
     if not value.buffer.on_chip:
         raise NkiSimError(f"{op}: value {_describe(value)} is in HBM; store takes an SBUF tile")
     check_copy_shapes(op, "dst", dst, "value", value)
+    count_dma(op, dst, value)
     write(op, dst, read(op, "value", value), src_dtype=value.dtype)
 
 
@@ -289,7 +295,11 @@ def _unary(name: str, op: str):
             raise NkiSimError(f"{op}: mask= is not part of the NKI 0.3+ API")
         require_on_chip(op, "x", x)
         out = allocate(op, x.shape, dtype or x.dtype, sbuf)
-        write(op, out, alu.apply_unary(name, engine_in(op, "x", x)))
+        scalar = OpSpec(name).is_activation
+        count_instr("scalar" if scalar else "vector", op, x, out)
+        v = engine_in(op, "x", x)
+        y = alu.apply_unary(name, v)
+        write(op, out, activation_result(name, v, y, current().numerics) if scalar else y)
         return out
 
     f.__name__ = name
@@ -300,7 +310,7 @@ def _unary(name: str, op: str):
 
 
 def broadcast_operands(op: str, x, y):
-    """Values of two nl.* operands and the result shape; only a scalar or a [P, 1] tile broadcasts."""
+    """Values of two nl.* operands and the result shape; only a scalar broadcasts."""
     xt, yt = isinstance(x, NkiTensor), isinstance(y, NkiTensor)
     if not xt and not yt:
         raise NkiSimError(f"{op}: at least one operand must be a tile")
@@ -313,18 +323,13 @@ def broadcast_operands(op: str, x, y):
         xs, ys = tuple(x.shape), tuple(y.shape)
         if xs == ys:
             shape = xs
-        elif xs[0] == ys[0] and free_size(xs) == 1:
-            shape = ys
-        elif xs[0] == ys[0] and free_size(ys) == 1:
-            shape = xs
         else:
             raise NkiSimError(
-                f"{op}: broadcasting {xs} against {ys} is not supported: operands must have the same shape, "
-                "or one must be a scalar or a [P, 1] tile broadcast along the free axis"
+                f"{op}: broadcasting {xs} against {ys}: binary nl.* operations do not broadcast (NKI 0.3 release "
+                "notes); operands must have the same shape, or one a scalar (a [P, 1] column goes through "
+                "nisa.tensor_scalar)"
             )
-        xv = engine_in(op, "x", x).reshape((xs[0],) + (1,) * (len(shape) - 1)) if xs != shape else engine_in(op, "x", x)
-        yv = engine_in(op, "y", y).reshape((ys[0],) + (1,) * (len(shape) - 1)) if ys != shape else engine_in(op, "y", y)
-        return xv, yv, shape, _dt.promote(x.dtype, y.dtype)
+        return engine_in(op, "x", x), engine_in(op, "y", y), shape, _dt.promote(x.dtype, y.dtype)
     if xt:
         return engine_in(op, "x", x), np.float32(y), tuple(x.shape), x.dtype
     return np.float32(x), engine_in(op, "y", y), tuple(y.shape), y.dtype
@@ -336,6 +341,7 @@ def _binary(name: str, op: str):
             raise NkiSimError(f"{op}: mask= is not part of the NKI 0.3+ API")
         xv, yv, shape, rdt = broadcast_operands(op, x, y)
         out = allocate(op, shape, dtype or rdt, sbuf)
+        count_instr("vector", op, out)
         write(op, out, np.broadcast_to(alu.apply_binary(name, xv, yv), shape))
         return out
 
@@ -425,6 +431,7 @@ def _reduction(name: str, op: str, mean_: bool = False):
             raise NkiSimError(f"{op}: mask= is not part of the NKI 0.3+ API")
         require_on_chip(op, "x", x)
         axes = reduce_axes(op, x.shape, axis)
+        count_instr("vector", op, x)
         v = alu.apply_reduce(name, engine_in(op, "x", x), axes, keepdims)
         if mean_:
             n = 1

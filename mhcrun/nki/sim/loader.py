@@ -20,6 +20,8 @@ from pathlib import Path
 from . import isa as _isa
 from . import language as _language
 from . import nki as _nki
+from .lint import check_source
+from .numerics import check_numerics
 
 _ALIASES = {"nki": _nki, "nki.language": _language, "nki.isa": _isa}
 _lock = threading.RLock()
@@ -41,14 +43,20 @@ def _resolve(path_or_module_name) -> tuple[str, str, str | None]:
     return s, spec.origin, s.rpartition(".")[0] or None
 
 
-def load_kernel_module(path_or_module_name) -> types.ModuleType:
+def load_kernel_module(path_or_module_name, numerics: str = "exact", check: bool = True) -> types.ModuleType:
     """Execute a kernel source file (a path, or a dotted module name) with ``nki`` bound to the simulator.
 
-    Returns a fresh module object (it is not registered in ``sys.modules``); its ``@nki.jit`` kernels run on
-    the simulator when called with torch tensors or numpy arrays.
+    The source is first checked against the Python subset the NKI compiler accepts (``lint``; ``check=False``
+    skips it, for reading constants only). ``numerics``: "exact" (fp32 engine math) or "device" (Scalar-engine
+    activations carry the target's bounded relative error; see ``numerics``). Returns a fresh module object (it
+    is not registered in ``sys.modules``); its ``@nki.jit`` kernels run on the simulator when called with torch
+    tensors or numpy arrays.
     """
+    check_numerics(numerics)
     name, origin, package = _resolve(path_or_module_name)
     source = Path(origin).read_text()
+    if check:
+        check_source(source, origin)
     code = compile(source, origin, "exec")
     module = types.ModuleType(name)
     module.__file__ = origin
@@ -67,6 +75,9 @@ def load_kernel_module(path_or_module_name) -> types.ModuleType:
                     sys.modules.pop(k, None)
                 else:
                     sys.modules[k] = v
+    for key, value in list(module.__dict__.items()):
+        if isinstance(value, _nki.JitKernel):
+            module.__dict__[key] = value.with_options(numerics=numerics)
     return module
 
 

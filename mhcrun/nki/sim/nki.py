@@ -12,14 +12,38 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import dtypes as dt
 from . import isa, language  # noqa: F401  (nki.isa / nki.language attributes of this module)
+from .costs import CostLog
 from .errors import NkiSimError, NkiSimUnsupported
+from .memory import MemoryPeaks
+from .numerics import check_numerics
 from .tensor import NkiTensor, SimContext, from_array, pop, push, shared_hbm
+
+
+@dataclass
+class CallReport:
+    """One kernel call as the simulator saw it: peaks of on-chip memory (the largest over the SPMD programs, bytes
+    per partition) and the DMA transfers and engine instructions of every program."""
+
+    kernel: str
+    numerics: str
+    programs: int = 1
+    peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
+    costs: CostLog = field(default_factory=CostLog)
+
+    def add_program(self, ctx: SimContext) -> None:
+        p, q = self.peaks, ctx.memory.peaks
+        p.sbuf_bytes = max(p.sbuf_bytes, q.sbuf_bytes)
+        p.psum_bytes = max(p.psum_bytes, q.psum_bytes)
+        p.psum_bank_bytes = [max(a, b) for a, b in zip(p.psum_bank_bytes, q.psum_bank_bytes, strict=True)]
+        p.open_groups = max(p.open_groups, q.open_groups)
+        self.costs.extend(ctx.costs)
 
 
 def _to_sim(value, name: str):
@@ -85,9 +109,12 @@ def _grid_tuple(grid) -> tuple[int, ...]:
     return g
 
 
-def run_kernel(func, args, kwargs, grid=(), as_numpy: bool = False):
-    """Run ``func`` (a kernel body) on simulated memory; see the module docstring."""
+def run_kernel(func, args, kwargs, grid=(), as_numpy: bool = False, numerics: str = "exact",
+               report: CallReport | None = None):
+    """Run ``func`` (a kernel body) on simulated memory; see the module docstring. ``report``, when given, receives
+    the call's memory peaks and costs."""
     what = getattr(func, "__name__", "kernel")
+    check_numerics(numerics)
     try:
         bound = inspect.signature(func).bind(*args, **kwargs)
     except TypeError as e:
@@ -108,12 +135,15 @@ def run_kernel(func, args, kwargs, grid=(), as_numpy: bool = False):
     shared: list = []
     result = None
     for pid in pids:
-        ctx = SimContext(grid=grid, pid=pid, shared=shared)
+        ctx = SimContext(grid=grid, pid=pid, shared=shared, numerics=numerics)
         prev = push(ctx)
         try:
             result = func(*bound.args, **bound.kwargs)
         finally:
             pop(prev)
+        if report is not None:
+            report.add_program(ctx)
+        del ctx
     out = _convert_out(result, as_numpy, device, what)
     for sim, orig in originals:
         if sim._st.modified:
@@ -130,11 +160,19 @@ class JitKernel:
         self.options = options
         functools.update_wrapper(self, func)
 
+    @property
+    def numerics(self) -> str:
+        return self.options.get("numerics", "exact")
+
     def __call__(self, *args, **kwargs):
-        return run_kernel(self.func, args, kwargs, self.grid)
+        return run_kernel(self.func, args, kwargs, self.grid, numerics=self.numerics)
 
     def __getitem__(self, grid) -> JitKernel:
         return JitKernel(self.func, grid, **self.options)
+
+    def with_options(self, **options) -> JitKernel:
+        """The same kernel with simulator options replaced (``numerics="device"``)."""
+        return JitKernel(self.func, self.grid, **{**self.options, **options})
 
     def __repr__(self) -> str:
         return f"<nki.jit kernel {getattr(self.func, '__name__', '?')} (mhcrun simulator)>"
@@ -149,13 +187,30 @@ def jit(func=None, mode=None, **options):
     return JitKernel(func, **options)
 
 
+def profile(kernel):
+    """``profile(kernel)(*args) -> (outputs, CallReport)``: run a kernel and report its memory peaks and costs."""
+    func = kernel.func if isinstance(kernel, JitKernel) else kernel
+    grid = kernel.grid if isinstance(kernel, JitKernel) else ()
+    numerics = kernel.numerics if isinstance(kernel, JitKernel) else "exact"
+
+    def call(*args, **kwargs):
+        rep = CallReport(getattr(func, "__name__", "kernel"), numerics, programs=0)
+        out = run_kernel(func, args, kwargs, grid, numerics=numerics, report=rep)
+        rep.programs = max(1, len(list(itertools.product(*(range(g) for g in _grid_tuple(grid)))))) if grid else 1
+        return out, rep
+
+    return call
+
+
 def simulate(kernel):
     """``nki.simulate(kernel)(*arrays)``: run a kernel and return numpy outputs (bf16/fp8 as rounded float32)."""
     func = kernel.func if isinstance(kernel, JitKernel) else kernel
     grid = kernel.grid if isinstance(kernel, JitKernel) else ()
 
+    numerics = kernel.numerics if isinstance(kernel, JitKernel) else "exact"
+
     def call(*args, **kwargs):
-        return run_kernel(func, args, kwargs, grid, as_numpy=True)
+        return run_kernel(func, args, kwargs, grid, as_numpy=True, numerics=numerics)
 
     return call
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 import itertools
 import numbers
 import threading
+import weakref
 
 import numpy as np
 
 from . import dtypes as dt
-from .errors import NkiSimError
+from . import target as tg
+from .costs import CostLog
+from .errors import NkiSimError, NkiSimUnsupported
+from .memory import MemoryTracker
 
-PMAX = 128
-PSUM_FMAX = 512
+PMAX = tg.PMAX
+PSUM_FMAX = tg.PSUM_BANK_FP32
 GEMM_STATIONARY_FMAX = 128
 GEMM_MOVING_FMAX = 512
-SBUF_PARTITION_BYTES = 192 * 1024
+SBUF_PARTITION_BYTES = tg.SBUF_PARTITION_BYTES
 
 
 class Buffer:
@@ -79,8 +83,12 @@ def free_size(shape) -> int:
 class SimContext:
     """State of one kernel run (one SPMD program): program ids, engine reduce registers, shared allocations."""
 
-    def __init__(self, grid: tuple[int, ...] = (), pid: tuple[int, ...] = (), shared: list | None = None):
+    def __init__(self, grid: tuple[int, ...] = (), pid: tuple[int, ...] = (), shared: list | None = None,
+                 numerics: str = "exact"):
         self.grid = grid
+        self.numerics = numerics
+        self.memory = MemoryTracker()
+        self.costs = CostLog()
         self.pid = pid
         self.shared = shared if shared is not None else []  # shared_hbm allocations, in allocation order
         self.shared_i = 0
@@ -118,7 +126,8 @@ def pop(prev) -> None:
 class Storage:
     """One allocation."""
 
-    __slots__ = ("name", "buffer", "dtype", "data", "written", "mm", "consumed", "modified")
+    __slots__ = ("name", "buffer", "dtype", "data", "written", "mm", "consumed", "modified", "bank", "nbanks",
+                 "__weakref__")
 
     def __init__(self, name: str, buffer: Buffer, dtype: str, data: np.ndarray, written: bool):
         self.name = name
@@ -133,6 +142,8 @@ class Storage:
             self.mm = None
             self.consumed = None
         self.modified = False
+        self.bank = 0  # PSUM: first bank and number of banks of the tile
+        self.nbanks = 0
 
 
 def _check_alloc(op: str, shape, dtype: str, buffer: Buffer) -> None:
@@ -152,10 +163,10 @@ def _check_alloc(op: str, shape, dtype: str, buffer: Buffer) -> None:
                 f"{op}: PSUM tile must be float32, got {dtype} (shape {_fmt_shape(shape)}); PSUM holds fp32 "
                 "accumulators: allocate the tile as nl.float32 and convert with nisa.tensor_copy into SBUF"
             )
-        if fsize > PSUM_FMAX:
+        if fsize * 4 > tg.PSUM_PARTITION_BYTES:
             raise NkiSimError(
-                f"{op}: PSUM tile free size {fsize} exceeds nl.tile_size.psum_fmax ({PSUM_FMAX}) "
-                f"(shape {_fmt_shape(shape)}); split the free axis into banks of at most {PSUM_FMAX} fp32"
+                f"{op}: PSUM tile of {fsize * 4} bytes per partition exceeds a PSUM partition "
+                f"({tg.PSUM_BANKS} banks x {tg.PSUM_BANK_BYTES} bytes) (shape {_fmt_shape(shape)})"
             )
     else:
         nbytes = fsize * dt.info(dtype).itemsize
@@ -208,7 +219,20 @@ def allocate(op: str, shape, dtype, buffer, name: str = "") -> NkiTensor:
     st = Storage(name, buffer, dtype, np.zeros(shape, dtype=dt.storage_type(dtype)), written=False)
     if buffer is shared_hbm and ctx.grid:
         ctx.shared.append(st)
+    if buffer.on_chip:
+        _track(op, ctx.memory, st, free_size(shape) * dt.info(dtype).itemsize)
     return NkiTensor._whole(st)
+
+
+def _track(op: str, mem: MemoryTracker, st: Storage, nbytes: int) -> None:
+    """Count an on-chip tile as live until the simulator drops its last reference."""
+    what = f"tile '{st.name}' {_fmt_shape(st.data.shape)} {st.dtype}"
+    if st.buffer.kind == "sbuf":
+        mem.alloc_sbuf(op, nbytes, what)
+        weakref.finalize(st, mem.free_sbuf, nbytes)
+    else:
+        st.bank, st.nbanks = mem.alloc_psum(op, nbytes, what)
+        weakref.finalize(st, mem.free_psum, id(st), st.bank, st.nbanks, nbytes)
 
 
 def from_array(arr: np.ndarray, dtype: str, buffer: Buffer, name: str) -> NkiTensor:
@@ -264,12 +288,16 @@ class NkiTensor:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def size(self) -> int:
+    def _numel(self) -> int:
         n = 1
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def size(self) -> int:
+        _since("NkiTensor.size", "multiply the shape's entries")
+        return self._numel()
 
     @property
     def itemsize(self) -> int:
@@ -329,7 +357,7 @@ class NkiTensor:
         shape = tuple(int(s) for s in shape)
         if self._key is not Ellipsis:
             raise NkiSimError(f"reshape of tensor '{self.name}' indexed with index arrays is not supported")
-        if int(np.prod(shape)) != self.size:
+        if int(np.prod(shape)) != self._numel():
             raise NkiSimError(f"reshape of tensor '{self.name}' {_fmt_shape(self.shape)} into {shape}: sizes differ")
         if self.buffer.on_chip and (not shape or shape[0] != self.shape[0]):
             raise NkiSimError(
@@ -361,6 +389,7 @@ class NkiTensor:
         return self._derive(*arrs, Ellipsis, self._ro, arrs[0].shape)
 
     def broadcast(self, dim: int, size: int) -> NkiTensor:
+        _since("NkiTensor.broadcast", "a stride-0 access pattern, t.ap(pattern=[[0, n], [1, f]])")
         if self._key is not Ellipsis:
             raise NkiSimError(f"broadcast of tensor '{self.name}' indexed with index arrays is not supported")
         if self.buffer.on_chip and dim == 0:
@@ -377,6 +406,51 @@ class NkiTensor:
         shape[dim] = int(size)
         arrs = [None if a is None else np.broadcast_to(a, shape) for a in (self._d, self._w, self._m, self._c)]
         return self._derive(*arrs, Ellipsis, True, shape)
+
+    def ap(self, pattern, offset=None) -> NkiTensor:
+        """A view of this tensor's storage through an explicit access pattern: ``pattern`` lists ``[stride, count]``
+        pairs in elements, outermost (the partition axis of an on-chip tensor) first; ``offset`` (elements) defaults
+        to this view's own offset. A stride of 0 repeats (broadcasts) and makes the view read-only."""
+        op = "NkiTensor.ap"
+        if self._key is not Ellipsis:
+            raise NkiSimError(f"{op} on tensor '{self.name}' indexed with index arrays is not supported")
+        try:
+            pairs = [(int(s), int(n)) for s, n in pattern]
+        except (TypeError, ValueError):
+            raise NkiSimError(f"{op}: pattern must be a list of [stride, count] pairs, got {pattern!r}") from None
+        if not pairs or any(n < 1 or s < 0 for s, n in pairs):
+            raise NkiSimError(f"{op}: pattern needs [stride >= 0, count >= 1] pairs, got {pattern!r}")
+        st = self._st
+        flat_size = st.data.size
+        row = free_size(st.data.shape)
+        if self.buffer.on_chip and pairs[0][0] != row:
+            raise NkiSimError(
+                f"{op}: the partition stride of an on-chip access pattern must be the storage's free size ({row}), "
+                f"got {pairs[0][0]} (tensor '{self.name}' {_fmt_shape(st.data.shape)})"
+            )
+        base = st.data.__array_interface__["data"][0]
+        here = self._d.__array_interface__["data"][0]
+        item = st.data.itemsize
+        off = (here - base) // item if offset is None else int(offset)
+        last = off + sum((n - 1) * s for s, n in pairs)
+        if off < 0 or last >= flat_size:
+            raise NkiSimError(
+                f"{op}: pattern {pattern!r} at offset {off} reaches element {last} of tensor '{self.name}', which "
+                f"holds {flat_size}"
+            )
+        shape = tuple(n for _, n in pairs)
+        strides = tuple(s * item for s, _ in pairs)
+        arrs = []
+        for a in (st.data, st.written, st.mm, st.consumed):
+            if a is None:
+                arrs.append(None)
+                continue
+            flat = a.reshape(-1)
+            arrs.append(np.lib.stride_tricks.as_strided(flat[off:], shape=shape,
+                                                        strides=tuple(s * a.itemsize for s, _ in pairs)))
+        del strides
+        ro = any(s == 0 for s, _ in pairs) or self._ro
+        return self._derive(*arrs, Ellipsis, ro, shape)
 
     # ---- no Python control flow / conversions / operators on device values
 
@@ -452,6 +526,15 @@ class NkiTensor:
             self._m[k] = matmul
             self._c[k] = False
         self._st.modified = True
+
+
+def _since(api: str, instead: str) -> None:
+    """Refuse API that the NKI version the kernels target (``target.NKI_API``) does not have yet."""
+    since = tg.API_SINCE[api]
+    if tg.NKI_API < since:
+        raise NkiSimUnsupported(
+            f"{api} arrived in {tg.version_name(since)}; mhcrun's kernels target {tg.NKI_API_NAME}: use {instead}"
+        )
 
 
 def _normalize_key(t: NkiTensor, key: tuple) -> list:
@@ -545,7 +628,51 @@ def require_on_chip(op: str, arg: str, t) -> NkiTensor:
             f"{op}: {arg} {describe(t)} has {t.shape[0] if t.ndim else 0} partitions; the partition axis (axis 0) "
             f"of an engine operand must be 1..{PMAX}"
         )
+    p0 = partition_start(t)
+    starts = tg.allowed_partition_starts(t.shape[0])
+    if p0 not in starts:
+        raise NkiSimError(
+            f"{op}: {arg} {describe(t)} starts at partition {p0}; an engine operand of {t.shape[0]} partitions may "
+            f"start only at {', '.join(str(s) for s in starts)} on {tg.TARGET}"
+        )
     return t
+
+
+def _view_offset(t: NkiTensor) -> int:
+    """Offset in bytes of the view's first element from its storage's start (numpy storage bytes)."""
+    return t._d.__array_interface__["data"][0] - t._st.data.__array_interface__["data"][0]
+
+
+def partition_start(t: NkiTensor) -> int:
+    """The partition at which an on-chip view starts."""
+    p0 = _view_offset(t) // t._st.data.strides[0] if t._st.data.ndim > 0 and t._st.data.strides[0] else 0
+    if t._key is not Ellipsis:
+        k0 = t._key[0]
+        if isinstance(k0, np.ndarray):
+            p0 += int(k0.min())
+        elif isinstance(k0, slice):
+            p0 += k0.start or 0
+        else:
+            p0 += int(k0)
+    return int(p0)
+
+
+def psum_banks(t: NkiTensor) -> range:
+    """The PSUM banks a view of a PSUM tile touches."""
+    st = t._st
+    if st.nbanks <= 1:
+        return range(st.bank, st.bank + 1)
+    row = st.data.strides[0]
+    first = _view_offset(t) % row
+    last = first
+    if t._key is Ellipsis:
+        for n, s in zip(t._d.shape[1:], t._d.strides[1:], strict=True):
+            last += (n - 1) * max(s, 0)
+    else:
+        last = row - 1
+        first = 0
+    bank = tg.PSUM_BANK_BYTES  # PSUM storage is fp32: numpy bytes are device bytes
+    return range(st.bank + first // bank, st.bank + (last + 3) // bank + 1)
 
 
 def read(op: str, arg: str, t: NkiTensor) -> np.ndarray:
@@ -559,6 +686,7 @@ def read(op: str, arg: str, t: NkiTensor) -> np.ndarray:
         )
     if t._c is not None and not t._ro:
         t._c[t._key] = True
+        current().memory.close_groups(id(t._st), psum_banks(t))
     return t._values()
 
 
@@ -572,10 +700,23 @@ def write(op: str, dst: NkiTensor, values: np.ndarray, src_dtype: str | None = N
     """Round ``values`` into ``dst``'s dtype and store them (``values`` reshaped to dst if sizes match)."""
     values = np.asarray(values)
     if tuple(values.shape) != tuple(dst.shape):
-        if values.size != dst.size:
+        if values.size != dst._numel():
             raise NkiSimError(f"{op}: result of shape {_fmt_shape(values.shape)} does not fit dst {describe(dst)}")
         values = values.reshape(dst.shape)
     dst._store(dt.round_to(values, dst.dtype, src_dtype), matmul=matmul)
+
+
+def count_instr(engine: str, op: str, t: NkiTensor, *others: NkiTensor, contraction: int = 0) -> None:
+    """Log one engine instruction over tile ``t`` (its partitions and elements per partition) for the cost model."""
+    item = max([dt.info(t.dtype).itemsize] + [dt.info(o.dtype).itemsize for o in others])
+    current().costs.instr(engine, op, t.shape[0] if t.ndim else 1, free_size(t.shape), item, contraction)
+
+
+def count_dma(op: str, dst: NkiTensor, src: NkiTensor) -> None:
+    """Log one DMA transfer: the destination's bytes, over the partitions of its on-chip side."""
+    chip = dst if dst.buffer.on_chip else src
+    parts = chip.shape[0] if chip.buffer.on_chip and chip.ndim else 1
+    current().costs.dma(op, dst._numel() * dt.info(dst.dtype).itemsize, parts)
 
 
 def same_layout(op: str, a_name: str, a: NkiTensor, b_name: str, b: NkiTensor) -> None:

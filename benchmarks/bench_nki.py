@@ -1,0 +1,129 @@
+"""What the mHC steps of V4-Flash cost on one Trainium2 NeuronCore-v3, estimated from mhcrun's NKI simulator.
+
+    python benchmarks/bench_nki.py                # T = 1, 4, 16 (decode rows) and 1024 (prefill); a few minutes
+    python benchmarks/bench_nki.py --tokens 1 4   # only these T
+
+Each kernel runs once in the simulator on V4-Flash's shapes (d = 4096, n = 4, fn 24 x 16,384, bf16
+activations); the simulator counts its DMA transfers and engine instructions and mhcrun.nki.sim.costmodel turns
+them into an estimated time (busiest engine, engines overlapping) plus 32 us per launch. Per layer: two mHC sites;
+per token: 43 layers (the head's one launch a token left out), divided by the T rows of the step. The floor is
+the bytes the kernels move at one core's share of HBM bandwidth; the fn floor is the fn bytes alone (hi + lo
+bf16 = fp32 size).
+An estimate from documented figures, not a measurement: see the cost model's docstring for what it rests on and
+the sensitivity table for the constants no document gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from mhcrun.nki.ops import KERNEL_SOURCE
+from mhcrun.nki.sim import load_kernel_module
+from mhcrun.nki.sim.costmodel import FIGURES, SENSITIVITY, estimate, floor_us, with_figures
+from mhcrun.nki.sim.costs import CostLog
+from mhcrun.nki.sim.nki import profile
+
+D, N, LAYERS, SITES = 4096, 4, 43, 2
+MIX = (2 + N) * N
+FN_BYTES = MIX * N * D * 4  # hi + lo bf16 = the fp32 fn's size
+
+
+@dataclass
+class Step:
+    """One mHC site's kernels at T rows: their launches and merged cost log."""
+
+    launches: int
+    log: CostLog
+
+
+def inputs(t: int, g: torch.Generator) -> dict:
+    x = torch.randn(t, N * D, generator=g).to(torch.bfloat16)
+    fn = torch.randn(MIX, N * D, generator=g) * (N * D) ** -0.5
+    hi = fn.to(torch.bfloat16)
+    lo = (fn - hi.float()).to(torch.bfloat16)
+    return {
+        "x": x, "hi": hi, "lo": lo, "scale": torch.rand(1, 3, generator=g) + 0.5,
+        "base": torch.randn(MIX, generator=g) * 0.5, "pre": torch.rand(t, N, generator=g),
+        "y": torch.randn(t, D, generator=g).to(torch.bfloat16), "post": torch.rand(t, N, generator=g) * 2,
+        "comb": torch.rand(t, N * N, generator=g), "w": torch.randn(D, generator=g),
+    }  # fmt: skip
+
+
+def run(kernel, *args) -> CostLog:
+    return profile(kernel)(*args)[1].costs
+
+
+def today(k, a: dict) -> Step:
+    """Today's site: mixes, collapse, post (three launches)."""
+    log = CostLog()
+    log.extend(run(k.hc_mixes_v4, a["x"], a["hi"], a["lo"], a["scale"], a["base"]))
+    log.extend(run(k.hc_collapse, a["x"], a["pre"]))
+    log.extend(run(k.hc_attn_out, a["y"], a["x"], a["post"], a["comb"]))
+    return Step(3, log)
+
+
+def fused(k, a: dict) -> Step:
+    """The new site: hc_pre (mixes, collapse and the sublayer's RMSNorm, which today's three leave to torch) and
+    hc_post, each in the layout its T asks for (two launches)."""
+    log = CostLog()
+    log.extend(run(k.hc_pre_v4, a["x"], a["hi"], a["lo"], a["scale"], a["base"], a["w"]))
+    log.extend(run(k.hc_post, a["y"], a["x"], a["post"], a["comb"]))
+    return Step(2, log)
+
+
+def chained(k, a: dict) -> Step:
+    """Decode rows only: hc_post of one site and hc_pre of the next in one launch (hc_post_pre), one launch a site;
+    at T above DECODE_MAX_T the kernel does not exist and the site runs as "fused"."""
+    if a["x"].shape[0] > k.DECODE_MAX_T:
+        return fused(k, a)
+    return Step(1, run(k.hc_post_pre_v4, a["y"], a["x"], a["post"], a["comb"], a["hi"], a["lo"], a["scale"],
+                       a["base"], a["w"]))
+
+
+VARIANTS = {"today": today, "fused": fused, "chained": chained}
+
+
+def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:
+    e = estimate(step.log, figures)
+    site_us = e.overlapped_us + step.launches * figures.launch_s * 1e6
+    layer_us, layer_nolaunch = SITES * site_us, SITES * e.overlapped_us
+    token_ms = LAYERS * layer_us / t / 1e3
+    floor = SITES * floor_us(e.dma_bytes, figures)
+    fn_floor = SITES * floor_us(FN_BYTES, figures)
+    return (name, t, SITES * step.launches, SITES * e.dmas, SITES * e.small_dmas, SITES * e.dma_bytes / 2**20,
+            layer_nolaunch, layer_us, token_ms, floor, fn_floor, e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 1024])
+    args = ap.parse_args()
+    k = load_kernel_module(KERNEL_SOURCE)
+    g = torch.Generator().manual_seed(0)
+    print("per layer = 2 mHC sites; per token = 43 layers / T rows; times in us unless marked; estimates")
+    print(f"{'kernels':<8} {'T':>5} {'launch':>6} {'DMAs':>6} {'<2KiB':>6} {'MiB':>7} {'layer(no launch)':>16} "
+          f"{'layer':>9} {'token ms':>9} {'floor':>8} {'fn floor':>8}  busiest engine")
+    steps = {}
+    for t in args.tokens:
+        a = inputs(t, g)
+        for name, build in VARIANTS.items():
+            step = build(k, a)
+            steps[name, t] = step
+            r = row(name, t, step)
+            e = r[-1]
+            busiest = max([("dma", e.dma_us), *e.engine_us.items()], key=lambda kv: kv[1])
+            print(f"{r[0]:<8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>6} {r[5]:>7.2f} {r[6]:>16.1f} {r[7]:>9.1f} "
+                  f"{r[8]:>9.3f} {r[9]:>8.1f} {r[10]:>8.1f}  {busiest[0]} {busiest[1] * SITES:.1f}")
+    print("\nsensitivity: per layer without launches (us) as the undocumented constants move")
+    for const, values in SENSITIVITY.items():
+        for (name, t), step in steps.items():
+            cells = [f"{v:g}: {SITES * estimate(step.log, with_figures(**{const: v})).overlapped_us:.1f}"
+                     for v in values]
+            print(f"  {const:<20} {name:<8} T={t:<5} " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
