@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 
@@ -27,6 +28,9 @@ from mhcrun.chat import (
     parse_reply,
 )
 from mhcrun.generate import SamplingOptions, generate
+from mhcrun.memory import default_prefill_chunk
+from mhcrun.promptcache import open_prompt_cache, save_new_prompt_cache, shared_prefix
+from mhcrun.session import Session
 
 HELP = ("commands: /reset (forget the conversation), /mode chat|thinking, /effort {efforts}, /exit (or Ctrl-D); "
         "Ctrl-C stops a reply")
@@ -81,7 +85,11 @@ class ReplyView:
 
 
 def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
-             hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]]) -> None:
+             hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]],
+             prompt_cache: Path | None = None) -> None:
+    """The conversation's state stays in one cache row across turns (`mhcrun.session`): each turn prefills only
+    what the row does not hold. With `prompt_cache`, a saved state is reused when a prompt starts with its tokens,
+    and when the file does not exist the state after the first prompt is written to it."""
     tok = runner.require_tokenizer()
     effort = check_effort(fmt, effort)
     encode_chat(Chat([Message("user", "")]), mode, effort, fmt)  # a bad --mode fails now
@@ -90,6 +98,11 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
     start = [Message("system", system)] if system else []
     history = list(start)
     context = runner.config.max_position_embeddings
+    runner.model.setup_caches(1, context)
+    session = Session(runner.model, default_prefill_chunk(runner.config))
+    cached = open_prompt_cache(runner, prompt_cache) if prompt_cache is not None else None
+    if cached is not None:
+        session.keep(cached.tokens, cached.snapshot, cached.logits)
     out.print(f"[bold]mhcrun chat[/] on {runner.path.name} ({fmt} format, {mode} mode). {help_line}", highlight=False)
     while True:
         try:
@@ -109,6 +122,9 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
                 return
             if cmd == "/reset":
                 history = list(start)
+                session.reset()
+                if cached is not None:  # the prompt cache file stays usable
+                    session.keep(cached.tokens, cached.snapshot, cached.logits)
                 out.print("[dim](conversation reset)[/]")
             elif cmd == "/mode" and arg.strip() in MODES:
                 mode = arg.strip()
@@ -127,15 +143,25 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
             err.print(f"error: the conversation ({len(ids)} tokens) no longer fits the context of {context}: /reset",
                       markup=False)
             continue
+        # where the next turn's rendering of this conversation will part from this prompt (e.g. before the
+        # thinking opener, whose reasoning the history drops): a snapshot is taken there
+        following = encode_chat(Chat(history + [Message("assistant", "x"), Message("user", "x")]), mode, effort, fmt)
+        mark = shared_prefix(ids, to_ids(following))
         view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
         stopped = False
         try:
-            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature), on_token=view.push)
+            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature), on_token=view.push,
+                     session=session, marks=(mark,))
         except KeyboardInterrupt:
             stopped = True
+            session.lose_live_state()  # a step may have stopped half way through the row's state
+        if prompt_cache is not None:
+            save_new_prompt_cache(runner, prompt_cache, session, ids)
         view.finish()
         reply = parse_reply(tok.decode(view.tokens, keep_special=True), mode, fmt)
         history.append(history_message(reply))
-        out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens, prefill "
-                  f"{view.prefill_rate(len(ids)):.1f} tok/s | {len(view.tokens)} tokens, decode "
+        out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens ({session.reused} reused, "
+                  f"{session.prefilled} prefilled), prefill {view.prefill_rate(session.prefilled):.1f} tok/s | "
+                  f"{len(view.tokens)} tokens, decode "
                   f"{view.decode_rate():.1f} tok/s[/]", highlight=False)
+

@@ -225,51 +225,6 @@ PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file 
                               "with the state after this prompt. Never overwritten.")
 
 
-def cache_settings(runner) -> dict:
-    """The run settings that change the state a prompt cache holds."""
-    return {"dtype": runner.dtype, "quant_sim": runner.quant_sim, "layers": runner.n_layers, "tp": runner.tp.world}
-
-
-def read_prompt_cache(runner, path: Path, ids: list[int]):
-    """The prompt cache at `path` (None when there is none), checked against this model, these settings and
-    this prompt, which must start with its tokens."""
-    from mhcrun.promptcache import load_prompt_cache, shared_prefix
-
-    if not path.exists():
-        return None
-    cache = load_prompt_cache(path, runner.identity, cache_settings(runner))
-    n = shared_prefix(cache.tokens, ids)
-    if n < len(cache.tokens):
-        raise InputError(f"prompt cache {path}: this prompt does not start with its {len(cache.tokens)} tokens "
-                         f"(they part at token {n}); give another file, or delete it to cache this prompt")
-    return cache
-
-
-def start_session(runner, cache, context: int):
-    """One cache row of `context` tokens as a session, holding `cache`'s state when there is one."""
-    from mhcrun.session import Session
-
-    runner.model.setup_caches(1, context)
-    session = Session(runner.model, chunk=1)
-    if cache is not None:
-        session.keep(cache.tokens, cache.snapshot, cache.logits)
-    return session
-
-
-def save_prompt_cache_once(runner, path: Path, session, ids: list[int]) -> dict:
-    """Write the state after the prompt to `path` when no file is there (rank 0 under --tp) -> stats."""
-    from mhcrun.promptcache import PromptCache, save_prompt_cache
-
-    note = {"reused_tokens": session.reused, "prefilled_tokens": session.prefilled}
-    kept = next((k for k in session.kept if k.tokens == ids and k.logits is not None), None)
-    if not path.exists() and kept is not None:
-        if runner.tp.rank == 0:
-            save_prompt_cache(path, PromptCache(ids, kept.snapshot, kept.logits), runner.identity,
-                              cache_settings(runner))
-        note["saved"] = True
-    return note
-
-
 @app.command()
 def generate(
     model: str = ModelOpt,
@@ -347,7 +302,11 @@ def generate(
                        str(runner.path))
         if prompt_cache is not None and len(ids) != 1:
             raise InputError("--prompt-cache takes one prompt (not a --prompts-file batch)")
-        cache = read_prompt_cache(runner, prompt_cache, ids[0]) if prompt_cache is not None else None
+        if prompt_cache is not None:
+            from mhcrun.promptcache import open_prompt_cache, save_new_prompt_cache
+            from mhcrun.session import Session
+
+            cache = open_prompt_cache(runner, prompt_cache, ids[0])
         if check_weights:
             from mhcrun.weightcheck import raise_if_bad
 
@@ -365,8 +324,10 @@ def generate(
 
         session = cache_note = None
         if prompt_cache is not None:
-            cache_note = {"file": str(prompt_cache), "loaded": cache is not None, "saved": False}
-            session = start_session(runner, cache, len(ids[0]) + max_new_tokens)
+            runner.model.setup_caches(1, len(ids[0]) + max_new_tokens)
+            session = Session(runner.model, chunk=1)  # generate gives it the prefill chunk
+            if cache is not None:
+                session.keep(cache.tokens, cache.snapshot, cache.logits)
         try:
             results = run_generate(runner.model, ids, max_new_tokens, eos,
                                    SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
@@ -375,7 +336,9 @@ def generate(
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
         if session is not None:
-            cache_note |= save_prompt_cache_once(runner, prompt_cache, session, ids[0])
+            cache_note = {"file": str(prompt_cache), "loaded": cache is not None,
+                          "saved": save_new_prompt_cache(runner, prompt_cache, session, ids[0]),
+                          "reused_tokens": session.reused, "prefilled_tokens": session.prefilled}
             results[0].stats["prompt_cache"] = cache_note
         kernel = None
         if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
@@ -641,10 +604,13 @@ def chat(
     dtype: str = typer.Option("fp32", "--dtype"),
     device: str = typer.Option("cpu", "--device"),
     layers: int = LayersOpt,
+    prompt_cache: Path = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): its state is "
+                                      "reused when a prompt starts with its tokens; when it does not exist, the "
+                                      "state after the first prompt is written to it. Never overwritten."),
     debug: bool = DebugOpt,
 ) -> None:
-    """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns;
-    /reset, /mode chat|thinking, /exit; Ctrl-C stops a reply."""
+    """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns,
+    each turn prefilling only its new tokens; /reset, /mode chat|thinking, /exit; Ctrl-C stops a reply."""
 
     def body() -> None:
         from mhcrun.chatloop import run_chat
@@ -654,12 +620,16 @@ def chat(
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         runner = open_runner(model, dtype, True, device, layers)
         runner.require_tokenizer()
-        load_weights(runner)
         from mhcrun.chat import resolve_format
 
         fmt = resolve_format(chat_format, runner.path)
+        if prompt_cache is not None:  # a bad file fails before the weights load
+            from mhcrun.promptcache import open_prompt_cache
+
+            open_prompt_cache(runner, prompt_cache)
+        load_weights(runner)
         run_chat(runner, out, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens, temperature,
-                 lambda text: chat_ids(runner, text, fmt))
+                 lambda text: chat_ids(runner, text, fmt), prompt_cache)
 
     run_guarded(debug, body)
 

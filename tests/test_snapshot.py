@@ -6,6 +6,7 @@ compiled regions; a snapshot costs the bytes of the state it copies."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -353,3 +354,58 @@ def test_generate_prompt_cache_refuses_a_batch_and_a_foreign_file(tmp_path):
                            str(tmp_path / "x.safetensors")])
     assert res.exit_code == 2 and "takes one prompt" in res.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------- chat turns
+
+STATS = re.compile(r"(\d+) prompt tokens \((\d+) reused, (\d+) prefilled\)")
+
+
+def chat_turns(model, mode: str, lines: list[str], *extra: str) -> tuple[list[tuple[int, int, int]], str]:
+    c = CLI.invoke(app, ["chat", "-m", str(model), "-n", "4", "--mode", mode, *extra],
+                   input="\n".join(lines + ["/exit"]) + "\n")
+    assert c.exit_code == 0, c.stdout + c.stderr
+    return [tuple(map(int, m)) for m in STATS.findall(c.stdout.replace("\n", " "))], c.stdout
+
+
+def reply_to(model, messages: list[dict], mode: str, tmp_path) -> dict:
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(messages))
+    r = CLI.invoke(app, ["generate", "-m", str(model), "--messages", str(path), "--mode", mode, "-n", "4", "--json"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("mode", ["chat", "thinking"])
+def test_chat_turns_prefill_only_their_new_tokens(v4_checkpoint, mode, tmp_path):
+    """Turn 2 reuses the state of turn 1 (in chat mode its prompt and reply; in thinking mode, whose history drops
+    the reasoning, the snapshot taken where the next rendering parts from the prompt) and prefills only the rest;
+    its reply is the reply `generate --messages` gives for the whole conversation. /reset prefills afresh."""
+    turns, _ = chat_turns(v4_checkpoint, mode, ["Hello", "More please", "/reset", "Hello"])
+    (n1, r1, p1), (n2, r2, p2), (n3, r3, p3) = turns
+    assert (r1, p1) == (0, n1) and (r3, p3) == (0, n3) and n3 == n1
+    first = reply_to(v4_checkpoint, [{"role": "user", "content": "Hello"}], mode, tmp_path)
+    assert r2 + p2 == n2 and r2 >= n1 - 1
+    if mode == "chat":  # the whole live state: prompt 1 and the reply's tokens but its last (end of sentence)
+        assert r2 == n1 + len(first["tokens"]) - 1
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", **first["message"]},
+               {"role": "user", "content": "More please"}]
+    second = reply_to(v4_checkpoint, history, mode, tmp_path)
+    assert second["prompt_tokens"] == n2
+    _, out = chat_turns(v4_checkpoint, mode, ["Hello", "More please"])
+    assert second["text"].split("<｜end▁of▁sentence｜>")[0].removeprefix("<think>").split("</think>")[-1] in out
+
+
+def test_chat_prompt_cache_is_written_once_then_reused(v4_checkpoint, tmp_path):
+    cache = tmp_path / "chat.safetensors"
+    turns, _ = chat_turns(v4_checkpoint, "chat", ["A long document about rivers. Summarise it."],
+                          "--prompt-cache", str(cache))
+    assert cache.exists() and turns[0][1] == 0
+    data = cache.read_bytes()
+    turns, _ = chat_turns(v4_checkpoint, "chat", ["A long document about rivers. Summarise it."],
+                          "--prompt-cache", str(cache))
+    assert turns[0][1:] == (turns[0][0], 0)  # the whole prompt from the file: nothing prefilled
+    assert cache.read_bytes() == data
+    res = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "--prompt-cache", str(cache), "--layers", "2"],
+                     input="/exit\n")
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: prompt cache {cache}: saved with layers 4")
