@@ -409,3 +409,14 @@ def test_chat_prompt_cache_is_written_once_then_reused(v4_checkpoint, tmp_path):
     res = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "--prompt-cache", str(cache), "--layers", "2"],
                      input="/exit\n")
     assert res.exit_code == 2 and res.stderr.startswith(f"error: prompt cache {cache}: saved with layers 4")
+
+
+def test_generate_zero_tokens_only_caches_the_prompt(tmp_path):
+    path = tmp_path / "only.safetensors"
+    res = CLI.invoke(app, ["generate", "--json", "-n", "0", "--prompt-cache", str(path)])
+    assert res.exit_code == 0, res.stderr
+    row = json.loads(res.stdout.splitlines()[-1])
+    assert row["tokens"] == [] and row["stats"]["prompt_cache"]["saved"] and path.exists()
+    again = generate_json(tmp_path, "--prompt-cache", str(path))
+    assert again["stats"]["prompt_cache"]["prefilled_tokens"] == 0
+    assert again["tokens"] == generate_json(tmp_path)["tokens"]
