@@ -399,7 +399,7 @@ def test_generate_messages_and_chat_run_on_a_v4_tokenizer(tmp_path, v4_checkpoin
     c = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "-n", "4", "--mode", "chat"],
                    input="Hello\n/mode thinking\nAnd now?\n/reset\n/exit\n")
     assert c.exit_code == 0, c.stdout + c.stderr
-    assert c.stdout.count("prompt tokens, prefill") == 2 and "(mode thinking)" in c.stdout
+    assert c.stdout.count(" prefilled), prefill") == 2 and "(mode thinking)" in c.stdout
     assert "(conversation reset)" in c.stdout and "thinking: " in c.stdout
 
 
@@ -409,7 +409,7 @@ def test_chat_on_the_tiny_model_says_its_tokenizer_lacks_the_chat_tokens(monkeyp
     monkeypatch.setattr(cli, "WARNED", set())  # said once per process: other tests may have run the tiny model
     c = CLI.invoke(app, ["chat", "-n", "2", "--mode", "chat"], input="Hi\n")
     assert c.exit_code == 0, c.stdout + c.stderr
-    assert "has no DeepSeek V4 chat tokens" in c.stderr and c.stdout.count("prompt tokens, prefill") == 1
+    assert "has no DeepSeek V4 chat tokens" in c.stderr and c.stdout.count(" prefilled), prefill") == 1
 
 
 def test_ctrl_c_stops_a_reply_and_the_session_goes_on(monkeypatch, v4_checkpoint):
@@ -419,18 +419,18 @@ def test_ctrl_c_stops_a_reply_and_the_session_goes_on(monkeypatch, v4_checkpoint
     real = chatloop.generate
     calls = []
 
-    def interrupted(model, prompts, n, eos, sampling, on_token):
+    def interrupted(model, prompts, n, eos, sampling, on_token, **kw):
         calls.append(prompts[0])
         if len(calls) == 1:
             for token in (19923, 3):  # "Hello" "!" in V4's vocabulary
                 on_token(0, token)
             raise KeyboardInterrupt
-        return real(model, prompts, n, eos, sampling, on_token=on_token)
+        return real(model, prompts, n, eos, sampling, on_token=on_token, **kw)
 
     monkeypatch.setattr(chatloop, "generate", interrupted)
     c = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "-n", "3", "--mode", "chat"], input="Hi\nMore\n/exit\n")
     assert c.exit_code == 0, c.stdout + c.stderr
-    assert "Hello!" in c.stdout and "(stopped) " in c.stdout and c.stdout.count("prompt tokens, prefill") == 2
+    assert "Hello!" in c.stdout and "(stopped) " in c.stdout and c.stdout.count(" prefilled), prefill") == 2
     from mhcrun.tokenizer import Tokenizer
 
     second = Tokenizer.from_file(v4_checkpoint).decode(calls[1], keep_special=True)
