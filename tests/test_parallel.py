@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -268,3 +269,38 @@ def test_info_plans_one_rank(fp8_tiny):
     one = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json"]).stdout)["memory_plan"]
     two = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json", "--tp", "2"]).stdout)["memory_plan"]
     assert two["weights_bytes"] < one["weights_bytes"] and SINGLE.world == 1
+
+
+def _replies(stdout: str) -> str:
+    return re.sub(r"[\d.]+ tok/s", "", stdout)
+
+
+def test_chat_tp2_runs_each_turn_on_every_rank_and_prints_once():
+    """Rank 0 reads the lines and sends them to rank 1: both run each turn; the transcript is one rank's."""
+    lines = "Hi\n/mode chat\nAnd now?\n/exit\n"
+    one = mhcrun_input(lines, "chat", "-n", "5", "--no-quant-sim")
+    two = mhcrun_input(lines, "chat", "-n", "5", "--no-quant-sim", "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout.count("prompt tokens, prefill") == 2 and _replies(two.stdout) == _replies(one.stdout)
+    eof = mhcrun_input("Hi\n", "chat", "-n", "2", "--tp", "2")  # end of input ends every rank
+    assert eof.returncode == 0 and eof.stdout.count("prompt tokens, prefill") == 1, eof.stderr
+
+
+def test_chat_tp2_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
+    ckpt = tmp_path / "half"
+    shutil.copytree(DEFAULT_MODEL, ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["layers.2.ffn.experts.6.w1.weight"]  # rank 1 of 2 holds experts 4..7
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    t0 = time.time()
+    r = mhcrun_input("Hi\n", "chat", "-m", str(ckpt), "--tp", "2", "-n", "4", timeout=120)
+    assert r.returncode == 2 and time.time() - t0 < 60, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1:] == [f"error: rank 1: layers.2.ffn.experts.6.w1.weight: tensor missing from {ckpt}/"
+                          f"model.safetensors.index.json"], lines
+    assert not _ranks_alive(str(ckpt))
+
+
+def mhcrun_input(stdin: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mhcrun.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          input=stdin, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
