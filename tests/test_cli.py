@@ -881,10 +881,10 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
     want = cli("generate", "--messages", messages, "--json", *opts)
     ok(want)
     reply = json.loads(want.stdout)["text"]
-    got = cli("chat", *opts, input="Hi\n/exit\n")
+    got = RUNNER.invoke(app, ["chat", *map(str, opts)], input="Hi\n/exit\n")
     ok(got)
     assert reply and reply in got.stdout, (reply, got.stdout)
-    greedy = cli("chat", "--mode", "chat", "-n", 6, "--no-quant-sim", "--dequantize", "--dtype", "bf16", input="Hi\n")
+    greedy = RUNNER.invoke(app, ["chat", *map(str, opts[:4]), *map(str, opts[10:])], input="Hi\n")
     ok(greedy)
     assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
 

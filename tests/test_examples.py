@@ -46,7 +46,7 @@ def collect_inline(pages: list[Path]) -> list[tuple[str, str, list[str]]]:
     for page in pages:
         text = FENCE.sub("", page.read_text())
         for m in INLINE.finditer(text):
-            found.append((label(page), m.group(1), re.findall(r"(?<!\S)(--?[a-z][a-z0-9-]*)", m.group(2))))
+            found.append((label(page), m.group(1), re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", m.group(2))))
     return found
 
 
