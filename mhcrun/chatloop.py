@@ -81,7 +81,8 @@ class ReplyView:
 
 
 def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
-             hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]]) -> None:
+             hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]],
+             top_p: float = 1.0, seed: int = 0) -> None:
     tok = runner.require_tokenizer()
     effort = check_effort(fmt, effort)
     encode_chat(Chat([Message("user", "")]), mode, effort, fmt)  # a bad --mode fails now
@@ -130,7 +131,8 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
         stopped = False
         try:
-            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature), on_token=view.push)
+            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature, top_p, seed),
+                     on_token=view.push)
         except KeyboardInterrupt:
             stopped = True
         view.finish()
