@@ -86,7 +86,7 @@ class ReplyView:
 
 def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
              hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]],
-             prompt_cache: Path | None = None) -> None:
+             top_p: float = 1.0, seed: int = 0, prompt_cache: Path | None = None) -> None:
     """The conversation's state stays in one cache row across turns (`mhcrun.session`): each turn prefills only
     what the row does not hold. With `prompt_cache`, a saved state is reused when a prompt starts with its tokens,
     and when the file does not exist the state after the first prompt is written to it."""
@@ -150,8 +150,8 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
         stopped = False
         try:
-            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature), on_token=view.push,
-                     session=session, marks=(mark,))
+            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature, top_p, seed),
+                     on_token=view.push, session=session, marks=(mark,))
         except KeyboardInterrupt:
             stopped = True
             session.lose_live_state()  # a step may have stopped half way through the row's state

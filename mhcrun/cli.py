@@ -15,11 +15,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from mhcrun.errors import InputError, MhcrunError
+
+# --help panels, in the order they are shown (PanelledCommand); developer knobs last
+INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
+                                                           "Memory", "Output", "Developer")
+PANELS = (INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER)
+
+
+class PanelledCommand(typer.core.TyperCommand):
+    """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code."""
+
+    def get_params(self, ctx):
+        def rank(param) -> int:
+            panel = getattr(param, "rich_help_panel", None)
+            return PANELS.index(panel) if panel in PANELS else -1
+
+        return sorted(super().get_params(ctx), key=rank)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
@@ -28,24 +45,45 @@ err = Console(stderr=True, highlight=False)
 
 DEFAULT_PROMPT = "The river runs past the mill"
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the bundled tiny model).")
-DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
-JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
+ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the bundled tiny model).",
+                        rich_help_panel=INPUT)
+DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel=DEVELOPER)
+JsonOpt = typer.Option(False, "--json", help="Machine-readable output.", rich_help_panel=OUTPUT)
 GraphModeOpt = typer.Option(None, "--graph-mode", help="eager or regions (compiled decode; env MHCRUN_GRAPH_MODE; "
-                            "default regions on cuda/neuron, eager on cpu).")
+                            "default regions on cuda/neuron, eager on cpu).", rich_help_panel=PATH)
 LayersOpt = typer.Option(None, "--layers", help="Run only the first N layers (then the head), to bring a big "
-                         "model up piece by piece.")
+                         "model up piece by piece.", rich_help_panel=DEVELOPER)
 DequantizeOpt = typer.Option(False, "--dequantize", help="Dequantise FP8/FP4 weights to fp32 at load (the reference "
-                             "the quantised GEMMs are checked against) instead of keeping them quantised.")
+                             "the quantised GEMMs are checked against) instead of keeping them quantised.",
+                             rich_help_panel=PATH)
 MemoryLimitOpt = typer.Option(None, "--memory-limit", help="Memory the plan must fit in (e.g. 24G, 512MiB); "
-                              "default: what this machine has available.")
-StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.")
+                              "default: what this machine has available.",
+                              rich_help_panel=MEMORY)
+StagesOpt = typer.Option("whole", "--stages", help="Compiled graphs per region: whole, or split at its stages.",
+                         rich_help_panel=DEVELOPER)
 PrefillChunkOpt = typer.Option(None, "--prefill-chunk", help="Prefill prompts this many tokens at a time (default: "
-                               "chosen so that a chunk's activations stay within a fixed budget; `info` says which).")
+                               "chosen so that a chunk's activations stay within a fixed budget; `info` says which).",
+                               rich_help_panel=MEMORY)
+
+
+TempOpt = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy.", rich_help_panel=SAMPLING)
+TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the fewest tokens whose probability reaches P.",
+                       rich_help_panel=SAMPLING)
+SeedOpt = typer.Option(0, "--seed", help="Sampling seed.", rich_help_panel=SAMPLING)
+DtypeOpt = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations.", rich_help_panel=PATH)
+QuantSimOpt = typer.Option(True, "--quant-sim/--no-quant-sim", rich_help_panel=PATH,
+                           help="Simulate DeepSeek's FP8/FP4 rounding (kv, indexer, GEMM activations).")
+DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda or neuron.", rich_help_panel=PATH)
+
+
+def max_tokens_option(default: int, help: str = "Most new tokens per prompt."):
+    """--max-new-tokens, also spelled --max-tokens (as in vLLM and the OpenAI API) and -n."""
+    return typer.Option(default, "--max-new-tokens", "--max-tokens", "-n", help=help, rich_help_panel=SAMPLING)
 
 
 TpOpt = typer.Option(1, "--tp", help="Run across N ranks of torch.distributed (gloo on cpu, nccl on cuda), sharded "
-                     "as DeepSeek's reference shards V4; mhcrun starts the ranks itself (or run under torchrun).")
+                     "as DeepSeek's reference shards V4; mhcrun starts the ranks itself (or run under torchrun).",
+                     rich_help_panel=PATH)
 
 
 def start_tp(tp: int, model: str | None, device: str):
@@ -165,7 +203,8 @@ def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
 
 
 CheckWeightsOpt = typer.Option(False, "--check-weights", help="Scan every stored tensor first: NaN/Inf floats, FP8 "
-                               "NaN codes, NaN/Inf or overflowing scales (exit 3 naming each bad tensor).")
+                               "NaN codes, NaN/Inf or overflowing scales (exit 3 naming each bad tensor).",
+                               rich_help_panel=INPUT)
 
 
 def memory_limit_option(value: str | None) -> int | None:
@@ -174,13 +213,14 @@ def memory_limit_option(value: str | None) -> int | None:
     return None if value is None else parse_size(value)
 
 
-ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.")
+ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.",
+                       rich_help_panel=INPUT)
 EffortOpt = typer.Option(None, "--reasoning-effort", help="Thinking mode's reasoning effort, as the chat format "
                          "takes it: v4 none|high|max (default none; only max adds a preamble), recipe-v4 and "
-                         "recipe-v41 low|high|xhigh|max (default high).")
+                         "recipe-v41 low|high|xhigh|max (default high).", rich_help_panel=INPUT)
 FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the encoder published with DeepSeek V4), "
                          "recipe-v4 or recipe-v41 (the deepseek-recipe package's); default: what the checkpoint's "
-                         "encoding/ folder says, else v4 (docs/chat-format.md).")
+                         "encoding/ folder says, else v4 (docs/chat-format.md).", rich_help_panel=INPUT)
 
 
 def chat_ids(runner, text: str, fmt: str) -> list[int]:
@@ -222,37 +262,76 @@ def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_
 
 PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): loaded when it exists "
                               "and this prompt starts with its tokens (only the rest is prefilled); else written "
-                              "with the state after this prompt. Never overwritten.")
+                              "with the state after this prompt. Never overwritten.", rich_help_panel=INPUT)
 
 
-@app.command()
+def check_sampling(temperature: float, top_p: float, seed: int) -> None:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:  # also false for nan
+        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
+    if not 0 <= seed < 2**63:
+        raise InputError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+class LockstepConsole:
+    """`chat --tp`: the console every rank's chat loop reads from. Rank 0 reads each line from the terminal and
+    broadcasts it (None for end of input), so that all ranks run each turn in lockstep; printing is the console's
+    (stdout is /dev/null on the other ranks)."""
+
+    def __init__(self, console: Console, shard):
+        self.console, self.shard = console, shard
+
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
+
+    def input(self, prompt: str = "") -> str:
+        from mhcrun.parallel import broadcast_text
+
+        line = None
+        if self.shard.rank == 0:
+            try:
+                line = self.console.input(prompt)
+            except EOFError:
+                line = None
+            except KeyboardInterrupt:
+                line = ""  # an empty line: the loop asks again
+        line = broadcast_text(line, self.shard)
+        if line is None:
+            raise EOFError
+        return line
+
+
+@app.command(cls=PanelledCommand)
 def generate(
     model: str = ModelOpt,
-    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (BOS is added)."),
-    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used as given."),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (BOS is added).", rich_help_panel=INPUT),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used as given.",
+                                   rich_help_panel=INPUT),
     prompts_file: Path = typer.Option(None, "--prompts-file", help="JSON Lines: {\"prompt\": ...} or "
-                                      "{\"prompt_ids\": [...]} per line; run as one batch."),
+                                      "{\"prompt_ids\": [...]} per line; run as one batch.", rich_help_panel=INPUT),
     messages: Path = typer.Option(None, "--messages", help="A conversation (OpenAI-style JSON) in DeepSeek V4's chat "
-                                  "format: generates the assistant's reply (--json adds it parsed as `message`)."),
+                                  "format: generates the assistant's reply (--json adds it parsed as `message`).",
+                                  rich_help_panel=INPUT),
     chat_mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
     chat_format: str = FormatOpt,
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
-    quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim",
-                                   help="Simulate DeepSeek's FP8/FP4 rounding (kv, indexer, GEMM activations)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past eos."),
+    max_new_tokens: int = max_tokens_option(32),
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    seed: int = SeedOpt,
+    dtype: str = DtypeOpt,
+    quant_sim: bool = QuantSimOpt,
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past eos.", rich_help_panel=SAMPLING),
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
-    device: str = typer.Option("cpu", "--device"),
+    device: str = DeviceOpt,
     layers: int = LayersOpt,
     dequantize: bool = DequantizeOpt,
     memory_limit: str = MemoryLimitOpt,
     prefill_chunk: int = PrefillChunkOpt,
-    force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds available memory."),
+    force: bool = typer.Option(False, "--force", help="Run even when the memory plan exceeds the available memory "
+                               "(or --memory-limit): skips only that check.", rich_help_panel=MEMORY),
     check_weights: bool = CheckWeightsOpt,
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
@@ -269,12 +348,7 @@ def generate(
 
         if max_new_tokens < 0:
             raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InputError(f"--temperature must be a finite number >= 0, got {temperature}")
-        if not 0 < top_p <= 1:  # also false for nan
-            raise InputError(f"--top-p must be in (0, 1], got {top_p}")
-        if not 0 <= seed < 2**63:
-            raise InputError(f"--seed must be in [0, 2**63), got {seed}")
+        check_sampling(temperature, top_p, seed)
         mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
         limit = memory_limit_option(memory_limit)
         chunk = prefill_chunk_option(prefill_chunk)
@@ -378,19 +452,22 @@ def generate(
     run_guarded(debug, body)
 
 
-@app.command("golden-record")
+@app.command("golden-record", cls=PanelledCommand)
 def golden_record(
-    prompts_file: Path = typer.Option(..., "--prompts-file", help="JSON Lines prompts."),
-    out_path: Path = typer.Option(..., "--out", help="Golden JSON to write."),
+    prompts_file: Path = typer.Option(..., "--prompts-file", help="JSON Lines prompts.", rich_help_panel=INPUT),
+    out_path: Path = typer.Option(..., "--out", help="Golden JSON to write.", rich_help_panel=OUTPUT),
     model: str = ModelOpt,
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
-    dtype: str = typer.Option("fp32", "--dtype"),
-    quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim"),
-    top_k: int = typer.Option(5, "--top-k", help="Log-probs kept per step."),
-    tolerance: float = typer.Option(0.01, "--tolerance", help="Near-tie tolerance on the logit margin."),
+    max_new_tokens: int = max_tokens_option(32),
+    dtype: str = DtypeOpt,
+    quant_sim: bool = QuantSimOpt,
+    top_k: int = typer.Option(5, "--logprobs", "--top-k", help="Log-probs kept per step: the N most likely tokens' "
+                              "(as vLLM's and OpenAI's `logprobs`; old name --top-k).", rich_help_panel=OUTPUT),
+    tolerance: float = typer.Option(0.01, "--tolerance", help="Near-tie tolerance on the logit margin.",
+                                    rich_help_panel=OUTPUT),
     prefill_chunk: int = PrefillChunkOpt,
     tp: int = TpOpt,
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --out file (atomically).",
+                               rich_help_panel=OUTPUT),
     debug: bool = DebugOpt,
 ) -> None:
     """Record greedy tokens (eager path) and per-step top-k log-probs into a golden file."""
@@ -404,7 +481,7 @@ def golden_record(
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if top_k < 2:
-            raise InputError(f"--top-k must be >= 2, got {top_k}")
+            raise InputError(f"--logprobs must be >= 2, got {top_k}")
         chunk = prefill_chunk_option(prefill_chunk)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu")
@@ -436,25 +513,29 @@ def golden_record(
     run_guarded(debug, body)
 
 
-@app.command("golden-check")
+@app.command("golden-check", cls=PanelledCommand)
 def golden_check(
     golden_path: Path = typer.Argument(..., metavar="GOLDEN", help="Golden JSON file."),
     model: str = ModelOpt,
     teacher_forced: bool = typer.Option(True, "--teacher-forced/--free-running", help="Feed the golden tokens and "
                                         "compare every step's log-probs (default), or generate freely and compare "
-                                        "tokens."),
+                                        "tokens.", rich_help_panel=CHECK),
     logprob_tol: float = typer.Option(None, "--logprob-tol", help="Largest |log-prob difference| that passes "
-                                      "(default: by path, see the README)."),
+                                      "(default: by path, see docs/golden.md).", rich_help_panel=CHECK),
     locate: bool = typer.Option(False, "--locate", help="For each failing prompt, run its first failing step on "
-                                "the eager fp32 reference and on this path and name the first region that differs."),
-    dtype: str = typer.Option(None, "--dtype", help="Activations of the path under test (default: the golden's)."),
+                                "the eager fp32 reference and on this path and name the first region that differs.",
+                                rich_help_panel=CHECK),
+    dtype: str = typer.Option(None, "--dtype", help="Activations of the path under test (default: the golden's).",
+                              rich_help_panel=PATH),
     dequantize: bool = DequantizeOpt,
-    device: str = typer.Option("cpu", "--device"),
+    device: str = DeviceOpt,
     graph_mode: str = GraphModeOpt,
     stages: str = StagesOpt,
     prefill_chunk: int = PrefillChunkOpt,
     tp: int = TpOpt,
-    force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model."),
+    force: bool = typer.Option(False, "--force", help="Check a golden file recorded for another model (its config "
+                               "or weights hash differ): skips only that refusal, with a warning naming what differs.",
+                               rich_help_panel=CHECK),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -567,14 +648,15 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
                                   f"regions before it within {before:.0e}) at step {check.step}")
 
 
-@app.command("chat-prompt")
+@app.command("chat-prompt", cls=PanelledCommand)
 def chat_prompt(
     messages: Path = typer.Argument(..., metavar="MESSAGES", help="OpenAI-style JSON: a list of messages, or "
                                     "{\"messages\": [...], \"tools\": [...]}."),
     mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
     chat_format: str = FormatOpt,
-    ids: bool = typer.Option(False, "--ids", help="Print the token ids (from the model's tokenizer) instead."),
+    ids: bool = typer.Option(False, "--ids", help="Print the token ids (from the model's tokenizer) instead.",
+                             rich_help_panel=OUTPUT),
     model: str = ModelOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -596,34 +678,46 @@ def chat_prompt(
     run_guarded(debug, body)
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 def chat(
     model: str = ModelOpt,
     mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
     chat_format: str = FormatOpt,
-    system: str = typer.Option(None, "--system", help="A system message to start the conversation with."),
-    hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning, only the answer."),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Longest reply."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    dtype: str = typer.Option("fp32", "--dtype"),
-    device: str = typer.Option("cpu", "--device"),
+    system: str = typer.Option(None, "--system", help="A system message to start the conversation with.",
+                               rich_help_panel=INPUT),
+    hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning, only the answer.",
+                                       rich_help_panel=OUTPUT),
+    max_new_tokens: int = max_tokens_option(1024, "Longest reply."),
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    seed: int = SeedOpt,
+    dtype: str = DtypeOpt,
+    quant_sim: bool = QuantSimOpt,
+    dequantize: bool = DequantizeOpt,
+    device: str = DeviceOpt,
+    tp: int = TpOpt,
     layers: int = LayersOpt,
     prompt_cache: Path = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): its state is "
                                       "reused when a prompt starts with its tokens; when it does not exist, the "
-                                      "state after the first prompt is written to it. Never overwritten."),
+                                      "state after the first prompt is written to it. Never overwritten.",
+                                      rich_help_panel=INPUT),
     debug: bool = DebugOpt,
 ) -> None:
     """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns,
     each turn prefilling only its new tokens; /reset, /mode chat|thinking, /exit; Ctrl-C stops a reply."""
 
-    def body() -> None:
+    def body() -> int | None:
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        runner = open_runner(model, dtype, True, device, layers)
+        check_sampling(temperature, top_p, seed)
+        shard, code = start_tp(tp, model, device)
+        if code is not None:
+            return code
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
         runner.require_tokenizer()
         from mhcrun.chat import resolve_format
 
@@ -633,27 +727,31 @@ def chat(
 
             open_prompt_cache(runner, prompt_cache)
         load_weights(runner)
-        run_chat(runner, out, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens, temperature,
-                 lambda text: chat_ids(runner, text, fmt), prompt_cache)
+        console = out if shard.world == 1 else LockstepConsole(out, shard)
+        run_chat(runner, console, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens,
+                 temperature, lambda text: chat_ids(runner, text, fmt), top_p=top_p, seed=seed,
+                 prompt_cache=prompt_cache)
 
     run_guarded(debug, body)
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 def info(
     model: str = ModelOpt,
     layers: int = LayersOpt,
     context: int = typer.Option(None, "--context", help="Context (tokens per sequence) the memory plan is for "
-                                "(default: 4096, or the model's maximum when smaller)."),
-    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16 activations."),
+                                "(default: 4096, or the model's maximum when smaller).", rich_help_panel=MEMORY),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together.", rich_help_panel=MEMORY),
+    dtype: str = DtypeOpt,
     dequantize: bool = DequantizeOpt,
     quant_sim: bool = typer.Option(True, "--quant-sim/--no-quant-sim", help="Plan the KV cache stored as the "
-                                   "simulation rounds it (FP8 kv, FP4 indexer keys), or in the activation dtype."),
+                                   "simulation rounds it (FP8 kv, FP4 indexer keys), or in the activation dtype.",
+                                   rich_help_panel=PATH),
     prefill_chunk: int = PrefillChunkOpt,
     memory_limit: str = MemoryLimitOpt,
     check_weights: bool = CheckWeightsOpt,
-    tp: int = typer.Option(1, "--tp", help="Plan the memory of one rank of N (each maps its share)."),
+    tp: int = typer.Option(1, "--tp", help="Plan the memory of one rank of N (each maps its share).",
+                           rich_help_panel=PATH),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -742,13 +840,14 @@ def weights_verdict(bad: list | None, runner) -> int:
     return 0
 
 
-@app.command("compile-regions")
+@app.command("compile-regions", cls=PanelledCommand)
 def compile_regions(
     model: str = ModelOpt,
-    device: str = typer.Option("cpu", "--device"),
+    device: str = DeviceOpt,
     stages: str = StagesOpt,
-    batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for."),
-    context: int = typer.Option(256, "--context", help="Context (cache length) the graphs are compiled for."),
+    batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for.", rich_help_panel=PATH),
+    context: int = typer.Option(256, "--context", help="Context (cache length) the graphs are compiled for.",
+                                rich_help_panel=PATH),
     tp: int = TpOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -791,12 +890,13 @@ def compile_regions(
     run_guarded(debug, body)
 
 
-@app.command("make-tiny")
+@app.command("make-tiny", cls=PanelledCommand)
 def make_tiny_cmd(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to write."),
     seed: int = typer.Option(0, "--seed"),
     fp8: bool = typer.Option(False, "--fp8", help="FP8 e4m3 linears (e8m0 block scales) and FP4 experts."),
-    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty directory."),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT directory, replacing the files "
+                               "of the same names (atomically).", rich_help_panel=OUTPUT),
     debug: bool = DebugOpt,
 ) -> None:
     """Write the tiny model's checkpoint (or its FP8/FP4 variant)."""
@@ -810,7 +910,7 @@ def make_tiny_cmd(
     run_guarded(debug, body)
 
 
-@app.command("make-synthetic")
+@app.command("make-synthetic", cls=PanelledCommand)
 def make_synthetic_cmd(
     config: Path = typer.Argument(..., metavar="CONFIG", help="A config.json (e.g. configs/v4-flash.json) or a "
                                   "directory holding one."),
@@ -819,7 +919,8 @@ def make_synthetic_cmd(
                                "so run the result with --layers N)."),
     seed: int = typer.Option(0, "--seed"),
     shard_size: str = typer.Option("4GiB", "--shard-size", help="Largest shard (e.g. 4GiB, 512MB)."),
-    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty directory."),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT directory, replacing the files "
+                               "of the same names (atomically).", rich_help_panel=OUTPUT),
     debug: bool = DebugOpt,
 ) -> None:
     """Write a synthetic checkpoint at full width in the released layout (FP8 linears with e8m0 block scales,

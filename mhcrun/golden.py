@@ -372,7 +372,7 @@ class CheckReport:
         return 3 if self.counts["non-finite"] else 0 if self.ok else 1
 
 
-# Default tolerances of the checks by path, measured on the bundled goldens (README, "Golden files"): the
+# Default tolerances of the checks by path, measured on the bundled goldens (docs/golden.md): the
 # largest |log-prob difference| of a golden candidate (teacher-forced, and the free-running near-tie rule), and the
 # relative difference of a region's output from the eager fp32 reference that --locate reports.
 TOLERANCES = {

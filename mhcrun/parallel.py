@@ -123,6 +123,19 @@ def gather_text(text: str, shard: Shard, size: int = 512) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- processes
 
+def broadcast_text(text: str | None, shard: Shard) -> str | None:
+    """Rank 0's `text` (any length) on every rank; the others pass None."""
+    if shard.world == 1:
+        return text
+    import torch.distributed as dist
+
+    box = [text]
+    # NCCL sends only device tensors: the pickled object goes through this rank's CUDA device
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
 def env_shard() -> Shard | None:
     """The shard torchrun (or mhcrun's launcher) set in the environment, or None outside a launch."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

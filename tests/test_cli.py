@@ -581,7 +581,7 @@ def test_golden_record_then_check_and_overwrite_rules(tmp_path):
     ok(cli("golden-check", out))
 
 
-@pytest.mark.parametrize("case", ["missing-prompts", "bad-prompts-line", "n-zero", "top-k-one"])
+@pytest.mark.parametrize("case", ["missing-prompts", "bad-prompts-line", "n-zero", "logprobs-one"])
 def test_golden_record_bad_input(tmp_path, case):
     pf = tmp_path / "prompts.jsonl"
     pf.write_text('{"prompt_ids": [0, 5]}\n')
@@ -596,7 +596,7 @@ def test_golden_record_bad_input(tmp_path, case):
     elif case == "n-zero":
         extra, needles = ("-n", 0), ("--max-new-tokens",)
     else:
-        extra, needles = ("--top-k", 1), ("--top-k",)
+        extra, needles = ("--logprobs", 1), ("--logprobs",)
     user_error(cli("golden-record", "--prompts-file", pf, "--out", out, *extra), *needles)
     assert not out.exists()
 
@@ -850,3 +850,53 @@ def test_model_given_as_a_relative_path(monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
     r = cli("generate", "--model", "mhcrun/data/tiny", "--prompt-ids", "0,5,6", "-n", 2, "--json")
     assert r.exit_code == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- option names
+def test_the_peers_option_names_and_the_old_ones_give_the_same_run():
+    """--temp, --max-tokens (mlx-lm, llama.cpp, vLLM, OpenAI) and --temperature, --max-new-tokens: one option each."""
+    old = cli("generate", "--prompt-ids", IDS, "--max-new-tokens", 4, "--temperature", 0.9, "--seed", 7, "--json")
+    new = cli("generate", "--prompt-ids", IDS, "--max-tokens", 4, "--temp", 0.9, "--seed", 7, "--json")
+    ok(old), ok(new)
+    assert json.loads(old.stdout)["tokens"] == json.loads(new.stdout)["tokens"]
+    assert len(json.loads(new.stdout)["tokens"]) == 4
+
+
+def test_golden_record_logprobs_and_its_old_name_top_k(tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text('{"prompt_ids": [0, 5, 6]}\n')
+    for flag, n in (("--logprobs", 3), ("--top-k", 4)):
+        ok(cli("golden-record", "--prompts-file", pf, "--out", tmp_path / f"{flag}.json", "-n", 2, flag, n))
+        golden = json.loads((tmp_path / f"{flag}.json").read_text())
+        assert golden["settings"]["top_k"] == n and all(len(s["top"]) == n for s in golden["prompts"][0]["steps"])
+
+
+def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
+    """chat's reply with --temp/--top-p/--seed/--no-quant-sim/--dequantize/--dtype is generate --messages' reply with
+    the same options: the options reach the chat loop."""
+    opts = ("--mode", "chat", "-n", 6, "--temp", 1.5, "--top-p", 0.9, "--seed", 3, "--no-quant-sim", "--dequantize",
+            "--dtype", "bf16")
+    messages = tmp_path / "m.json"
+    messages.write_text('[{"role": "user", "content": "Hi"}]')
+    want = cli("generate", "--messages", messages, "--json", *opts)
+    ok(want)
+    reply = json.loads(want.stdout)["text"]
+    got = RUNNER.invoke(app, ["chat", *map(str, opts)], input="Hi\n/exit\n")
+    ok(got)
+    assert reply and reply in got.stdout, (reply, got.stdout)
+    greedy = RUNNER.invoke(app, ["chat", *map(str, opts[:4]), *map(str, opts[10:])], input="Hi\n")
+    ok(greedy)
+    assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
+
+
+def test_help_groups_options_into_panels_with_developer_knobs_last():
+    text = cli("generate", "--help", env={"COLUMNS": "200"}).stdout
+    panels = [p for p in ("Input", "Sampling", "Path under test", "Memory", "Output", "Developer")
+              if f"─ {p} ─" in text]
+    assert len(panels) == 6 and sorted(panels, key=text.index) == panels
+    assert text.index("--debug") > text.index("─ Developer ─") > text.index("--json")
+    says = {"generate": "skips only that check", "golden-record": "Overwrite an existing --out file",
+            "golden-check": "skips only that refusal", "make-tiny": "Write into a non-empty OUT directory",
+            "make-synthetic": "Write into a non-empty OUT directory"}
+    for command, what in says.items():  # each --force says what it overrides
+        assert what in " ".join(cli(command, "--help", env={"COLUMNS": "400"}).stdout.split()), command

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,9 +140,9 @@ def test_two_ranks_equal_one_region_by_region(tmp_path, fp8_tiny, kind, quant_si
     assert got["stats"]["tp"] == 2 and len(got["stats"]["peak_rss_mb_per_rank"]) == 2
 
 
-def mhcrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def mhcrun(*args: str, timeout: float = 300, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mhcrun.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"), input=stdin)
 
 
 def test_generate_tp2_prints_the_single_rank_format_and_tokens(fp8_tiny):
@@ -203,14 +204,19 @@ def test_tp_that_does_not_divide_is_one_line_before_any_worker():
         assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
 
 
-def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
-    """Rank 1 needs an expert the index does not list; rank 0 does not and would wait for it in a collective:
-    both end within seconds, the user sees rank 1's error, exit 2, and no rank is left running."""
+def checkpoint_missing_an_expert_of_rank_1(tmp_path: Path) -> Path:
     ckpt = tmp_path / "half"
     shutil.copytree(DEFAULT_MODEL, ckpt)
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     del index["weight_map"]["layers.2.ffn.experts.6.w1.weight"]  # rank 1 of 2 holds experts 4..7
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return ckpt
+
+
+def test_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
+    """Rank 1 needs an expert the index does not list; rank 0 does not and would wait for it in a collective:
+    both end within seconds, the user sees rank 1's error, exit 2, and no rank is left running."""
+    ckpt = checkpoint_missing_an_expert_of_rank_1(tmp_path)
     t0 = time.time()
     r = mhcrun("generate", "-m", str(ckpt), "--tp", "2", "-n", "4", timeout=120)
     assert r.returncode == 2 and time.time() - t0 < 60, r.stderr
@@ -268,3 +274,30 @@ def test_info_plans_one_rank(fp8_tiny):
     one = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json"]).stdout)["memory_plan"]
     two = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json", "--tp", "2"]).stdout)["memory_plan"]
     assert two["weights_bytes"] < one["weights_bytes"] and SINGLE.world == 1
+
+
+def _replies(stdout: str) -> str:
+    return re.sub(r"[\d.]+ tok/s", "", stdout)
+
+
+def test_chat_tp2_runs_each_turn_on_every_rank_and_prints_once():
+    """Rank 0 reads the lines and sends them to rank 1: both run each turn; the transcript is one rank's."""
+    lines = "Hi\n/mode chat\nAnd now?\n/exit\n"
+    one = mhcrun("chat", "-n", "5", "--no-quant-sim", stdin=lines)
+    two = mhcrun("chat", "-n", "5", "--no-quant-sim", "--tp", "2", stdin=lines)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout.count("prompt tokens, prefill") == 2 and _replies(two.stdout) == _replies(one.stdout)
+    eof = mhcrun("chat", "-n", "2", "--tp", "2", stdin="Hi\n")  # end of input ends every rank
+    assert eof.returncode == 0 and eof.stdout.count("prompt tokens, prefill") == 1, eof.stderr
+
+
+def test_chat_tp2_a_failing_rank_ends_every_rank_with_its_one_line(tmp_path):
+    ckpt = checkpoint_missing_an_expert_of_rank_1(tmp_path)
+    t0 = time.time()
+    r = mhcrun("chat", "-m", str(ckpt), "--tp", "2", "-n", "4", timeout=240, stdin="Hi\n")
+    assert r.returncode == 2 and time.time() - t0 < 180, r.stderr  # ~30 s: rank 0 does not wait for its input
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1:] == [f"error: rank 1: layers.2.ffn.experts.6.w1.weight: tensor missing from {ckpt}/"
+                          f"model.safetensors.index.json"], lines
+    assert not _ranks_alive(str(ckpt))
+

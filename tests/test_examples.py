@@ -1,0 +1,103 @@
+"""The examples in README.md and docs/*.md run: every fenced ```bash block that calls `mhcrun` runs as one script (so a
+block may write the file its next command reads, as golden-record then golden-check do) in an empty directory, on
+the bundled model, and must exit 0. The Quick start block installs mhcrun and is run by .ci/run instead. Commands
+in running text (`mhcrun generate --device neuron ...`, which need hardware or big checkpoints) are not run, but
+each option they name must be one of that command's options: a renamed option leaves no stale example behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from mhcrun.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+CALLS_MHCRUN = re.compile(r"(^|[|&;(]\s*)mhcrun\s", re.M)
+INLINE = re.compile(r"`mhcrun ([a-z-]+)([^`]*)`")
+
+
+def label(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else page.name
+
+
+def collect_blocks(pages: list[Path]) -> list[tuple[str, str]]:
+    """-> (page:line, script) for each bash block that runs mhcrun, the install blocks left out."""
+    blocks = []
+    for page in pages:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            lang, body = m.groups()
+            if lang in ("bash", "sh") and CALLS_MHCRUN.search(body) and "pip install" not in body:
+                blocks.append((f"{label(page)}:{text.count(chr(10), 0, m.start()) + 1}", body))
+    return blocks
+
+
+def collect_inline(pages: list[Path]) -> list[tuple[str, str, list[str]]]:
+    """-> (page, command, options) for each `mhcrun COMMAND ...` in running text (outside fenced blocks)."""
+    found = []
+    for page in pages:
+        text = FENCE.sub("", page.read_text())
+        for m in INLINE.finditer(text):
+            found.append((label(page), m.group(1), re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", m.group(2))))
+    return found
+
+
+def stale_options(command: str, options: list[str]) -> list[str] | None:
+    """The options `command` does not have (None: no such command)."""
+    group = typer.main.get_command(app)
+    if command not in group.commands:
+        return None
+    known = {o for p in group.commands[command].params for o in (*p.opts, *p.secondary_opts)}
+    return [o for o in options if o not in known]
+
+
+def run_block(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A block as a bash script (-e, pipefail) in `cwd`, with this environment's mhcrun first on PATH."""
+    (cwd / "configs").symlink_to(ROOT / "configs")  # examples name the repository's configs
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               COLUMNS="100")
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=600, stdin=subprocess.DEVNULL)
+
+
+BLOCKS = collect_blocks(PAGES)
+
+
+def test_the_pages_hold_an_example_of_every_command():
+    shown = {m.group(1) for _, body in BLOCKS for m in re.finditer(r"mhcrun ([a-z-]+)", body)}
+    commands = {c.name for c in typer.main.get_command(app).commands.values()}
+    assert shown >= commands, f"commands without an example: {commands - shown}"
+
+
+@pytest.mark.parametrize("where,script", BLOCKS, ids=[w for w, _ in BLOCKS])
+def test_example_runs(where, script, tmp_path):
+    r = run_block(script, tmp_path)
+    assert r.returncode == 0, f"{where}: exit {r.returncode}\n{script}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+
+
+def test_commands_in_running_text_name_real_options():
+    found = collect_inline(PAGES)
+    for page, command, options in found:
+        stale = stale_options(command, options)
+        assert stale == [], f"{page}: `mhcrun {command}`: " + ("no such command" if stale is None else f"no {stale}")
+    assert len(found) > 5
+
+
+def test_a_stale_option_is_refused(tmp_path):
+    """Both checks fail on a renamed option: the block exits non-zero, the running text's option is unknown."""
+    page = tmp_path / "page.md"
+    page.write_text("Run `mhcrun generate --max-new-tokenz 3`.\n\n```bash\nmhcrun generate --max-new-tokenz 3\n```\n")
+    ((_, script),) = collect_blocks([page])
+    r = run_block(script, tmp_path)
+    assert r.returncode == 2 and "--max-new-tokenz" in r.stderr
+    ((_, command, options),) = collect_inline([page])
+    assert stale_options(command, options) == ["--max-new-tokenz"]
+    assert stale_options("generat", []) is None
