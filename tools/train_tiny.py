@@ -3,6 +3,7 @@ Python's standard library.
 
     python tools/train_tiny.py --out mhcrun/data/tiny --force          # the bundled checkpoint (~15 min, 2 cores)
     python tools/train_tiny.py --out /tmp/t --steps 3 --max-docs 200   # a smoke run
+    python tools/train_tiny.py --evaluate mhcrun/data/tiny              # held-out numbers of a written model
 
 The text: every docstring (module, class, function) of the running Python's standard library (`ast` over
 `sysconfig`'s stdlib directory; test packages, idlelib's tests and site-packages left out; ASCII docstrings only,
@@ -48,6 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
 import torch.nn.functional as F
 
@@ -371,11 +373,12 @@ def train(P: dict, cfg: ModelConfig, stream: torch.Tensor, steps: int, batch: in
 @torch.no_grad()
 def evaluate(P: dict, cfg: ModelConfig, stream: torch.Tensor, seq: int, byte_len: torch.Tensor,
              batch: int = 16) -> dict:
-    """Held-out main and MTP loss (nats/token) over consecutive windows of the stream, and bits per byte."""
+    """Held-out main and MTP loss (nats/token) over consecutive windows of the stream, bits per byte, and how
+    often the MTP layer's top-1 is the token at t+2."""
     ctx = make_ctx(cfg, seq)
     n = (stream.numel() - 1) // seq
     nll = mtp_nll = 0.0
-    tokens = mtp_tokens = 0
+    tokens = mtp_tokens = mtp_hits = 0
     nbytes = 0.0
     for i in range(0, n, batch):
         rows = [stream[j * seq: j * seq + seq + 1] for j in range(i, min(n, i + batch))]
@@ -387,8 +390,9 @@ def evaluate(P: dict, cfg: ModelConfig, stream: torch.Tensor, seq: int, byte_len
         m = mtp_forward(P, streams[:, :-1], x[:, 1:-1], ctx)
         mtp_nll += F.cross_entropy(m.flatten(0, 1), x[:, 2:].flatten(), reduction="sum").item()
         mtp_tokens += x[:, 2:].numel()
-    return {"loss": nll / tokens, "mtp_loss": mtp_nll / mtp_tokens, "tokens": tokens, "bytes": nbytes,
-            "bits_per_byte": nll / math.log(2) / nbytes}
+        mtp_hits += (m.argmax(-1) == x[:, 2:]).sum().item()
+    return {"loss": nll / tokens, "mtp_loss": mtp_nll / mtp_tokens, "mtp_top1": mtp_hits / mtp_tokens,
+            "tokens": tokens, "bytes": nbytes, "bits_per_byte": nll / math.log(2) / nbytes}
 
 
 def unigram_loss(train: torch.Tensor, held: torch.Tensor, vocab: int) -> float:
@@ -416,7 +420,8 @@ def load_params(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="checkpoint directory to write")
+    ap.add_argument("--out", help="checkpoint directory to write")
+    ap.add_argument("--evaluate", metavar="DIR", help="only evaluate a checkpoint this script wrote (held-out text)")
     ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=700)
@@ -427,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-docs", type=int, default=None, help="train on the first N docstrings only (tests)")
     args = ap.parse_args(argv)
 
+    if (args.out is None) == (args.evaluate is None):
+        ap.error("give --out (train and write) or --evaluate DIR")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -435,34 +442,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"text: docstrings of Python {sys.version.split()[0]}'s standard library ({root}; PSF License): "
           f"{len(train_docs)} training docstrings ({sum(map(len, train_docs)):,} characters), {len(held_docs)} "
           f"held out ({sum(map(len, held_docs)):,})", flush=True)
-    vocab = VOCAB if args.max_docs is None else min(VOCAB, 512)
-    raw = trained_config_raw()
-    raw["vocab_size"] = vocab
-    tok = build_tiny_tokenizer("\n\n".join(train_docs), vocab)
+    if args.evaluate:
+        out = Path(args.evaluate)
+        raw = json.loads((out / "config.json").read_text())
+        tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        raw = trained_config_raw()
+        raw["vocab_size"] = VOCAB if args.max_docs is None else min(VOCAB, 512)
+        tok = build_tiny_tokenizer("\n\n".join(train_docs), raw["vocab_size"])
     cfg = config_from_hf(raw)
     train_stream, held_stream = token_stream(tok, train_docs), token_stream(tok, held_docs)
-    print(f"tokens: {train_stream.numel():,} training, {held_stream.numel():,} held out (vocabulary {vocab})")
+    print(f"tokens: {train_stream.numel():,} training, {held_stream.numel():,} held out "
+          f"(vocabulary {cfg.vocab_size})")
 
-    P = init_params(cfg, args.seed)
-    n_params = sum(t.numel() for t in P.values() if t.is_floating_point())
-    print(f"model: {n_params:,} parameters ({cfg.n_layers} layers + 1 MTP layer, dim {cfg.dim})", flush=True)
-    t_train = time.perf_counter()
-    train(P, cfg, train_stream, args.steps, args.batch, args.seq, args.lr, args.seed)
-    train_s = time.perf_counter() - t_train
-
-    out = write_checkpoint(args.out, raw, stored_tensors(P, cfg), n_shards=2,
-                           extra_files={"tokenizer.json": tok.to_str()}, force=args.force)
+    if not args.evaluate:
+        P = init_params(cfg, args.seed)
+        n_params = sum(t.numel() for t in P.values() if t.is_floating_point())
+        print(f"model: {n_params:,} parameters ({cfg.n_layers} layers + 1 MTP layer, dim {cfg.dim})", flush=True)
+        t_train = time.perf_counter()
+        train(P, cfg, train_stream, args.steps, args.batch, args.seq, args.lr, args.seed)
+        train_s = time.perf_counter() - t_train
+        out = write_checkpoint(args.out, raw, stored_tensors(P, cfg), n_shards=2,
+                               extra_files={"tokenizer.json": tok.to_str()}, force=args.force)
+        print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
+        print(f"training: {args.steps} steps of {args.batch} x {args.seq} tokens in {train_s:.0f} s "
+              f"({time.perf_counter() - t_start:.0f} s in all, {args.threads} threads)")
     shipped = load_params(out, cfg)  # evaluate what was written (bf16)
     res = evaluate(shipped, cfg, held_stream, args.seq, byte_lengths(tok))
-    uni = unigram_loss(train_stream, held_stream[1:], vocab)
-    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
-    print(f"training: {args.steps} steps of {args.batch} x {args.seq} tokens in {train_s:.0f} s "
-          f"({time.perf_counter() - t_start:.0f} s in all, {args.threads} threads)")
-    print(f"held-out loss {res['loss']:.3f} nats/token (unigram baseline {uni:.3f}), "
-          f"{res['bits_per_byte']:.3f} bits/byte over {res['tokens']:,} tokens / {res['bytes']:,.0f} bytes; "
-          f"MTP (token t+2) loss {res['mtp_loss']:.3f}")
+    n_eval = (held_stream.numel() - 1) // args.seq * args.seq  # the targets `evaluate` scored
+    uni = unigram_loss(train_stream, held_stream[1:n_eval + 1], cfg.vocab_size)
+    uni_bpb = uni * res["tokens"] / math.log(2) / res["bytes"]
+    print(f"held-out loss {res['loss']:.3f} nats/token (unigram baseline {uni:.3f}), {res['bits_per_byte']:.3f} "
+          f"bits/byte (unigram {uni_bpb:.3f}) over {res['tokens']:,} tokens / {res['bytes']:,.0f} bytes; MTP "
+          f"(token t+2) loss {res['mtp_loss']:.3f}, top-1 right {100 * res['mtp_top1']:.1f}%")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
