@@ -57,7 +57,7 @@ def mhcrun_last_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_checkpoint_layout_and_mtp_tensors(trained):
-    _, out = trained
+    T, out = trained
     raw = json.loads((out / "config.json").read_text())
     cfg = config_from_hf(raw)
     assert cfg.n_mtp_layers == 1 and len(cfg.compress_ratios) == cfg.n_layers + 1
@@ -67,6 +67,10 @@ def test_checkpoint_layout_and_mtp_tensors(trained):
     assert {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
             "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.gate.bias"} <= want
     assert want <= set(index["weight_map"])
+    stored = T.load_params(out, cfg)
+    assert all(tuple(stored[s.name].shape) == s.shape for s in mtp_tensor_specs(cfg))
+    assert stored["mtp.0.e_proj.weight"].shape == (cfg.dim, cfg.dim)
+    assert stored["mtp.0.hc_head_fn"].shape == (cfg.hc_mult, cfg.hc_mult * cfg.dim)
     ck = load_checkpoint(out)  # mhcrun loads it and leaves the MTP layer out
     assert not any(n.startswith("mtp.") for n in ck.tensors) and ck.unused == []
 
