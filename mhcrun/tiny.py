@@ -1,4 +1,5 @@
-"""The bundled tiny model: random weights of the V4 architecture, scaled so greedy decoding is decisive.
+"""The random tiny model (`make-tiny`): random weights of the V4 architecture, scaled so greedy decoding is
+decisive (the bundled model in `data/tiny` is a trained one, written by `tools/train_tiny.py`).
 
 `make_tiny` writes a DeepSeek-layout checkpoint (config.json, index, >= 2 shards, tokenizer.json);
 with `fp8=True` the linears are stored FP8 e4m3 with e8m0 block scales and the routed experts FP4.
@@ -22,7 +23,8 @@ FP8_BLOCK = 32  # the tiny model's widths (64, 128) are below DeepSeek's 128, so
 
 
 def tiny_config_raw() -> dict:
-    return json.loads(resources.files("mhcrun").joinpath("data/tiny/config.json").read_text())
+    """The random tiny model's config (`data/tiny_random_config.json`)."""
+    return json.loads(resources.files("mhcrun").joinpath("data/tiny_random_config.json").read_text())
 
 
 def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
@@ -72,14 +74,19 @@ def init_tensors(cfg: ModelConfig, seed: int = 0, fp8: bool = False) -> dict[str
             out[spec.name], out[scale_name(spec.name)] = quantize_weight_fp8(t, cfg.weight_block_size)
         elif fmt == "fp4":
             out[spec.name], out[scale_name(spec.name)] = quantize_weight_fp4(t, 32)
-        elif t.dtype == torch.int32:
-            out[spec.name] = t
-        elif spec.name.startswith("hc_") or ".hc_" in spec.name or spec.name.endswith(
-                ("attn_sink", "ape", "gate.bias")):
-            out[spec.name] = t.float()
         else:
-            out[spec.name] = t.to(torch.bfloat16)
+            out[spec.name] = release_tensor(spec.name, t)
     return out
+
+
+def release_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An unquantised tensor in the release's dtype: int32 tables as they are, fp32 for the mHC parameters,
+    sinks, ape and gate bias, bf16 otherwise."""
+    if t.dtype in (torch.int32, torch.int64):
+        return t.to(torch.int32)
+    if name.startswith("hc_") or ".hc_" in name or name.endswith(("attn_sink", "ape", "gate.bias")):
+        return t.float()
+    return t.to(torch.bfloat16)
 
 
 def fp8_variant(raw: dict) -> dict:

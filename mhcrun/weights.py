@@ -33,10 +33,11 @@ class TensorSpec:
     expert: int | None = None  # a routed expert's weight: the expert (each rank holds a contiguous block)
 
 
-def layer_tensor_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> list[TensorSpec]:
+    """Layer i's tensors, named `layers.{i}.*` (or `prefix` + the same leaves: an MTP layer)."""
     d, n = cfg.dim, cfg.hc_mult
     hd, H, G = cfg.head_dim, cfg.n_heads, cfg.o_groups
-    p = f"layers.{i}."
+    p = f"layers.{i}." if prefix is None else prefix
     specs = [
         TensorSpec(p + "attn_norm.weight", (d,)),
         TensorSpec(p + "ffn_norm.weight", (d,)),
@@ -112,6 +113,31 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     ]
     for i in range(cfg.n_layers if n_layers is None else n_layers):
         specs += layer_tensor_specs(cfg, i)
+    return specs
+
+
+def mtp_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """The MTP layers' tensors (`num_nextn_predict_layers`; not run by mhcrun, which loads none of them), as
+    DeepSeek's reference lays them out (`MTPBlock` in `inference/model.py`): MTP layer k is a V4 block of layer
+    id n_layers + k (its attention kind `compress_ratios[n_layers + k]`, routed MoE) named `mtp.{k}.*`, plus
+    `e_proj` and `h_proj` (linears [d, d]: the next token's normed embedding and the normed hc streams), their
+    norms `enorm` and `hnorm`, and its own head collapse (`hc_head_*`) and final `norm`; the embedding and the
+    head are the model's."""
+    d, n = cfg.dim, cfg.hc_mult
+    specs = []
+    for k in range(cfg.n_mtp_layers):
+        p = f"mtp.{k}."
+        specs += layer_tensor_specs(cfg, cfg.n_layers + k, p)
+        specs += [
+            TensorSpec(p + "e_proj.weight", (d, d), "linear"),
+            TensorSpec(p + "h_proj.weight", (d, d), "linear"),
+            TensorSpec(p + "enorm.weight", (d,)),
+            TensorSpec(p + "hnorm.weight", (d,)),
+            TensorSpec(p + "norm.weight", (d,)),
+            TensorSpec(p + "hc_head_fn", (n, n * d)),
+            TensorSpec(p + "hc_head_base", (n,)),
+            TensorSpec(p + "hc_head_scale", (1,)),
+        ]
     return specs
 
 

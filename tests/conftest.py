@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests: a seed per test, and which CPU GEMV path qlinear takes."""
+"""Fixtures shared by the tests: a seed per test, which CPU GEMV path qlinear takes, and the random tiny model."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def seed_torch(request) -> None:
     """Each test draws the same random inputs on every run, whichever worker runs it and after what: a failure
     seen once is seen again."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+@pytest.fixture(scope="session")
+def random_tiny(tmp_path_factory) -> Path:
+    """The random tiny model (`make-tiny`, seed 0): random weights scaled so that greedy decoding is decisive, for
+    the tests that need wide top-1/top-2 margins (the bundled model is a trained one, whose margins are those of
+    a trained model). Its golden file is tests/golden/tiny-random.json."""
+    from mhcrun.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("random") / "tiny")
+
 
 KERNEL_ISAS = ["avx512", "avx2"]
 

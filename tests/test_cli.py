@@ -27,7 +27,8 @@ from mhcrun.cli import DEFAULT_PROMPT, app
 from mhcrun.runner import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN = REPO / "tests" / "golden" / "tiny.json"
+GOLDEN = REPO / "tests" / "golden" / "tiny.json"  # the bundled (trained) model's
+GOLDEN_RANDOM = REPO / "tests" / "golden" / "tiny-random.json"  # the random model's (`make-tiny`, the fixture)
 INDEX = "model.safetensors.index.json"
 SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
@@ -367,16 +368,12 @@ def test_info_table():
 # ---------------------------------------------------------------------------------------------- make-tiny
 
 
-def test_make_tiny_matches_bundled(made_tiny, greedy_ref):
+def test_make_tiny_writes_the_random_model(made_tiny, random_tiny):
+    """make-tiny writes the random model whose golden file (checked against DeepSeek's reference) it still passes."""
     assert {p.name for p in made_tiny.iterdir()} >= {"config.json", INDEX, SHARD1, SHARD2, "tokenizer.json"}
-    (res,) = gen_json("--model", made_tiny, "--prompt-ids", IDS, "-n", N)
-    assert res["tokens"] == greedy_ref["tokens"]
-    (res,) = gen_json("--model", made_tiny, "-n", N)
-    (ref,) = gen_json("-n", N)
-    assert res["tokens"] == ref["tokens"] and res["prompt_ids"] == ref["prompt_ids"]
-    mine, bundled = json.loads(cli("info", "--model", made_tiny, "--json").stdout), json.loads(cli("info", "--json")
-                                                                                               .stdout)
-    assert mine["config_hash"] == bundled["config_hash"] and mine["params"] == bundled["params"]
+    ok(cli("golden-check", GOLDEN_RANDOM, "--model", made_tiny))
+    mine, fixture = (json.loads(cli("info", "--model", m, "--json").stdout) for m in (made_tiny, random_tiny))
+    assert mine["config_hash"] == fixture["config_hash"] and mine["params"] == fixture["params"]
 
 
 def test_make_tiny_fp8(made_fp8):
@@ -746,7 +743,7 @@ def test_generate_bad_graph_mode_env():
     user_error(cli("generate", "-n", 1, env={"MHCRUN_GRAPH_MODE": "turbo"}), "turbo")
 
 
-@pytest.mark.parametrize("content", ['{"prompt_ids": [0, 5]}\n{"prompt_ids": [0, 600]}\n', "not json\n", "\n\n",
+@pytest.mark.parametrize("content", ['{"prompt_ids": [0, 5]}\n{"prompt_ids": [0, 6000]}\n', "not json\n", "\n\n",
                                      '{"prompt": "a", "prompt_ids": [0]}\n', '{"prompt": "a", "id": "x"}\n'
                                      '{"prompt": "b", "id": "x"}\n'])
 def test_generate_bad_prompts_file(tmp_path, content):

@@ -98,7 +98,7 @@ def test_chunked_prefill_equals_single_chunk(kind, quant_sim):
 
 @pytest.mark.parametrize("chunk", [1, 5, 17])
 def test_greedy_tokens_equal_for_every_chunk_size_on_the_golden_file(chunk):
-    """The bundled golden file (recorded with single-chunk prefills, checked against DeepSeek's reference) passes
+    """The bundled golden file (recorded with single-chunk prefills) passes
     with every prefill chunk size."""
     r = CLI.invoke(app, ["golden-check", "tests/golden/tiny.json", "--prefill-chunk", str(chunk), "--json"])
     assert r.exit_code == 0, r.stdout + r.stderr

@@ -150,14 +150,14 @@ def test_generate_names_the_layer_half_of_each_planted_value(tmp_path, fp8_tiny,
     assert f"; {half} produced " in line and "from finite inputs" in line, line
 
 
-def test_an_expert_reached_by_one_route_only(tmp_path):
+def test_an_expert_reached_by_one_route_only(tmp_path, random_tiny):
     """Layer 0 routes by token id (tid2eid): a NaN in one of its experts stays unseen by prompts whose tokens
     never route there, the weights check finds it anyway, and a prompt holding such a token names the half."""
     tid2eid = make_model().layers[0].ffn.gate.tid2eid
     token = 7
     expert = int(tid2eid[token, 0])
     clean = [t for t in range(2, 200) if expert not in tid2eid[t].tolist()][:4]
-    ckpt = plant(DEFAULT_MODEL, tmp_path / "bad", f"layers.0.ffn.experts.{expert}.w1.weight", (1, 1), float("nan"))
+    ckpt = plant(random_tiny, tmp_path / "bad", f"layers.0.ffn.experts.{expert}.w1.weight", (1, 1), float("nan"))
     ok = CLI.invoke(app, ["generate", "-m", str(ckpt), "--prompt-ids", ",".join(map(str, [0] + clean)), "-n", "1"])
     assert ok.exit_code == 0, ok.stdout + ok.stderr
     found = CLI.invoke(app, ["info", "-m", str(ckpt), "--check-weights"])

@@ -312,10 +312,10 @@ inductor = pytest.mark.xdist_group("regions-inductor")
 
 
 @pytest.fixture(scope="module")
-def tiny_runner():
+def tiny_runner(random_tiny):
     from mhcrun.runner import load_runner
 
-    return load_runner(None)
+    return load_runner(str(random_tiny))  # tokens compared exactly: decisive margins
 
 
 @inductor
