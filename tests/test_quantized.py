@@ -16,6 +16,7 @@ from mhcrun.checkpoint import INDEX_FILE, load_checkpoint, plan_checkpoint
 from mhcrun.generate import generate
 from mhcrun.memory import parse_size, plan_memory
 from mhcrun.model import Linear, build_model
+from mhcrun.ops.qlinear import ExpertSet
 from mhcrun.synthetic import make_synthetic
 from mhcrun.tiny import make_tiny
 
@@ -77,10 +78,9 @@ def test_kept_quantised_regions_stages_match_eager(tiny_fp8):
     from mhcrun.regions.runner import RegionDecoder
 
     kept2.setup_caches(len(PROMPTS), 64)
-    dec = RegionDecoder(kept2, "eager", None)
-    assert dict(dec.specs["moe:routed"].linears)["ffn.experts.w1"].block == 32
-    mw = dec.layer_inputs[0][3]["w"]  # fp4: a set the kernel reads in place, or stacked as stored
-    assert "ffn.experts.w1.set" in mw or mw["ffn.experts.w1"].dtype == torch.int8
+    RegionDecoder(kept2, "eager", None)
+    w1 = kept2.layers[0].ffn.gathered["w1"]  # fp4: a set the kernel reads in place, or stacked as stored
+    assert isinstance(w1, ExpertSet) or (w1.data.dtype == torch.int8 and w1.block == 32)
     regions = generate(kept2, PROMPTS, 12, eos_id=1, ignore_eos=True, graph_mode="regions", backend="eager")
     assert [r.tokens for r in regions] == [r.tokens for r in eager]
 
@@ -123,12 +123,12 @@ def test_memory_plan_matches_what_is_built(tiny_fp8, dtype):
         ck = load_checkpoint(tiny_fp8, dequantize=dequantize)
         model = build_model(ck.config, ck.tensors, ck.quantized, dtype)
         model.setup_caches(3, 64)
-        state = sum(t.nbytes for roots in model.roots.values() for t in roots.values())
+        state = sum(t.nbytes for t in model.state().values())
         assert mp.state["kv_cache"] + mp.state["compressor_state"] + mp.state["indexer_cache"] == state
-        assert mp.state["rope_tables"] == sum(f.nbytes for f in model.freqs.values())
+        assert mp.state["rope_tables"] == sum(t.nbytes for f in model.rope.values() for t in f)
         weights = [t for m in model.modules() if isinstance(m, Linear) for t in (m.w.data, m.w.scale)
                    if t is not None]
-        tensors = list(model.parameters()) + weights + [b for b in model.buffers() if b is not None]
+        tensors = list(model.parameters()) + weights
         made = sum(t.nbytes for t in tensors if t.untyped_storage().resizable())  # torch allocations
         mapped = sum(plan.bytes_by_dtype.values())
         assert mp.weights == (made if dequantize else mapped + made), dequantize
