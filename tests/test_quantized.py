@@ -142,14 +142,15 @@ def test_state_bytes_of_flash_shapes():
 
     cfg = load_config(MID.parent / "v4-flash.json")
     state = state_bytes(cfg, 4, 2, 8192, torch.bfloat16, quant_sim=False)
-    # window layers 0, 1: [2, 128, 512] bf16 each; CSA layer 2: window + 8192/4 entries, indexer 8192/4 x 128
-    assert state["kv_cache"] == 2 * (2 * 128 * 512 * 2) + 2 * (128 + 2048) * 512 * 2 + 2 * (128 + 64) * 512 * 2
-    assert state["indexer_cache"] == 2 * 2048 * 128 * 2
+    # window layers 0, 1: [2, 128, 512] bf16 each; CSA layer 2: window + 8192/4 entries, indexer 8192/4 x 128;
+    # each compressed cache has one spare slot (the groups a chunk leaves open are written there)
+    assert state["kv_cache"] == 2 * (2 * 128 * 512 * 2) + 2 * (128 + 2049) * 512 * 2 + 2 * (128 + 65) * 512 * 2
+    assert state["indexer_cache"] == 2 * 2049 * 128 * 2
     # with the simulation on the cache stores what it rounds to: an entry is 448 e4m3 bytes, 7 fp32 scales and 64
     # bf16 rope values (604 bytes instead of 1024); an indexer key 64 bytes of e2m1 pairs and 4 fp32 scales
     fp8 = state_bytes(cfg, 4, 2, 8192, torch.bfloat16)
-    assert fp8["kv_cache"] == 2 * (2 * 128 * 604) + 2 * (128 + 2048) * 604 + 2 * (128 + 64) * 604
-    assert fp8["indexer_cache"] == 2 * 2048 * 80
+    assert fp8["kv_cache"] == 2 * (2 * 128 * 604) + 2 * (128 + 2049) * 604 + 2 * (128 + 65) * 604
+    assert fp8["indexer_cache"] == 2 * 2049 * 80
 
 
 def test_info_prints_the_memory_plan(mid2):
