@@ -109,7 +109,7 @@ def transformers_model(runner):
     try:
         sys.path.insert(0, str(HERE))
         from hf_baseline import build_hf_model
-    except ImportError:
+    except (ImportError, SystemExit):  # hf_baseline exits when transformers is not installed
         return None
     raw = json.loads((runner.path / "config.json").read_text())
     return build_hf_model(runner.ckpt, raw, torch.float32)

@@ -15,10 +15,10 @@ import torch
 from mhcrun.checkpoint import CheckpointPlan
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
-from mhcrun.model import STORED_DTYPE, cache_formats, fp32_param, make_state_roots
+from mhcrun.model import Attention, RunOptions, cache_formats
 from mhcrun.ops.attention import ATTN_WORKSPACE
 from mhcrun.ops.index import INDEX_WORKSPACE
-from mhcrun.snapshot import extent
+from mhcrun.snapshot import state_extents
 from mhcrun.weights import dequantized_dtype, scale_name
 
 PREFILL_BUDGET = 512 << 20  # what a prefill chunk's activations may grow to (chooses the default chunk)
@@ -80,14 +80,14 @@ def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> 
     """
     total = 0 if dequantize else sum(plan.bytes_by_dtype.values())
     for p in plan.plans:
-        name, n = p.spec.name, numel(p.spec.shape) // (plan.tp.world if p.spec.split is not None else 1)
+        n = numel(p.spec.shape) // (plan.tp.world if p.spec.split is not None else 1)
         if p.fmt == "index":
             total += 8 * n
         elif p.fmt in ("fp8", "fp4"):
             if dequantize:
                 total += n * dequantized_dtype(p.spec, dtype).itemsize
-        elif dequantize or name not in STORED_DTYPE:  # dequantised, the vocabulary tensors are fp32 too
-            total += n * (4 if fp32_param(name) or name in STORED_DTYPE else dtype.itemsize)
+        elif dequantize or p.spec.run != "stored":  # dequantised, the vocabulary tensors are fp32 too
+            total += n * (4 if p.spec.run in ("fp32", "stored") else dtype.itemsize)
     return total
 
 
@@ -110,26 +110,28 @@ def decode_bytes_per_token(plan: CheckpointPlan, dtype: torch.dtype = torch.floa
             size = p.shard.entries[name].nbytes + p.scale_shard.entries[scale_name(name)].nbytes
         elif p.fmt in ("fp8", "fp4"):
             size = n * dequantized_dtype(p.spec, dtype).itemsize
-        elif name in STORED_DTYPE and not dequantize:
+        elif p.spec.run == "stored" and not dequantize:
             size = p.shard.entries[name].nbytes
         else:
-            size = n * (4 if fp32_param(name) else dtype.itemsize)
-        total += size * (cfg.n_activated_experts / cfg.n_routed_experts if ".experts." in name else 1)
+            size = n * (4 if p.spec.run in ("fp32", "stored") else dtype.itemsize)
+        total += size * (cfg.n_activated_experts / cfg.n_routed_experts if p.spec.expert is not None else 1)
     return int(total)
 
 
 def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: torch.dtype,
                 quant_sim: bool = True) -> dict[str, int]:
-    """Bytes of the per-sequence state `Transformer.setup_caches` allocates, by kind."""
-    ratios = [cfg.compress_ratios[i] for i in range(layers)]
+    """Bytes of the per-sequence state `Transformer.setup_caches` allocates, by kind: the layers' own state
+    buffers, made on the meta device."""
     out = {"kv_cache": 0, "compressor_state": 0, "indexer_cache": 0}
-    for ratio in sorted(set(ratios)):
-        roots = make_state_roots(cfg, ratio, ratios.count(ratio), batch, context, dtype, "meta", quant_sim)
-        for key, t in roots.items():
-            cache = key.split(".")[0]
-            kind = "kv_cache" if cache == "kv" else "indexer_cache" if cache == "idx_kv" else "compressor_state"
+    formats = cache_formats(cfg, quant_sim)
+    for i in range(layers):
+        attn = Attention(i, cfg, RunOptions())
+        attn.allocate(batch, context, dtype, "meta", formats, (None, None))
+        for name, t in attn.named_buffers():
+            kind = ("indexer_cache" if name.startswith("indexer.compressor.cache.") else
+                    "compressor_state" if name.endswith("_state") else "kv_cache")
             out[kind] += t.nbytes
-    out["rope_tables"] = 2 * context * (cfg.rope_head_dim // 2) * 8  # two complex64 tables
+    out["rope_tables"] = 2 * 2 * context * (cfg.rope_head_dim // 2) * 4  # cos and sin of two tables, fp32
     return out
 
 
@@ -208,7 +210,7 @@ def stored_bytes_per_rank(cfg: ModelConfig, world: int = 1) -> int:
         elif fmt == "index":
             size = 4 * n
         else:
-            size = n * (4 if fp32_param(spec.name) and spec.name not in STORED_DTYPE else 2)
+            size = n * (4 if spec.run == "fp32" else 2)
         if spec.split is not None or spec.expert is not None:
             size //= world
         total += size
@@ -231,16 +233,17 @@ def kv_bytes_per_token(cfg: ModelConfig, layers: int, dtype: torch.dtype, quant_
 
 
 def snapshot_bytes(cfg: ModelConfig, layers: int, n_tokens: int, dtype: torch.dtype, quant_sim: bool = True) -> int:
-    """Bytes of a state snapshot after `n_tokens` tokens (`mhcrun.snapshot`: the ring, the closed compressed
-    entries and indexer keys, the compressors' state), over the first `layers` layers: no more than the state
-    it copies."""
-    ratios = [cfg.compress_ratios[i] for i in range(layers)]
+    """Bytes of a state snapshot after `n_tokens` tokens (`mhcrun.snapshot`: the rings, the closed compressed
+    entries and indexer keys, the compressors' state), over the first `layers` layers, from the layers' state
+    buffers made on the meta device: no more than the state it copies."""
+    formats = cache_formats(cfg, quant_sim)
     total = 0
-    for ratio in sorted(set(ratios)):
-        roots = make_state_roots(cfg, ratio, ratios.count(ratio), 1, max(n_tokens, 1), dtype, "meta", quant_sim)
-        for name, t in roots.items():
-            n = extent(cfg.window_size, ratio, name, n_tokens, t.size(2))
-            total += numel(t.shape[:2]) * numel(t.shape[3:]) * t.element_size() * n  # [L, 1, n, ...]
+    for i in range(layers):
+        attn = Attention(i, cfg, RunOptions())
+        attn.allocate(1, max(n_tokens, 1), dtype, "meta", formats, (None, None))
+        extents = state_extents(attn, n_tokens)
+        for name, t in attn.named_buffers():
+            total += t.nbytes // max(t.size(1), 1) * extents.get(name, t.size(1))
     return total
 
 

@@ -6,15 +6,26 @@ description, and `build_model` places each tensor where its name says (a Linear'
 One entry point, as DeepSeek's `forward(tokens, start_pos)`: `forward(tokens [b, s], rows [b], start [b])` runs
 a chunk of s tokens per row at positions start + [0, s), attending to what earlier chunks left in the caches.
 A prompt is prefilled chunk by chunk; a decode step is a chunk of one token per row (rows may be at different
-positions). KV caches and compressor state live in buffers made by `setup_caches`; row r of every buffer
-belongs to one sequence, and a chunk at start 0 begins a new sequence in its row.
+positions).
+
+One formulation for every path: each module has one forward, used by eager prefill, eager decode and the
+compiled regions (`mhcrun.regions`), which compile these very forwards with the modules' tensors as graph
+inputs. `static=True` takes the path of fixed shapes a graph needs (no Python branch on tensor values: the
+indexer scores every entry slot, HCA reads every entry slot under a mask, the MoE gathers each token's experts
+instead of looping over the experts in use); it computes what the dynamic path computes, and runs the same code
+eager and compiled.
+
+State: each module owns its state as buffers made by `setup_caches` (the attention's window ring, each
+compressor's open-group state and the compressed entries it writes), row r of every buffer belonging to one
+sequence, and reads and writes it by (rows, slots) on every path. A chunk at start 0 begins a new sequence in
+its row.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +33,14 @@ from torch import nn
 
 from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops import kvcache
+from mhcrun.ops import kvcache, qgemv
 from mhcrun.ops.attention import closed_mask, query_bytes, query_slices, sparse_attn, window_mask
 from mhcrun.ops.compress import compress_chunk
 from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import qlinear, qlinear_grouped
+from mhcrun.ops.qlinear import qlinear, qlinear_gathered, qlinear_grouped, register_experts
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
@@ -37,8 +48,8 @@ from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
 from mhcrun.weights import TensorSpec, dequantized_dtype, tensor_specs
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
-# half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions call it with the same
-# names (`mhcrun.regions`), so two paths can be compared region by region.
+# half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions run under the same names
+# (`mhcrun.regions`), so two paths can be compared region by region.
 Probe = Callable[[str, torch.Tensor], None]
 ATTN_KINDS = {0: "window", 4: "csa"}
 
@@ -86,8 +97,45 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Cache(nn.Module):
+    """Stored entries [B, n, ...] in a `CacheFormat`: one buffer per part (`mhcrun.ops.kvcache`), read and
+    written by (rows, slots)."""
+
+    def allocate(self, fmt: CacheFormat, lead: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self._buffers.clear()
+        self.fmt = fmt
+        for part, t in kvcache.make_parts(fmt, lead, dtype, device).items():
+            self.register_buffer(part, t, persistent=False)
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {p: getattr(self, p) for p in kvcache.part_names(self.fmt)}
+
+    def read(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The entries at `index`, decoded (only those entries are read)."""
+        return kvcache.read(self.parts(), self.fmt, index, dtype)
+
+    def store(self, index: tuple, encoded: dict[str, torch.Tensor]) -> None:
+        kvcache.store(self.parts(), index, encoded)
+
+
+class Rope(nn.Module):
+    """The rotary tables a module reads at positions: cos, sin [max_seq, rd/2] (`setup_caches` sets them)."""
+
+    def set_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [...] -> cos, sin [..., rd/2]."""
+        return self.cos[pos], self.sin[pos]
+
+
 class Compressor(nn.Module):
-    """Pools each closed group of `ratio` tokens into one compressed entry; partial groups wait in state buffers."""
+    """Pools each closed group of `ratio` tokens into one compressed entry; partial groups wait in state buffers.
+
+    State (`allocate`): kv_state, score_state [B, c*r, c*hd] (fp32; the open group, after the previous group
+    with overlap) and `cache` [B, max_seq // r + 1, ...], the compressed entries (the last slot takes the groups
+    a chunk leaves open, so every chunk writes the same number of entries: nothing reads that slot)."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, opts: RunOptions, rotate: bool = False):
         super().__init__()
@@ -98,11 +146,19 @@ class Compressor(nn.Module):
         self.wkv = Linear(opts)  # fp32 weights, fp32 math
         self.wgate = Linear(opts)
         self.norm = RMSNorm(cfg.norm_eps)
+        self.cache = Cache()
+        self.rope = Rope()
+        self.n_entries = 0
 
-    def bind(self, kv_state: torch.Tensor, score_state: torch.Tensor, cache: dict[str, torch.Tensor],
-             fmt: CacheFormat, freqs: torch.Tensor) -> None:
-        """Use views of the root state buffers: kv/score state [B, c*r, c*hd], cache parts [B, max_seq // r, ...]."""
-        self.kv_state, self.score_state, self.cache, self.fmt, self.freqs = kv_state, score_state, cache, fmt, freqs
+    def allocate(self, batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
+                 fmt: CacheFormat) -> None:
+        c, r, hd = (2 if self.overlap else 1), self.ratio, self.head_dim
+        shape = (batch, c * r, c * hd)
+        self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
+                             persistent=False)
+        self.n_entries = max_seq // r
+        self.cache.allocate(fmt, (batch, self.n_entries + 1), dtype, device)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> None:
         """x [b, s, d] at positions start [b] + [0, s): every group the chunk closes is pooled, normed, rotated
@@ -116,13 +172,13 @@ class Compressor(nn.Module):
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
         pooled, closed, entry, self.kv_state[rows], self.score_state[rows] = compress_chunk(
             kv_state, score_state, kv, score, start, r, self.overlap)
-        if not bool(closed.any()):
-            return
-        bi, gi = closed.nonzero(as_tuple=True)
-        e = entry[bi, gi]
-        out = finish_entry(pooled[bi, gi].to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: apply_rope_tail(t, self.freqs[e * r], self.rope_dim), self.rotate)
-        kvcache.write(self.cache, self.fmt, (rows[bi], e), out)
+        # [b, G]: every group of the buffer is written, an open one (no entry yet) to the spare last slot
+        slot = torch.where(closed, entry, self.n_entries)
+        cos, sin = self.rope.at(torch.where(closed, entry, 0) * r)
+        pooled = pooled.masked_fill(~closed.unsqueeze(-1), 0.0).to(x.dtype)
+        out = finish_entry(pooled, self.norm.weight, self.norm.eps,
+                           lambda t: apply_rope_tail(t, cos, sin, self.rope_dim), self.rotate)
+        self.cache.store((rows.view(-1, 1), slot), kvcache.encode(self.cache.fmt, out))
 
 
 def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
@@ -130,13 +186,6 @@ def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rot
     and for indexer keys the Hadamard rotation. Storing rounds it (FP8 kv / FP4 keys with the simulation on)."""
     out = rope(rms_norm(pooled, norm, eps))
     return hadamard(out) if rotate else out
-
-
-def finish_index_queries(q: torch.Tensor, rope, quant_sim: bool) -> torch.Tensor:
-    """Indexer queries [..., heads, ihd] after wq_b -> as they are scored: RoPE on the tail (`rope`), the Hadamard
-    rotation, and with the simulation on the reference's FP4 rounding."""
-    q = hadamard(rope(q))
-    return fp4_simulate(q, INDEX_FP4_BLOCK) if quant_sim else q
 
 
 class Indexer(nn.Module):
@@ -153,36 +202,31 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
         self.weight_scale = self.head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
-    def bind(self, roots: dict[str, torch.Tensor], j: int, fmt: CacheFormat, freqs: torch.Tensor) -> None:
-        self.cache = {p: t[j] for p, t in kvcache.parts_of(roots, "idx_kv", fmt).items()}  # [B, max_seq // 4, ...]
-        self.fmt = fmt
-        self.compressor.bind(roots["idx_comp_kv"][j], roots["idx_comp_score"][j], self.cache, fmt, freqs)
-
-    def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qr [b, s, q_lora] -> index queries [b, s, heads, ihd] as they are scored: RoPE on the tail, the
+        Hadamard rotation, and with the simulation on the reference's FP4 rounding."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        return finish_index_queries(q, lambda t: apply_rope_tail(t, freqs.unsqueeze(2), self.rope_dim),
-                                    self.opts.quant_sim)
+        q = hadamard(apply_rope_tail(q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
+        return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
-                freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (entry indices, valid) [b, s, min(topk, closed)]: each query's top-k closed entries (tie rule in
-        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go."""
+                cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (entry indices, valid) [b, s, min(topk, n)]: each query's top-k closed entries (tie rule in
+        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go. n: the
+        entries the chunk's queries may see, or with `static` every entry slot in one slice."""
         b, s = x.shape[:2]
-        q = self.queries(qr, freqs)
+        q = self.queries(qr, cos, sin)
         self.compressor(x, rows, start)
         w = self.weights_proj(x) * self.weight_scale
         closed = (start.view(-1, 1) + torch.arange(1, s + 1, device=x.device)) // 4  # [b, s]
-        n = int(closed.max())
+        n = self.compressor.n_entries if static else int(closed.max())
+        cache = self.compressor.cache
 
         def score_slice(j0: int, j1: int) -> torch.Tensor:
-            keys = kvcache.read(self.cache, self.fmt, (rows.view(-1, 1), torch.arange(j0, j1, device=x.device)),
-                                q.dtype)
+            keys = cache.read((rows.view(-1, 1), torch.arange(j0, j1, device=x.device)), q.dtype)
             return all_reduce(index_scores(q, keys, w), self.opts.tp)  # every rank's heads, before the top-k
 
-        if n == 0:
-            empty_idx = torch.zeros(b, s, 0, dtype=torch.long, device=x.device)
-            return empty_idx, empty_idx.bool()
-        return select_topk_sliced(score_slice, n, closed, self.topk, entry_step(b * s, self.n_heads))
+        return select_topk_sliced(score_slice, n, closed, self.topk, n if static else entry_step(b * s, self.n_heads))
 
 
 class Attention(nn.Module):
@@ -204,62 +248,67 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(cfg.norm_eps)
         self.wo_a = Linear(opts)
         self.wo_b = Linear(opts)
+        self.ring = Cache()  # the window: token p in slot p % window
+        self.rope = Rope()
         if self.ratio:
             self.compressor = Compressor(cfg, self.ratio, self.head_dim, opts)
         if self.ratio == 4:
             self.indexer = Indexer(cfg, opts)
 
-    def bind(self, roots: dict[str, torch.Tensor], j: int, formats: dict[str, CacheFormat],
-             freqs: torch.Tensor) -> None:
-        """Use row j of this attention kind's root state buffers (see `make_state_roots`)."""
-        self.fmt = formats["kv"]
-        cache = {p: t[j] for p, t in kvcache.parts_of(roots, "kv", self.fmt).items()}  # [B, window + n_comp, ...]
-        self.window_cache = {p: t[:, :self.window] for p, t in cache.items()}
-        self.comp_cache = {p: t[:, self.window:] for p, t in cache.items()}
-        self.freqs = freqs
-        if self.ratio:
-            self.compressor.bind(roots["comp_kv"][j], roots["comp_score"][j], self.comp_cache, self.fmt, freqs)
-        if self.ratio == 4:
-            self.indexer.bind(roots, j, formats["idx_kv"], freqs)
+    def compressors(self) -> list[Compressor]:
+        return ([self.compressor] if self.ratio else []) + ([self.indexer.compressor] if self.ratio == 4 else [])
 
-    def project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); freqs [b, s, rd/2]."""
+    def allocate(self, batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
+                 formats: dict[str, CacheFormat], rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Make this layer's state for `batch` sequences of up to `max_seq` tokens (see the module docstring)."""
+        self.ring.allocate(formats["kv"], (batch, self.window), dtype, device)
+        for m in self.modules():
+            if isinstance(m, Rope):
+                m.set_tables(*rope)
+        if self.ratio:
+            self.compressor.allocate(batch, max_seq, dtype, device, formats["kv"])
+        if self.ratio == 4:
+            self.indexer.compressor.allocate(batch, max_seq, dtype, device, formats["idx_kv"])
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); cos, sin [b, s, rd/2]."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # weightless per-head norm
-        q = apply_rope_tail(q, freqs.unsqueeze(2), self.rope_dim)
-        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+        q = apply_rope_tail(q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim)
+        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
         return qr, q, kv
 
-    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """De-rotate, then the grouped low-rank output: o [b,s,H,hd] -> [b,s,d]."""
         b, s = o.shape[:2]
-        o = apply_rope_tail(o, freqs.unsqueeze(2), self.rope_dim, inverse=True)
+        o = apply_rope_tail(o, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
         o = qlinear_grouped(o, self.wo_a.w, self.n_groups)  # [b, s, G, o_lora_rank]
         return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> torch.Tensor:
         """x [b, s, d] at positions start [b] + [0, s) -> [b, s, d]. Each query attends to its window (the ring
         as the earlier chunks left it, then this chunk) plus its compressed entries: CSA's top-k gathered by
-        index, HCA's closed entries."""
+        index, HCA's closed entries (with `static`: every entry slot, under the mask)."""
         b, s, _ = x.shape
         win, dev, dtype = self.window, x.device, x.dtype
         pos = start.view(-1, 1) + torch.arange(s, device=dev)
-        freqs = self.freqs[pos]  # [b, s, rd/2]
-        qr, q, kv = self.project(x, freqs)
-        stored = kvcache.encode(self.fmt, kv)
-        kv = kvcache.decode(self.fmt, stored, dtype)  # what the cache gives back: the reference's FP8 rounding
-        ring = kvcache.read(self.window_cache, self.fmt, (rows,), dtype)  # [b, window, hd]
+        cos, sin = self.rope.at(pos)  # [b, s, rd/2]
+        qr, q, kv = self.project(x, cos, sin)
+        stored = kvcache.encode(self.ring.fmt, kv)
+        kv = kvcache.decode(self.ring.fmt, stored, dtype)  # what the cache gives back: the reference's rounding
+        ring = self.ring.read((rows,), dtype)  # [b, window, hd]
         chosen = valid = None
         if self.ratio == 4:
-            chosen, valid = self.indexer(x, qr, rows, start, freqs)
+            chosen, valid = self.indexer(x, qr, rows, start, cos, sin, static)
         if self.ratio:
             self.compressor(x, rows, start)
         comp = comp_mask = None
         if self.ratio and self.ratio != 4:  # HCA: every closed entry
-            n = int((start + s).max()) // self.ratio
-            comp = kvcache.read(self.comp_cache, self.fmt, (rows, slice(0, n)), dtype)
+            n = self.compressor.n_entries if static else int((start + s).max()) // self.ratio
+            comp = self.compressor.cache.read((rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
             comp_mask = closed_mask(start, s, n, self.ratio)
         mask = window_mask(start, s, win)
         o = torch.empty_like(q)
@@ -276,14 +325,13 @@ class Attention(nn.Module):
                 km.append(comp_mask[:, sl])
             sel = sel_mask = None
             if n_sel:  # CSA: the chosen entries, gathered (and dequantised) per query
-                sel = kvcache.read(self.comp_cache, self.fmt, (rows.view(-1, 1, 1), chosen[:, sl]), dtype)
+                sel = self.compressor.cache.read((rows.view(-1, 1, 1), chosen[:, sl]), dtype)
                 sel_mask = valid[:, sl]
             o[:, sl] = sparse_attn(q[:, sl], torch.cat(keys, dim=1), torch.cat(km, dim=-1), self.attn_sink,
                                    self.scale, sel, sel_mask)
         last = slice(max(0, s - win), s)  # the chunk's last `window` tokens go into the ring
-        kvcache.store(self.window_cache, (rows.view(-1, 1), pos[:, last] % win),
-                      {p: t[:, last] for p, t in stored.items()})
-        return self.output(o, freqs)
+        self.ring.store((rows.view(-1, 1), pos[:, last] % win), {p: t[:, last] for p, t in stored.items()})
+        return self.output(o, cos, sin)
 
 
 class Expert(nn.Module):
@@ -295,10 +343,17 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        h = swiglu(self.w1(x), self.w3(x), self.limit)
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        return swiglu_expert(self.w1, self.w2, self.w3, self.limit, x, weights)
+
+
+def swiglu_expert(w1: Callable, w2: Callable, w3: Callable, limit: float, x: torch.Tensor,
+                  weights: torch.Tensor | None) -> torch.Tensor:
+    """w2(weights * swiglu(w1 x, w3 x)) with the product in fp32 and w2's input in x's dtype: one expert, or
+    (GEMMs over gathered experts) each token's k experts at once."""
+    h = swiglu(w1(x), w3(x), limit)
+    if weights is not None:
+        h = weights * h
+    return w2(h.to(x.dtype))
 
 
 class Gate(nn.Module):
@@ -315,6 +370,8 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts (this rank's block of them under --tp) plus the shared expert."""
+
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
         self.dim, self.n_experts = cfg.dim, cfg.n_routed_experts
@@ -324,25 +381,67 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(cfg.swiglu_limit, opts) if e in self.owned else nn.Identity() for e in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.swiglu_limit, opts)
+        self.limit = cfg.swiglu_limit
+        self.gathered: dict[str, QWeight | torch.Tensor] = {}  # made by gather_experts for the static path
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)
-        weights, idx = self.gate(x, token_ids.reshape(-1))
+    def gather_experts(self) -> None:
+        """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): a
+        CPU with the fused kernel reads kept-quantised experts where they are (a handle to the set,
+        `qlinear.register_experts`); else they are stacked [E, out, in] (a copy) and each expert keeps a view of
+        the stack, so their bytes are not held twice."""
+        if self.gathered:
+            return
+        experts = [self.experts[e] for e in self.owned]
+        for name in ("w1", "w2", "w3"):
+            lins = [getattr(e, name) for e in experts]
+            first = lins[0].w
+            if first.fmt != "float" and qgemv.takes(first, 1):
+                self.gathered[name] = register_experts(self, [m.w for m in lins])
+                continue
+            data = torch.stack([m.w.data for m in lins])
+            scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
+            for j, m in enumerate(lins):
+                m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
+            self.gathered[name] = QWeight(data, scale, first.block, all(m.w.kernel for m in lins))
+
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [T, d], each token through the experts it routes to, expert by expert (only those in use) -> fp32."""
         y = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
-        for e in self.owned:  # only the experts some token routes to
+        for e in self.owned:
             if counts[e]:
                 tok, slot = torch.where(idx == e)
                 y[tok] += self.experts[e](x[tok], weights[tok, slot, None])
+        return y
+
+    def routed_gathered(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The same on fixed shapes: each token's k experts' weights gathered (`gather_experts`) -> fp32."""
+        if self.opts.tp.world > 1:  # this rank's experts only: the others' routes weigh nothing here
+            e0, e1 = self.owned.start, self.owned.stop
+            weights = weights * ((idx >= e0) & (idx < e1))
+            idx = (idx - e0).clamp(0, e1 - e0 - 1)
+        act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
+
+        def gathered(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act_quant)
+
+        y = swiglu_expert(gathered("w1"), gathered("w2"), gathered("w3"), self.limit, x.unsqueeze(1),
+                          weights.unsqueeze(-1))  # [T, k, d]
+        return y.float().sum(dim=1)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, idx = self.gate(x, token_ids.reshape(-1))
+        y = (self.routed_gathered if static else self.routed_loop)(x, weights, idx)
         y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
         y += self.shared_experts(x)
         return y.type_as(x).view(shape)
 
 
 class Block(nn.Module):
-    """One layer in two halves (`Transformer.forward` runs them): mHC site -> attention -> mHC post, then
-    mHC site -> MoE -> mHC post."""
+    """One layer in two halves (`Transformer.forward` runs them, each a compiled region kind): mHC site ->
+    attention -> mHC post, then mHC site -> MoE -> mHC post."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
@@ -352,23 +451,24 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.norm_eps)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
 
-    def mixes(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC mixes of a site ("attn" or "ffn"), the collapse and the sublayer's norm -> (h, post, comb)."""
         c = self.cfg
-        return hc_ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
-                               getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), c.hc_mult,
-                               c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        pre, post, comb = hc_ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
+                                          getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"),
+                                          c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        norm = self.attn_norm if site == "attn" else self.ffn_norm
+        return norm(hc_ops.hc_collapse(x, pre)), post, comb
 
-    def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                  static: bool = False) -> torch.Tensor:
         # x [b, s, n, d] at positions start [b] + [0, s)
-        pre, post, comb = self.mixes(x, "attn")
-        h = self.attn(self.attn_norm(hc_ops.hc_collapse(x, pre)), rows, start)
-        return hc_ops.hc_post(h, x, post, comb)
+        h, post, comb = self.mix(x, "attn")
+        return hc_ops.hc_post(self.attn(h, rows, start, static), x, post, comb)
 
-    def ffn_half(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        pre, post, comb = self.mixes(x, "ffn")
-        h = self.ffn(self.ffn_norm(hc_ops.hc_collapse(x, pre)), token_ids)
-        return hc_ops.hc_post(h, x, post, comb)
-
+    def ffn_half(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        h, post, comb = self.mix(x, "ffn")
+        return hc_ops.hc_post(self.ffn(h, token_ids, static), x, post, comb)
 
 
 def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
@@ -377,30 +477,16 @@ def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
             "idx_kv": index_format(cfg.index_head_dim, quant_sim)}
 
 
-def make_state_roots(cfg: ModelConfig, ratio: int, n_layers: int, max_batch: int, max_seq: int,
-                     dtype: torch.dtype, device: torch.device | str = "cpu",
-                     quant_sim: bool = True) -> dict[str, torch.Tensor]:
-    """Root state buffers of one attention kind, stacked over its `n_layers` layers:
-    kv [L, B, window + max_seq // ratio, ...] (ring window then compressed entries; its parts per
-    `cache_formats`); for compressed kinds the compressor's open-group state (fp32; scores start at -inf); for
-    CSA the indexer's keys and state."""
-    B = max_batch
-    formats = cache_formats(cfg, quant_sim)
-    n_kv = cfg.window_size + (max_seq // ratio if ratio else 0)
-    roots = kvcache.make_roots("kv", formats["kv"], (n_layers, B, n_kv), dtype, device)
-
-    def compressor_state(prefix: str, r: int, d: int) -> None:
-        c = 2 if r == 4 else 1
-        roots[f"{prefix}_kv"] = torch.zeros(n_layers, B, c * r, c * d, dtype=torch.float32, device=device)
-        roots[f"{prefix}_score"] = torch.full((n_layers, B, c * r, c * d), float("-inf"), dtype=torch.float32,
-                                              device=device)
-
-    if ratio:
-        compressor_state("comp", ratio, cfg.head_dim)
-    if ratio == 4:
-        roots |= kvcache.make_roots("idx_kv", formats["idx_kv"], (n_layers, B, max_seq // 4), dtype, device)
-        compressor_state("idx_comp", 4, cfg.index_head_dim)
-    return roots
+def rope_tables(cfg: ModelConfig, max_seq: int,
+                device: torch.device | str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos, sin [max_seq, rd/2] (fp32) of the window layers ("window": rope_theta, no YaRN) and of the compressed
+    ones ("compressed": compress_rope_theta with YaRN)."""
+    c = cfg
+    freqs = {"window": precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor, c.beta_fast,
+                                            c.beta_slow),
+             "compressed": precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len,
+                                                c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow)}
+    return {k: (f.real.contiguous().to(device), f.imag.contiguous().to(device)) for k, f in freqs.items()}
 
 
 class Transformer(nn.Module):
@@ -420,35 +506,25 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
-        """Allocate KV caches and compressor state for `max_batch` sequences of up to `max_seq` tokens.
-
-        State lives in one set of root buffers per attention kind (by compress ratio), stacked over the
-        layers of that kind; each layer works on views of its row, so a compiled region can take the roots
-        and a layer index instead.
-        """
-        c = self.cfg
-        self.freqs = {
-            0: precompute_freqs_cis(c.rope_head_dim, max_seq, 0, c.rope_theta, c.rope_factor, c.beta_fast,
-                                    c.beta_slow).to(self.device),
-            "compressed": precompute_freqs_cis(c.rope_head_dim, max_seq, c.original_seq_len, c.compress_rope_theta,
-                                               c.rope_factor, c.beta_fast, c.beta_slow).to(self.device),
-        }
-        self.roots: dict[int, dict[str, torch.Tensor]] = {}
-        self.formats, self.cache_quant_sim = cache_formats(c, self.opts.quant_sim), self.opts.quant_sim
-        for ratio, layer_ids in self.layers_by_ratio().items():
-            roots = make_state_roots(c, ratio, len(layer_ids), max_batch, max_seq, self.dtype, self.device,
-                                     self.opts.quant_sim)
-            self.roots[ratio] = roots
-            for j, i in enumerate(layer_ids):
-                self.layers[i].attn.bind(roots, j, self.formats, self.freqs["compressed" if ratio else 0])
+        """Allocate every layer's state (KV window, compressor state and compressed entries, indexer keys) for
+        `max_batch` sequences of up to `max_seq` tokens, and the rope tables."""
+        self.formats, self.cache_quant_sim = cache_formats(self.cfg, self.opts.quant_sim), self.opts.quant_sim
+        self.rope = rope_tables(self.cfg, max_seq, self.device)
+        for layer in self.layers:
+            a = layer.attn
+            a.allocate(max_batch, max_seq, self.dtype, self.device, self.formats,
+                       self.rope["compressed" if a.ratio else "window"])
         self.max_batch, self.max_seq = max_batch, max_seq
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every state buffer by its path (`layers.1.attn.ring.fp8`, `layers.1.attn.compressor.kv_state`, ...)."""
+        return dict(self.named_buffers())
 
     def clear_row(self, row: int) -> None:
         """Zero cache row `row` of every state buffer: a run again of a sequence that left NaN in its caches must
         not read them (a masked key still multiplies its value by 0, and 0 * NaN is NaN)."""
-        for roots in self.roots.values():
-            for t in roots.values():
-                t[:, row].zero_()
+        for t in self.state().values():
+            t[row].zero_()
 
     @property
     def device(self) -> torch.device:
@@ -462,34 +538,39 @@ class Transformer(nn.Module):
         return [("attn:" + ATTN_KINDS.get(b.attn.ratio, "hca" if len(hca) == 1 else f"hca{b.attn.ratio}"),
                  "moe:hash" if b.ffn.gate.hash else "moe:routed") for b in self.layers]
 
-    def layers_by_ratio(self) -> dict[int, list[int]]:
-        kinds: dict[int, list[int]] = {}
-        for i, layer in enumerate(self.layers):
-            kinds.setdefault(layer.attn.ratio, []).append(i)
-        return kinds
-
     def forward(self, tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor | int = 0,
-                probe: Probe | None = None) -> torch.Tensor:
+                probe: Probe | None = None, static: bool = False, regions: Regions | None = None) -> torch.Tensor:
         """tokens [b, s] at positions start [b] (or an int for every row) + [0, s) of cache rows `rows` [b]
         -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row.
-        `probe` sees every region's output (see `Probe`)."""
-        c = self.cfg
+        `probe` sees every region's output (see `Probe`). `static`: the modules' fixed-shape path; `regions`
+        runs each region (the compiled regions give theirs, `mhcrun.regions`)."""
         if self.opts.quant_sim != self.cache_quant_sim:
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
         probe = probe or skip_probe
+        run = regions or run_eagerly
         start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
-        x = hc_ops.hc_expand(self.embedding(tokens), c.hc_mult)
+        x = self.embed_streams(tokens)
         probe("embed", x)
         for i, (layer, (akind, mkind)) in enumerate(zip(self.layers, self.region_kinds, strict=True)):
-            x = layer.attn_half(x, rows, start)
+            x = run(akind, Block.attn_half, layer, x, rows, start, static)
             probe(f"layer {i} {akind}", x)
-            x = layer.ffn_half(x, tokens)
+            x = run(mkind, Block.ffn_half, layer, x, tokens, static)
             probe(f"layer {i} {mkind}", x)
-        h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
-                           c.hc_eps, c.norm_eps)
-        logits = self.logits(self.norm(h)[:, -1].float())
+        logits = run("head", Transformer.head_logits, self, x)
         probe("head", logits)
         return logits
+
+    def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> the mHC streams [b, s, n, d]: the embedding, expanded."""
+        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position: V4's head collapse,
+        the final norm, the head."""
+        c = self.cfg
+        h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
+                           c.hc_eps, c.norm_eps)
+        return self.logits(self.norm(h)[:, -1].float())
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> [b, s, d] in the activation dtype; under --tp each rank looks up its vocabulary rows
@@ -507,19 +588,17 @@ class Transformer(nn.Module):
         return gather_vocab(self.head(h), self.opts.tp, self.cfg.vocab_size)
 
 
+# How a forward runs a region: regions(kind, fn, module, *args) -> fn(module, *args), e.g. compiled per kind.
+Regions = Callable[..., torch.Tensor]
+
+
+def run_eagerly(kind: str, fn: Callable[..., torch.Tensor], module: nn.Module, *args) -> torch.Tensor:
+    """The plain run of a region: its module's own code, uncompiled."""
+    return fn(module, *args)
+
+
 def skip_probe(name: str, t: torch.Tensor) -> None:
     """The probe of a run that looks at nothing."""
-
-
-def fp32_param(name: str) -> bool:
-    """Parameters DeepSeek's reference keeps in fp32 whatever the activation dtype."""
-    leaf = name.rsplit(".", 1)[-1]
-    return (leaf in ("attn_sink", "ape", "bias") or name.startswith("hc_") or ".hc_" in name
-            or "norm.weight" in name or ".compressor.w" in name or name.endswith("gate.weight")
-            or name == "head.weight")
-
-
-STORED_DTYPE = ("embed.weight", "head.weight")
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], quantized: set[str],
@@ -546,7 +625,8 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
         if isinstance(module, Linear):
             if not isinstance(t, QWeight):
                 t = QWeight(run_tensor(spec, t, quantized, dtype, device)).checked(spec.name)
-            module.w = t.to(device)
+            t = t.to(device)
+            module.w = replace(t, scale=t.graph_scale())  # e8m0 as its bytes: a graph input inductor takes
             module.act_quant = spec.act_quant and spec.name in quantized
         else:
             module.register_parameter(leaf, nn.Parameter(run_tensor(spec, t, quantized, dtype, device),
@@ -560,18 +640,19 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
 
 def run_tensor(spec: TensorSpec, t: torch.Tensor, quantized: set[str], dtype: torch.dtype,
                device: torch.device | str) -> torch.Tensor:
-    """A stored tensor as the model runs it: int64 tables; the vocabulary-sized tensors as stored, not copied
-    (bf16 in the release: the embedding is exact after a cast, and the head's GEMM converts it chunk by chunk,
-    so no fp32 copy of either is made); a dequantised weight in `weights.dequantized_dtype`; fp32 where
-    DeepSeek's reference keeps fp32 (`fp32_param`); else the activation dtype."""
-    if spec.name in STORED_DTYPE and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    """A stored tensor as the model runs it, in its table entry's run dtype (`TensorSpec.run`): int64 tables;
+    the vocabulary-sized tensors as stored, not copied (bf16 in the release: the embedding is exact after a cast,
+    and the head's GEMM converts it chunk by chunk, so no fp32 copy of either is made; fp32 when of another
+    dtype); a dequantised weight in `weights.dequantized_dtype`; fp32 where DeepSeek's reference keeps fp32;
+    else the activation dtype."""
+    if spec.run == "stored" and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return t.to(device)
-    if spec.kind == "index":
+    if spec.run == "int64":
         want = torch.int64
     elif spec.name in quantized:
         want = dequantized_dtype(spec, dtype)
     else:
-        want = torch.float32 if fp32_param(spec.name) else dtype
+        want = torch.float32 if spec.run in ("fp32", "stored") else dtype
     return placed(t, want, device)
 
 

@@ -9,19 +9,19 @@ copied when the row was at M. `take_snapshot` copies exactly those parts of a ro
 (FP8/FP4 codes and scales when the quantisation simulation is on); `restore_snapshot` writes them into a row
 (the rest of the row zeroed), after which the row continues at position N exactly as the original did.
 
-A snapshot's tensors are keyed "<ratio>.<root key>" over `Transformer.roots` (ratio 0: window-only layers), each
-[L, ...] over the layers of that kind, so a snapshot is as many bytes as the state it copies.
+A snapshot's tensors are keyed by the state buffers' paths (`Transformer.state()`: `layers.1.attn.ring.fp8`,
+`layers.1.attn.compressor.cache.fp8`, ...), each one row's [n, ...], so a snapshot is as many bytes as the state
+it copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from mhcrun.model import Transformer
+from mhcrun.model import Compressor, Transformer
 
 
 @dataclass
@@ -36,25 +36,12 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def split_key(key: str) -> tuple[int, str]:
-    ratio, _, name = key.partition(".")
-    return int(ratio), name
-
-
-def extent(window: int, ratio: int, name: str, n_tokens: int, size: int) -> int:
-    """How many of a root buffer's `size` entries along its third dim (after [L, B]) hold state after `n_tokens`
-    tokens: the ring and, for compressed kinds, the entries closed so far; the indexer's closed keys; a
-    compressor's whole open-group state."""
-    root = name.split(".", 1)[0]
-    if root == "kv":
-        return window + (n_tokens // ratio if ratio else 0)
-    if root == "idx_kv":
-        return n_tokens // 4
-    return size  # comp_* / idx_comp_*: the whole state
-
-
-def row_extent(model: Transformer, ratio: int, name: str, n_tokens: int) -> int:
-    return extent(model.cfg.window_size, ratio, name, n_tokens, model.roots[ratio][name].size(2))
+def state_extents(module: nn.Module, n_tokens: int) -> dict[str, int]:
+    """How many entries (along dim 1 of a state buffer [B, n, ...]) hold state after `n_tokens` tokens, for the
+    buffers that hold less than their whole length: each compressor's closed entries (n_tokens // ratio; the
+    indexer's keys are its compressor's). The ring (the window) and the compressors' open-group state are whole."""
+    return {f"{name}.cache.{part}": n_tokens // m.ratio for name, m in module.named_modules()
+            if isinstance(m, Compressor) for part in m.cache.parts()}
 
 
 def take_snapshot(model: Transformer, row: int, n_tokens: int) -> Snapshot:
@@ -62,11 +49,9 @@ def take_snapshot(model: Transformer, row: int, n_tokens: int) -> Snapshot:
     check_row(model, row)
     if not 0 <= n_tokens <= model.max_seq:
         raise ValueError(f"a snapshot after {n_tokens} tokens does not fit caches of {model.max_seq}")
-    tensors = {}
-    for ratio, roots in model.roots.items():
-        for name, t in roots.items():
-            tensors[f"{ratio}.{name}"] = t[:, row, :row_extent(model, ratio, name, n_tokens)].clone()
-    return Snapshot(n_tokens, tensors)
+    extents = state_extents(model, n_tokens)
+    return Snapshot(n_tokens, {path: t[row, :extents.get(path, t.size(1))].clone()
+                               for path, t in model.state().items()})
 
 
 def restore_snapshot(model: Transformer, snap: Snapshot, row: int) -> None:
@@ -75,11 +60,10 @@ def restore_snapshot(model: Transformer, snap: Snapshot, row: int) -> None:
     multiplies 0 by its value)."""
     check_row(model, row)
     check_fits(model, snap)
-    for ratio, roots in model.roots.items():
-        for name, t in roots.items():
-            src = snap.tensors[f"{ratio}.{name}"]
-            t[:, row].zero_()
-            t[:, row, :src.size(1)] = src
+    for path, t in model.state().items():
+        src = snap.tensors[path]
+        t[row].zero_()
+        t[row, :src.size(0)] = src
 
 
 def check_row(model: Transformer, row: int) -> None:
@@ -89,16 +73,16 @@ def check_row(model: Transformer, row: int) -> None:
 
 def check_fits(model: Transformer, snap: Snapshot) -> None:
     """A snapshot must name exactly the model's state buffers, with their per-row shapes and dtypes."""
-    want = {f"{ratio}.{name}": t for ratio, roots in model.roots.items() for name, t in roots.items()}
+    want = model.state()
     if set(want) != set(snap.tensors):
         missing, extra = sorted(set(want) - set(snap.tensors)), sorted(set(snap.tensors) - set(want))
         raise ValueError(f"the snapshot's state does not match this model's (missing {missing}, unexpected {extra})")
     if snap.n_tokens > model.max_seq:
         raise ValueError(f"a snapshot after {snap.n_tokens} tokens does not fit caches of {model.max_seq}")
+    extents = state_extents(model, snap.n_tokens)
     for key, src in snap.tensors.items():
         t = want[key]
-        ratio, name = split_key(key)
-        shape = (t.size(0), row_extent(model, ratio, name, snap.n_tokens), *t.shape[3:])
+        shape = (extents.get(key, t.size(1)), *t.shape[2:])
         if tuple(src.shape) != shape or src.dtype != t.dtype:
             raise ValueError(f"snapshot tensor {key}: {tuple(src.shape)} {src.dtype}, this model's state needs "
                              f"{shape} {t.dtype}")

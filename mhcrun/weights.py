@@ -1,19 +1,19 @@
 """The tensors a V4 checkpoint must hold for a config: names (DeepSeek's inference names), shapes, kinds, splits.
 
 This table is the one description of the weights: checkpoint checking and loading, the memory plan, `--tp`
-sharing, `model.build_model` (which places each tensor where its name says) and the compiled regions' inputs
-(`regions.runner.region_inputs`) are derived from it.
+sharing and `model.build_model` (which places each tensor where its name says, in the dtype it runs in)
+are derived from it.
 
 Kinds:
 - "float":  an unquantised float tensor (bf16 or fp32 in the release; any float dtype accepted).
 - "linear": a linear weight [out, in]; FP8 e4m3 with a block `.scale` when the config is quantised.
 - "expert": a routed-expert weight [out, in]; FP4 (int8-packed) or FP8 per `expert_dtype`, else as "linear".
 - "index":  an integer table (`tid2eid`).
-`act_quant` says whether DeepSeek's reference quantises the activation to FP8 before this GEMM when the
-weight is quantised (wo_a is dequantised to bf16 by the reference's converter, so it is not). `split` and `expert`
-say how `--tp` shares it out, as DeepSeek's reference does (`mhcrun.parallel`): attention heads (wq_b rows,
-attn_sink), o_groups (wo_a rows, wo_b columns), index heads (wq_b, weights_proj), vocabulary rows (embed, head),
-routed experts in contiguous blocks; everything else replicated.
+`run` says which dtype the model runs it in. `act_quant` says whether DeepSeek's reference quantises the
+activation to FP8 before this GEMM when the weight is quantised (wo_a is dequantised to bf16 by the reference's
+converter, so it is not). `split` and `expert` say how `--tp` shares it out, as DeepSeek's reference does
+(`mhcrun.parallel`): attention heads (wq_b rows, attn_sink), o_groups (wo_a rows, wo_b columns), index heads
+(wq_b, weights_proj), vocabulary rows (embed, head), routed experts in contiguous blocks; everything else replicated.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class TensorSpec:
     act_quant: bool = True
     split: int | None = None  # under --tp: the dimension split across ranks (0 rows, 1 columns), else replicated
     expert: int | None = None  # a routed expert's weight: the expert (each rank holds a contiguous block)
+    run: str = "act"  # its dtype at run time: "act" (the activation dtype), "fp32" (DeepSeek's reference keeps
+    # it in fp32 whatever the activation dtype), "stored" (the vocabulary-sized tensors: kept as stored, fp32 when
+    # converted), "int64" (index tables); a weight dequantised at load takes `dequantized_dtype`
 
 
 def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> list[TensorSpec]:
@@ -39,26 +42,26 @@ def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> l
     hd, H, G = cfg.head_dim, cfg.n_heads, cfg.o_groups
     p = f"layers.{i}." if prefix is None else prefix
     specs = [
-        TensorSpec(p + "attn_norm.weight", (d,)),
-        TensorSpec(p + "ffn_norm.weight", (d,)),
+        TensorSpec(p + "attn_norm.weight", (d,), run="fp32"),
+        TensorSpec(p + "ffn_norm.weight", (d,), run="fp32"),
     ]
     for site in ("attn", "ffn"):
         specs += [
-            TensorSpec(p + f"hc_{site}_fn", (cfg.mix_hc, n * d)),
-            TensorSpec(p + f"hc_{site}_base", (cfg.mix_hc,)),
-            TensorSpec(p + f"hc_{site}_scale", (3,)),
+            TensorSpec(p + f"hc_{site}_fn", (cfg.mix_hc, n * d), run="fp32"),
+            TensorSpec(p + f"hc_{site}_base", (cfg.mix_hc,), run="fp32"),
+            TensorSpec(p + f"hc_{site}_scale", (3,), run="fp32"),
         ]
     a = p + "attn."
     specs += [
         TensorSpec(a + "wq_a.weight", (cfg.q_lora_rank, d), "linear"),
-        TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,)),
+        TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,), run="fp32"),
         TensorSpec(a + "wq_b.weight", (H * hd, cfg.q_lora_rank), "linear", split=0),  # heads
         TensorSpec(a + "wkv.weight", (hd, d), "linear"),
-        TensorSpec(a + "kv_norm.weight", (hd,)),
+        TensorSpec(a + "kv_norm.weight", (hd,), run="fp32"),
         TensorSpec(a + "wo_a.weight", (G * cfg.o_lora_rank, H * hd // G), "linear", act_quant=False,
                    split=0),  # o_groups
         TensorSpec(a + "wo_b.weight", (d, G * cfg.o_lora_rank), "linear", split=1),  # o_groups, then all-reduce
-        TensorSpec(a + "attn_sink", (H,), split=0),
+        TensorSpec(a + "attn_sink", (H,), split=0, run="fp32"),
     ]
     ratio = cfg.compress_ratios[i]
     if ratio:
@@ -71,11 +74,12 @@ def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> l
         ]
         specs += compressor_specs(a + "indexer.compressor.", d, ratio, ihd)
     f = p + "ffn."
-    specs.append(TensorSpec(f + "gate.weight", (cfg.n_routed_experts, d)))
+    specs.append(TensorSpec(f + "gate.weight", (cfg.n_routed_experts, d), run="fp32"))
     if i < cfg.n_hash_layers:
-        specs.append(TensorSpec(f + "gate.tid2eid", (cfg.vocab_size, cfg.n_activated_experts), "index"))
+        specs.append(TensorSpec(f + "gate.tid2eid", (cfg.vocab_size, cfg.n_activated_experts), "index",
+                                run="int64"))
     else:
-        specs.append(TensorSpec(f + "gate.bias", (cfg.n_routed_experts,)))
+        specs.append(TensorSpec(f + "gate.bias", (cfg.n_routed_experts,), run="fp32"))
     for e in range(cfg.n_routed_experts):
         specs += expert_specs(f + f"experts.{e}.", d, cfg.moe_inter_dim, "expert", e)
     specs += expert_specs(f + "shared_experts.", d, cfg.moe_inter_dim, "linear")
@@ -85,10 +89,10 @@ def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> l
 def compressor_specs(prefix: str, dim: int, ratio: int, head_dim: int) -> list[TensorSpec]:
     c = 2 if ratio == 4 else 1  # the 4:1 compressor overlaps two groups
     return [
-        TensorSpec(prefix + "ape", (ratio, c * head_dim)),
-        TensorSpec(prefix + "wkv.weight", (c * head_dim, dim)),
-        TensorSpec(prefix + "wgate.weight", (c * head_dim, dim)),
-        TensorSpec(prefix + "norm.weight", (head_dim,)),
+        TensorSpec(prefix + "ape", (ratio, c * head_dim), run="fp32"),
+        TensorSpec(prefix + "wkv.weight", (c * head_dim, dim), run="fp32"),
+        TensorSpec(prefix + "wgate.weight", (c * head_dim, dim), run="fp32"),
+        TensorSpec(prefix + "norm.weight", (head_dim,), run="fp32"),
     ]
 
 
@@ -104,12 +108,12 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
     """Every tensor generation needs, in a stable order (model-level first, then layer by layer)."""
     d, n = cfg.dim, cfg.hc_mult
     specs = [
-        TensorSpec("embed.weight", (cfg.vocab_size, d), split=0),  # vocabulary rows, then all-reduce
-        TensorSpec("head.weight", (cfg.vocab_size, d), split=0),  # vocabulary rows, then gathered
-        TensorSpec("norm.weight", (d,)),
-        TensorSpec("hc_head_fn", (n, n * d)),
-        TensorSpec("hc_head_base", (n,)),
-        TensorSpec("hc_head_scale", (1,)),
+        TensorSpec("embed.weight", (cfg.vocab_size, d), split=0, run="stored"),  # vocabulary rows, then all-reduce
+        TensorSpec("head.weight", (cfg.vocab_size, d), split=0, run="stored"),  # vocabulary rows, then gathered
+        TensorSpec("norm.weight", (d,), run="fp32"),
+        TensorSpec("hc_head_fn", (n, n * d), run="fp32"),
+        TensorSpec("hc_head_base", (n,), run="fp32"),
+        TensorSpec("hc_head_scale", (1,), run="fp32"),
     ]
     for i in range(cfg.n_layers if n_layers is None else n_layers):
         specs += layer_tensor_specs(cfg, i)

@@ -16,7 +16,7 @@ from mhcrun.cli import app
 from mhcrun.config import config_from_hf
 from mhcrun.generate import generate, prefill
 from mhcrun.memory import kv_bytes_per_token, state_bytes
-from mhcrun.model import build_model, cache_formats
+from mhcrun.model import Cache, build_model, cache_formats
 from mhcrun.ops import kvcache
 from mhcrun.ops.quant import fp4_simulate, fp8_simulate
 from mhcrun.regions.runner import RegionDecoder
@@ -45,15 +45,11 @@ def prompt(n: int, seed: int = 1) -> list[int]:
 
 
 def cache_values(model) -> dict[str, torch.Tensor]:
-    """Every root buffer as values (caches decoded), for comparing two runs' state."""
-    out = {}
-    for ratio, roots in model.roots.items():
-        for name, fmt in model.formats.items():
-            if kvcache.root_key(name, kvcache.part_names(fmt)[0]) in roots:
-                out[f"{ratio}:{name}"] = kvcache.decode(fmt, kvcache.parts_of(roots, name, fmt), torch.float32)
-        for key, t in roots.items():
-            if key.split(".")[0] not in model.formats:
-                out[f"{ratio}:{key}"] = t.clone()
+    """Every state buffer as values (caches decoded), for comparing two runs' state."""
+    out = {k: t.clone() for k, t in model.state().items() if k.endswith("_state")}
+    for name, m in model.named_modules():
+        if isinstance(m, Cache):
+            out[name] = kvcache.decode(m.fmt, m.parts(), torch.float32)
     return out
 
 
@@ -166,13 +162,14 @@ TIES = {"index_n_heads": 2, "index_topk": 3}  # ReLU'd scores of 2 heads are exa
 
 
 def count_boundary_ties(monkeypatch, k: int) -> list[int]:
-    """Count, in every indexer scoring that follows, the queries whose k-th and (k+1)-th best scores are equal."""
+    """Count, in every eager indexer scoring that follows, the queries whose k-th and (k+1)-th best scores are equal
+    (compiled graphs trace the same module code: they skip the count, a Python side effect)."""
     ties = [0]
     inner = model_mod.index_scores
 
     def spy(q, keys, w):
         scores = inner(q, keys, w)
-        if scores.size(-1) > k:
+        if scores.size(-1) > k and not torch.compiler.is_compiling():
             top = scores.float().topk(k + 1, dim=-1).values
             ties[0] += int((top[..., k - 1] == top[..., k]).sum())
         return scores
@@ -208,12 +205,11 @@ def test_uncompiled_region_stages_choose_eager_entries_under_ties():
     with torch.inference_mode():
         model.setup_caches(1, 80)
         prefill(model, ids, 0, 7)
-        snap = {r: {k: v.clone() for k, v in roots.items()} for r, roots in model.roots.items()}
+        snap = {k: v.clone() for k, v in model.state().items()}
         tokens = torch.tensor([5])
         eager = [model(torch.tensor([[5]]), torch.tensor([0]), torch.tensor([30 + i]))[0].clone() for i in range(40)]
-        for r, roots in snap.items():
-            for k, v in roots.items():
-                model.roots[r][k].copy_(v)
+        for k, v in snap.items():
+            model.state()[k].copy_(v)
         dec = RegionDecoder(model, "eager", None)
         for i in range(40):
             got = dec(tokens, torch.tensor([30 + i]))[0]
@@ -264,12 +260,13 @@ def test_fp4_index_cache_stores_the_simulation_bit_for_bit(dtype):
 def test_model_cache_is_stored_quantised_and_about_3x_smaller():
     model = make_model(KINDS["mixed"], quant_sim=True)
     model.setup_caches(2, 256)
-    roots = model.roots[4]
-    assert roots["kv.fp8"].dtype == torch.float8_e4m3fn and roots["idx_kv.fp4"].dtype == torch.uint8
-    assert "kv" not in roots
+    attn = model.layers[KINDS["mixed"].index(4)].attn
+    assert attn.compressor.cache.fp8.dtype == torch.float8_e4m3fn and attn.ring.fp8.dtype == torch.float8_e4m3fn
+    assert attn.indexer.compressor.cache.fp4.dtype == torch.uint8
+    assert "values" not in dict(attn.ring.named_buffers())
     model.opts.quant_sim = False
     model.setup_caches(2, 256)
-    assert model.roots[4]["kv"].dtype == torch.float32 and model.formats == cache_formats(model.cfg, False)
+    assert attn.compressor.cache.values.dtype == torch.float32 and model.formats == cache_formats(model.cfg, False)
     # at the released head size (512, 64 of them rope) an fp32 entry is 2048 bytes, an FP8 one 448 + 28 + 256
     from mhcrun.config import load_config
 

@@ -88,12 +88,12 @@ def test_compressor_chunks_rebuild_whole_prompt_entries(ratio, chunk, quant_sim)
     with torch.inference_mode():
         model.setup_caches(1, 40)
         comp(x, rows, torch.tensor([0]))
-        whole = {p: t[0, : 37 // ratio].clone() for p, t in comp.cache.items()}
+        whole = {p: t[0, : 37 // ratio].clone() for p, t in comp.cache.parts().items()}
         model.setup_caches(1, 40)
         for c0 in range(0, 37, chunk):
             comp(x[:, c0:c0 + chunk], rows, torch.tensor([c0]))
-        stepped = {p: t[0, : 37 // ratio] for p, t in comp.cache.items()}
-    assert kvcache.decode(comp.fmt, whole, torch.float32).abs().sum() > 0
+        stepped = {p: t[0, : 37 // ratio] for p, t in comp.cache.parts().items()}
+    assert kvcache.decode(comp.cache.fmt, whole, torch.float32).abs().sum() > 0
     for part in whole.keys() - {"fp8"}:
         assert torch.allclose(whole[part], stepped[part], rtol=1e-5, atol=1e-6), part
     if quant_sim:
@@ -113,9 +113,9 @@ def test_indexer_chooses_only_closed_entries_and_at_most_topk():
     x = torch.randn(1, s, cfg.dim)
     with torch.inference_mode():
         model.setup_caches(1, 48)
-        freqs = attn.freqs[:s].unsqueeze(0)
-        qr, _, _ = attn.project(x, freqs)
-        chosen, valid = attn.indexer(x, qr, torch.tensor([0]), torch.tensor([0]), freqs)  # [1, s, k]
+        cos, sin = attn.rope.at(torch.arange(s).unsqueeze(0))
+        qr, _, _ = attn.project(x, cos, sin)
+        chosen, valid = attn.indexer(x, qr, torch.tensor([0]), torch.tensor([0]), cos, sin)  # [1, s, k]
     for t in range(s):
         closed = (t + 1) // 4
         picked = chosen[0, t][valid[0, t]].tolist()

@@ -206,20 +206,20 @@ def test_scan_kernel_equals_the_torch_reference():
 
 
 def test_a_compiled_region_that_turns_non_finite_is_named(monkeypatch):
-    """Eager prefill stays finite; the compiled decode of layer 2's MoE half reads a NaN: the decode step and
+    """Eager prefill stays finite; the compiled decode of layer 2's MoE half puts out a NaN: the decode step and
     that region are named."""
     from mhcrun.regions import runner
 
-    original = runner.RegionDecoder.__init__
+    original = runner.RegionDecoder.run
 
-    def poisoned(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        w = self.layer_inputs[2][3]["w"]
-        key = "ffn.shared_experts.w1"
-        w[key] = w[key].clone()
-        w[key][0, 0] = float("nan")
+    def poisoned(self, kind, fn, module, *args):
+        out = original(self, kind, fn, module, *args)
+        if module is self.model.layers[2] and kind.startswith("moe"):  # layer 2's MoE half, compiled path only
+            out = out.clone()
+            out[..., 0] = float("nan")
+        return out
 
-    monkeypatch.setattr(runner.RegionDecoder, "__init__", poisoned)
+    monkeypatch.setattr(runner.RegionDecoder, "run", poisoned)
     with pytest.raises(NonFiniteError) as e:
         generate(make_model(), [[0, 5, 9]], 4, eos_id=1, graph_mode="regions", backend="aot_eager")
     assert str(e.value).startswith("prompt 0: the logits of step 1 (decode step 1) hold NaN; "

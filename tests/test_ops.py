@@ -458,13 +458,14 @@ def test_apply_rope_tail_leaves_the_first_channels():
     s, h, hd, rd = 4, 2, 12, 4
     freqs = precompute_freqs_cis(rd, s, 0, 10000.0, 1.0, 32, 1)
     x = randn(1, s, h, hd, seed=27)
-    out = apply_rope_tail(x, freqs.unsqueeze(0).unsqueeze(2), rd)
+    out = apply_rope_tail(x, freqs.real.unsqueeze(0).unsqueeze(2), freqs.imag.unsqueeze(0).unsqueeze(2), rd)
     assert torch.equal(out[..., : hd - rd], x[..., : hd - rd])
     ang = torch.angle(freqs).double()
     for t in range(s):
         for hh in range(h):
             close(out[0, t, hh, hd - rd:], loop_rope(x[0, t, hh, hd - rd:].tolist(), ang[t].tolist()), atol=1e-6)
-    back = apply_rope_tail(out, freqs.unsqueeze(0).unsqueeze(2), rd, inverse=True)
+    back = apply_rope_tail(out, freqs.real.unsqueeze(0).unsqueeze(2), freqs.imag.unsqueeze(0).unsqueeze(2), rd,
+                           inverse=True)
     close(back, x, atol=1e-6)
 
 

@@ -337,7 +337,9 @@ def test_expert_set_op_reads_each_rows_experts_in_place(fmt):
         pass
 
     owner = Layer()
-    handle = register_experts(owner, [qw(w, s, 32) for w, s in experts])
+    experts_set = register_experts(owner, [qw(w, s, 32) for w, s in experts])
+    handle = experts_set.handle
+    assert experts_set.out_features == 64
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):

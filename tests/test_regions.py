@@ -22,7 +22,7 @@ from mhcrun.cli import app
 from mhcrun.config import config_from_hf
 from mhcrun.errors import InputError
 from mhcrun.generate import generate
-from mhcrun.model import build_model
+from mhcrun.model import Cache, RMSNorm, build_model
 from mhcrun.ops import kvcache
 from mhcrun.regions import runner as regions_runner
 from mhcrun.regions.runner import RegionDecoder
@@ -65,26 +65,25 @@ def prefill(model, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, 
 
 
 def snapshot(model) -> dict:
-    return {ratio: {k: v.clone() for k, v in roots.items()} for ratio, roots in model.roots.items()}
+    return {k: v.clone() for k, v in model.state().items()}
 
 
-def decoded(model, roots: dict, name: str) -> torch.Tensor:
-    """A root buffer as values: a cache's parts (FP8/FP4 codes and scales) decoded, state buffers as they are."""
-    cache, _, part = name.partition(".")
-    if cache not in model.formats:
-        return roots[name]
-    if part not in ("", "fp8", "fp4"):
-        return torch.zeros(())  # scales and rope channels are compared inside the decoded values
-    fmt = model.formats[cache]
-    return kvcache.decode(fmt, kvcache.parts_of(roots, cache, fmt), torch.float32)
+def state_values(model, state: dict) -> dict[str, torch.Tensor]:
+    """State buffers as values: each cache's parts (FP8/FP4 codes and scales) decoded, the rest as they are."""
+    out = {k: v for k, v in state.items() if k.endswith("_state")}
+    for name, m in model.named_modules():
+        if isinstance(m, Cache):
+            parts = {p: state[f"{name}.{p}"] for p in m.parts()}
+            out[name] = kvcache.decode(m.fmt, parts, torch.float32)
+    return out
 
 
 @torch.inference_mode()
 def restore(model, snap: dict) -> None:
-    """In place: the layers and a RegionDecoder hold views of / references to these very buffers."""
-    for ratio, roots in snap.items():
-        for k, v in roots.items():
-            model.roots[ratio][k].copy_(v)
+    """In place: the modules hold these very buffers."""
+    state = model.state()
+    for k, v in snap.items():
+        state[k].copy_(v)
 
 
 @torch.inference_mode()
@@ -137,7 +136,6 @@ def test_uncompiled_stages_equal_eager_decode_every_step(quant_sim):
 
     restore(model, start)
     dec = RegionDecoder(model, "eager", None)
-    assert set(dec.groups) == ALL_KINDS
     bound = 1e-2 if quant_sim else 1e-4  # as tests/test_model.py: FP8/FP4 rounding boundaries with the simulation
     with torch.inference_mode():
         for i in range(steps):
@@ -145,12 +143,58 @@ def test_uncompiled_stages_equal_eager_decode_every_step(quant_sim):
             assert got.shape == ref[i].shape
             worst = (got - ref[i]).abs().max().item()
             assert worst < bound, f"step {i}: region stages differ from the eager decode by {worst}"
-    got_state = snapshot(model)
-    for ratio, roots in ref_state.items():
-        for name in roots:  # -inf score slots compare equal; cache codes compare decoded
-            torch.testing.assert_close(decoded(model, got_state[ratio], name), decoded(model, roots, name),
-                                       atol=bound, rtol=0, msg=lambda m, r=ratio, n=name: f"roots[{r}][{n!r}]: {m}")
+    assert set(dec.kinds) == ALL_KINDS
+    got, want = state_values(model, snapshot(model)), state_values(model, ref_state)
+    assert got.keys() == want.keys()
+    for name in want:  # -inf score slots compare equal; cache codes compare decoded
+        torch.testing.assert_close(got[name], want[name], atol=bound, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert all(s.graphs == 0 for s in dec.stats)  # nothing was compiled
+
+
+def test_static_path_takes_a_chunk_of_several_tokens_per_row():
+    """The decoder's fixed-shape path on a chunk of 3 tokens per row (rows at different positions, some
+    closing compressed groups inside the chunk) gives the eager chunk's logits and state."""
+    model = make_model(MIXED)
+    _, pos = prefill(model, make_prompts(), 8)
+    start = snapshot(model)
+    chunk = torch.randint(3, 512, (len(pos), 3), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = model(chunk, torch.arange(len(pos)), pos).clone()
+        want_state = state_values(model, snapshot(model))
+        restore(model, start)
+        got = RegionDecoder(model, "eager", None)(chunk, pos)
+    assert (got - want).abs().max().item() < 1e-2
+    got_state = state_values(model, snapshot(model))
+    for name in want_state:
+        torch.testing.assert_close(got_state[name], want_state[name], atol=1e-2, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compiled_regions_run_the_modules_own_code(monkeypatch):
+    """A change to one module's computation (RMSNorm scaled by 1.5) changes eager and compiled decode alike:
+    the graphs are traced from the modules' forward, not from a second formulation of them."""
+    model = make_model(MIXED)
+    tokens, pos = prefill(model, make_prompts(), 2)
+    start = snapshot(model)
+    rows = torch.arange(len(pos))
+
+    def eager_and_compiled():
+        with torch.inference_mode():
+            restore(model, start)
+            eager = model(tokens.view(-1, 1), rows, pos).clone()
+            restore(model, start)
+            dec = RegionDecoder(model, "regions", STRUCT_BACKEND)
+            compiled = dec(tokens, pos).clone()
+        assert all(s.graphs == 1 and s.fallback is None for s in dec.stats), dec.stats
+        return eager, compiled
+
+    eager, compiled = eager_and_compiled()
+    original = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: 1.5 * original(self, x))
+    eager2, compiled2 = eager_and_compiled()
+    assert (eager2 - eager).abs().max().item() > 1e-2  # the change does show in the logits
+    assert (compiled - eager).abs().max().item() < 1e-4
+    assert (compiled2 - eager2).abs().max().item() < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- 2. graph structure

@@ -159,7 +159,7 @@ def test_snapshot_bytes_are_the_state_it_copies(quant_sim):
     for n in (0, 1, 17, 40):
         snap = take_snapshot(model, 0, n)
         assert snap.nbytes == snapshot_bytes(model.cfg, len(RATIOS), n, model.dtype, quant_sim)
-        one_row = sum(t[:, 0].nbytes for roots in model.roots.values() for t in roots.values())
+        one_row = sum(t[0].nbytes for t in model.state().values())
         assert snap.nbytes <= one_row
     per_token = kv_bytes_per_token(model.cfg, len(RATIOS), model.dtype, quant_sim)
     grow = snapshot_bytes(model.cfg, len(RATIOS), 64 + 16 * 4, model.dtype, quant_sim) - \

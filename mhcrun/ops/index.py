@@ -60,12 +60,12 @@ def select_topk_sliced(score_slice: Callable[[int, int], torch.Tensor], n: int, 
     """select_topk over n entries scored `step` at a time: score_slice(j0, j1) -> [b,s,j1-j0]; closed [b,s]
     says how many entries each query may see (j < closed). The running top-k keys merge slice by slice, so
     memory stays O(s * (step + topk)); the result equals select_topk on the whole score matrix."""
-    best = None
+    best = torch.empty(*closed.shape, 0, dtype=torch.int64, device=closed.device)  # no entries: [b, s, 0]
     for j0 in range(0, n, step):
         j1 = min(j0 + step, n)
         entries = torch.arange(j0, j1, device=closed.device)
         keys = rank_keys(score_slice(j0, j1), entries, entries.view(1, 1, -1) < closed.unsqueeze(-1))
-        best = top_keys(keys if best is None else torch.cat([best, keys], dim=-1), topk)
+        best = top_keys(torch.cat([best, keys], dim=-1), topk)
     return keys_to_entries(best)
 
 

@@ -6,7 +6,7 @@ cache keeps exactly those codes and scales and decodes them on read: the values 
 simulation's bit for bit, and the cache is ~3x smaller in an fp32 run. Without the simulation the cache holds
 the activation dtype.
 
-A cache is a dict of parts that share their leading dims (e.g. [B, n_entries, ...]): `{"": values}` plain,
+A cache is a dict of parts that share their leading dims (e.g. [B, n_entries, ...]): `{"values": values}` plain,
 `{"fp8": codes, "scale": fp32, "rope": values}` for kv, `{"fp4": packed, "scale": fp32}` for indexer keys.
 `encode` turns values into parts, `decode` parts (indexed alike) back into values; `simulate` is the two.
 """
@@ -40,7 +40,7 @@ class CacheFormat:
     def parts(self, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
         """part name -> (last dim, dtype) of the tensors an entry is stored in."""
         if self.kind == "plain":
-            return {"": (self.dim, dtype)}
+            return {"values": (self.dim, dtype)}
         if self.kind == "fp8":
             nope = self.dim - self.rope_dim
             return {"fp8": (nope, torch.float8_e4m3fn), "scale": (-(-nope // KV_FP8_BLOCK), torch.float32),
@@ -70,7 +70,7 @@ def make_parts(fmt: CacheFormat, lead: tuple[int, ...], dtype: torch.dtype,
 def encode(fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Values [..., dim] -> the parts that store them (rounding as the simulation does)."""
     if fmt.kind == "plain":
-        return {"": x}
+        return {"values": x}
     if fmt.kind == "fp8":
         nope, rope = x.split([fmt.dim - fmt.rope_dim, fmt.rope_dim], dim=-1)
         codes, scale = quantize_act_fp8(nope, KV_FP8_BLOCK, fmt.pow2)
@@ -82,7 +82,7 @@ def encode(fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
 def decode(fmt: CacheFormat, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Parts -> values [..., dim] in `dtype` (equal bit for bit to the simulation of what was encoded)."""
     if fmt.kind == "plain":
-        return parts[""].to(dtype)
+        return parts["values"].to(dtype)
     if fmt.kind == "fp8":
         nope = dequantize_act(parts["fp8"], parts["scale"], KV_FP8_BLOCK).to(dtype)
         return torch.cat([nope, parts["rope"].to(dtype)], dim=-1)
@@ -112,17 +112,3 @@ def store(parts: dict[str, torch.Tensor], index: tuple, encoded: dict[str, torch
 
 def part_names(fmt: CacheFormat) -> tuple[str, ...]:
     return tuple(fmt.parts(torch.float32))
-
-
-def root_key(name: str, part: str) -> str:
-    """The key of one part of cache `name` among a model's root buffers ("kv", "kv.fp8", "kv.scale", ...)."""
-    return f"{name}.{part}" if part else name
-
-
-def make_roots(name: str, fmt: CacheFormat, lead: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device | str) -> dict[str, torch.Tensor]:
-    return {root_key(name, p): t for p, t in make_parts(fmt, lead, dtype, device).items()}
-
-
-def parts_of(roots: dict[str, torch.Tensor], name: str, fmt: CacheFormat) -> dict[str, torch.Tensor]:
-    return {p: roots[root_key(name, p)] for p in part_names(fmt)}

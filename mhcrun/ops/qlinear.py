@@ -48,6 +48,7 @@ import math
 import os
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -401,13 +402,21 @@ _EXPERT_SETS: dict[int, list[QWeight]] = {}
 _next_set = itertools.count()
 
 
-def register_experts(owner: object, weights: list[QWeight]) -> Tensor:
-    """A handle for `mhcrun::qgemv_expert_set` to one weight (w1, w2 or w3) of each of a layer's experts, in
-    expert order; the entry goes when `owner` (the layer) does."""
+@dataclass(frozen=True)
+class ExpertSet:
+    """One weight (w1, w2 or w3) of each of a layer's routed experts, read in place by `qgemv_expert_set`."""
+
+    handle: Tensor
+    out_features: int
+
+
+def register_experts(owner: object, weights: list[QWeight]) -> ExpertSet:
+    """A set for `mhcrun::qgemv_expert_set` of one weight of each of a layer's experts, in expert order; the
+    entry goes when `owner` (the layer) does."""
     h = next(_next_set)
     _EXPERT_SETS[h] = list(weights)
     weakref.finalize(owner, _EXPERT_SETS.pop, h, None)
-    return torch.tensor(h, dtype=torch.int64)
+    return ExpertSet(torch.tensor(h, dtype=torch.int64), weights[0].out_features)
 
 
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
@@ -432,6 +441,21 @@ def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) 
 @qgemv_expert_set.register_fake
 def _(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) -> Tensor:
     return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
+
+
+def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: bool = False) -> Tensor:
+    """Each token through its k routed experts' weights, on fixed shapes: x [T, k or 1, in], idx [T, k] ->
+    y [T, k, out] in x.dtype (fp32 math), w the experts' weights stacked [E, out, in'] (their scales [E, ...]) or
+    an `ExpertSet` read in place. act_quant as `qlinear`'s."""
+    if act_quant:
+        x = _act_quant(x)
+    xf = x.float()
+    if isinstance(w, ExpertSet):
+        return qgemv_expert_set(xf, w.handle, idx, w.out_features).to(x.dtype)
+    ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
+    if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
+        return gemv_fused(xf.unsqueeze(-2), ew).to(x.dtype)
+    return torch.einsum("tkd,tkfd->tkf", xf.expand(-1, idx.size(1), -1), dequantize(ew)).to(x.dtype)
 
 
 def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:

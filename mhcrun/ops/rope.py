@@ -34,12 +34,6 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
     return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
 
 
-def apply_rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
-    """Rotate only the last `rope_dim` channels of x (DeepSeek puts RoPE at the end of each head)."""
-    nope, pe = x.split([x.size(-1) - rope_dim, rope_dim], dim=-1)
-    return torch.cat([nope, apply_rope(pe, freqs, inverse)], dim=-1)
-
-
 def apply_rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`apply_rope` without complex tensors (for compilers that lack them): pairs (2i, 2i+1) rotate by
     (cos, sin) [..., rd // 2] broadcastable to x's pairs."""
@@ -50,7 +44,9 @@ def apply_rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inver
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-def apply_rope_tail_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
-                         inverse: bool = False) -> torch.Tensor:
+def apply_rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+                    inverse: bool = False) -> torch.Tensor:
+    """Rotate only the last `rope_dim` channels of x (DeepSeek puts RoPE at the end of each head) by (cos, sin)
+    [..., rope_dim // 2] (`apply_rope_real`)."""
     nope, pe = x.split([x.size(-1) - rope_dim, rope_dim], dim=-1)
     return torch.cat([nope, apply_rope_real(pe, cos, sin, inverse)], dim=-1)

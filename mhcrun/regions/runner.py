@@ -1,41 +1,32 @@
-"""Compiled decode by regions: one graph per region kind (and stage), reused by every layer of that kind.
+"""Compiled decode by regions: the modules' own forward on its fixed-shape path (`static=True`), compiled one
+graph per region kind and reused by every layer of that kind.
 
 Region kinds: `attn:window`, `attn:csa`, `attn:hca` (by compress ratio), `moe:hash`, `moe:routed`, `head`.
-A layer's weights, its root state buffers and its row index are graph inputs, never constants, so the
-43 layers of V4-Flash compile the same handful of graphs that 4 layers do. A stage whose compile fails runs
-eagerly, with a warning naming it; the tokens do not change.
+`Transformer.forward` runs each layer half through `RegionDecoder.run`, which calls its kind's compiled
+function with the layer's module as an argument: the module's tensors (weights and state buffers) are graph
+inputs, never constants, so the 43 layers of V4-Flash compile the same handful of graphs that 4 layers do. A
+group whose compile fails runs eagerly (the same code, uncompiled), with a warning naming it; the tokens do not
+change. With the "split" stage plan each layer half compiles as three graphs: the mHC mixes and collapse, the
+sublayer, the mHC post.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 import types
 import warnings
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from mhcrun.errors import InputError
-from mhcrun.model import Block, Linear, Probe, Transformer, skip_probe
+from mhcrun.model import Attention, Block, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.nki.ops import hc_expand
 from mhcrun.ops import qgemv
-from mhcrun.ops.qlinear import register_experts
 from mhcrun.ops.quant import hadamard
-from mhcrun.ops.qweight import QWeight
-from mhcrun.regions.decode import STAGES, AttnSpec, HcSpec, HeadSpec, LinearSpec, MoeSpec
-from mhcrun.weights import TensorSpec, layer_tensor_specs, tensor_specs
 
-Linears = dict[str, LinearSpec]
-
-# how the stages of each region are grouped into compiled graphs
-STAGE_PLANS = {
-    "whole": {"attn": [["mix", "core", "post"]], "moe": [["mix", "core", "post"]], "head": [["head"]]},
-    "split": {"attn": [["mix"], ["core"], ["post"]], "moe": [["mix"], ["core"], ["post"]], "head": [["head"]]},
-}
+STAGE_PLANS = ("whole", "split")
 
 
 @dataclass
@@ -49,6 +40,7 @@ class GraphStats:
     compile_s: float = 0.0
     cache_hits: int = 0
     fallback: str | None = None  # the compile error, when it runs eagerly
+    first_call_s: float | None = None  # its first call's wall time: trace, compile and run
 
 
 def default_backend(device: str) -> str:
@@ -68,50 +60,50 @@ def clone_function(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def run_stages(stages: list[Callable], spec, carry: dict, inp: dict) -> dict:
-    for stage in stages:
-        carry = stage(spec, carry, inp)
-    return carry
+def region_function(fn: Callable, name: str) -> Callable:
+    """fn under a code object of its own: torch's compile cache lives on the code object, so kinds never evict
+    or recompile each other."""
 
-
-def region_function(stages: list[Callable], spec, name: str) -> Callable:
-    """`run_stages` bound to one region kind, as a function with a code object of its own: torch's compile
-    cache lives on the code object, so kinds never evict or recompile each other."""
-
-    def region(carry: dict, inp: dict) -> dict:
-        for stage in stages:
-            carry = stage(spec, carry, inp)
-        return carry
+    def region(*args):
+        return fn(*args)
 
     return clone_function(region, name)
 
 
 class CompiledGroup:
-    """A group of stages of one region kind: compiled once, called for every layer of the kind."""
+    """One compiled function of a region kind (`fn(module, *args)`): compiled once, called for every layer of
+    the kind with that layer's module."""
 
-    def __init__(self, stats: GraphStats, stages: list[Callable], spec, backend: str | None, mode: str | None):
-        self.stats, self.spec = stats, spec
-        name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
-        self.eager = functools.partial(run_stages, stages, spec)
+    def __init__(self, stats: GraphStats, fn: Callable, backend: str | None, mode: str | None):
+        self.stats, self.eager = stats, fn
         if backend is None:
-            self.fn = self.eager
+            self.fn = fn
             return
-        self.fn = torch.compile(region_function(stages, spec, name), backend=counting_backend(backend, stats),
-                                mode=mode, dynamic=False, fullgraph=True)
+        name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
+        self.fn = torch.compile(region_function(fn, name), backend=counting_backend(backend, stats), mode=mode,
+                                dynamic=False, fullgraph=True)
 
-    def __call__(self, carry: dict, inp: dict) -> dict:
+    def __call__(self, *args):
+        if self.stats.first_call_s is None:
+            t0 = time.perf_counter()
+            out = self.call(*args)
+            self.stats.first_call_s = time.perf_counter() - t0
+            return out
+        return self.call(*args)
+
+    def call(self, *args):
         if self.fn is self.eager:
-            return self.eager(carry, inp)
+            return self.eager(*args)
         try:
-            return self.fn(carry, inp)
+            return self.fn(*args)
         except Exception as e:  # a failed compile: this group runs eagerly from now on
             if self.stats.graphs and self.stats.fallback is None and not is_compile_error(e):
                 raise
             self.stats.fallback = describe_error(e)
             warnings.warn(f"region {self.stats.region} stage {self.stats.stages}: compile failed "
-                          f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=2)
+                          f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=3)
             self.fn = self.eager
-            return self.eager(carry, inp)
+            return self.eager(*args)
 
 
 def counting_backend(backend: str, stats: GraphStats) -> Callable:
@@ -143,225 +135,98 @@ def is_compile_error(e: Exception) -> bool:
                           torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.UserError))
 
 
-def hc_spec(model: Transformer) -> HcSpec:
-    c = model.cfg
-    return HcSpec(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+# The "split" plan's three graphs of a layer half: the site's mixes + collapse + norm, the sublayer, the post.
+def attn_core(block: Block, h: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+              static: bool) -> torch.Tensor:
+    return Attention.forward(block.attn, h, rows, start, static)
 
 
-def region_inputs(model: Transformer, prefix: str, specs: list[TensorSpec]) -> tuple[dict[str, torch.Tensor], Linears]:
-    """The tensors `specs` (all named under `prefix`) as graph inputs, keyed by their weights-table names after
-    `prefix` less a final `.weight` (`attn.wq_a`, `attn_norm`, `ffn.gate.bias`): a Linear's weight as its data
-    (plus `key.scale` when kept quantised) with what the graph needs to know of it (`LinearSpec`)."""
-    w, linears = {}, {}
-    for spec in specs:
-        key = spec.name[len(prefix):].removesuffix(".weight")
-        owner, _, leaf = spec.name.rpartition(".")
-        module = model.get_submodule(owner)
-        if isinstance(module, Linear):
-            w[key] = module.w.data
-            if module.w.scale is not None:
-                w[f"{key}.scale"] = module.w.graph_scale()
-            linears[key] = LinearSpec(module.w.block, module.w.kernel, module.act_quant)
-        else:
-            w[key] = getattr(module, leaf)
-    return w, linears
+def moe_core(block: Block, h: torch.Tensor, tokens: torch.Tensor, static: bool) -> torch.Tensor:
+    return MoE.forward(block.ffn, h, tokens, static)
 
 
-def half_of(key: str) -> str:
-    """The region family of a layer tensor (its name after `layers.i.`): the attention half or the MoE half."""
-    return "attn" if key.startswith(("attn", "hc_attn")) else "moe"
+SPLIT = {"attn": ("attn", attn_core), "moe": ("ffn", moe_core)}
 
 
-def layer_inputs(model: Transformer, i: int, half: str) -> tuple[dict[str, torch.Tensor], Linears]:
-    """Layer i's tensors of one half ("attn" or "moe"), from the weights table; routed experts as `expert_inputs`
-    gives them; the mHC mixes' fn also split into bf16 hi + lo (`hc_{site}_fn_hi`, `_lo`) for the NKI kernels."""
-    prefix = f"layers.{i}."
-    block = model.layers[i]
-    specs = [s for s in layer_tensor_specs(model.cfg, i) if s.expert is None and half_of(s.name[len(prefix):]) == half]
-    w, linears = region_inputs(model, prefix, specs)
-    site = "attn" if half == "attn" else "ffn"
-    w |= {f"hc_{site}_fn_hi": block.fn_split[site][0], f"hc_{site}_fn_lo": block.fn_split[site][1]}
-    if half == "moe":
-        ew, el = expert_inputs(block)
-        w |= ew
-        linears |= el
-    return w, linears
+class SplitHalf:
+    """A layer half as three compiled groups: mix, core, post (as `Block.attn_half` / `Block.ffn_half`)."""
 
+    def __init__(self, site: str, mix: CompiledGroup, core: CompiledGroup, post: CompiledGroup):
+        self.site, self.mix, self.core, self.post = site, mix, core, post
 
-EXPERT_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MoE -> {key: its experts' stack}
-
-
-def expert_inputs(block: Block) -> tuple[dict[str, torch.Tensor], Linears]:
-    """This rank's routed experts' weights (`ffn.experts.w1`, `.w2`, `.w3`) as graph inputs. Kept quantised on a
-    CPU with the fused kernel: a handle per weight name (`ffn.experts.w1.set`, `qlinear.register_experts`), the
-    experts read in place. Otherwise stacked [E, out, in] (and `.scale`s) once, the experts keeping views of the
-    stack: kept-quantised weights are stacked as stored, so this copies their bytes."""
-    experts = [block.ffn.experts[e] for e in block.ffn.owned]  # this rank's (all of them on one rank)
-    out, linears = {}, {}
-    for name in ("w1", "w2", "w3"):
-        key = f"ffn.experts.{name}"
-        lins = [getattr(e, name) for e in experts]
-        first = lins[0].w
-        linears[key] = LinearSpec(first.block, all(m.w.kernel for m in lins), lins[0].act_quant)
-        if first.fmt != "float" and qgemv.takes(first, 1):
-            out[f"{key}.set"] = register_experts(block, [m.w for m in lins])
-            continue
-        stacks = EXPERT_STACKS.setdefault(block.ffn, {})  # made once per layer, reused by every decoder
-        if key not in stacks:  # the experts keep views of the stack, so their bytes are not held twice
-            data = torch.stack([m.w.data for m in lins])
-            scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
-            for j, m in enumerate(lins):
-                m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
-            stacks[key] = QWeight(data, scale, first.block)
-        out[key] = stacks[key].data
-        if first.scale is not None:
-            out[f"{key}.scale"] = stacks[key].graph_scale()
-    return out, linears
-
-
-def head_inputs(model: Transformer) -> tuple[dict[str, torch.Tensor], Linears]:
-    """The head region's tensors (every model-level one but the embedding), from the weights table."""
-    specs = [s for s in tensor_specs(model.cfg, 0) if s.name != "embed.weight"]
-    w, linears = region_inputs(model, "", specs)
-    return w | {"hc_head_fn_hi": model.fn_split[0], "hc_head_fn_lo": model.fn_split[1]}, linears
-
-
-def frozen(linears: Linears) -> tuple[tuple[str, LinearSpec], ...]:
-    """A kind's LinearSpecs as a spec field (hashable, baked into the graph)."""
-    return tuple(sorted(linears.items()))
-
-
-def kind_linears(a: Linears, b: Linears) -> Linears:
-    """Two layers' LinearSpecs for one region kind (one graph): the kernel only where both layers' weights take
-    it."""
-    return {k: replace(v, kernel=v.kernel and b[k].kernel) for k, v in a.items()}
+    def __call__(self, block: Block, x: torch.Tensor, *args) -> torch.Tensor:
+        h, post, comb = self.mix(block, x, self.site)
+        return self.post(self.core(block, h, *args), x, post, comb)
 
 
 class RegionDecoder:
-    """Decode steps of a model whose caches are set up, as compiled regions (or eager stages).
+    """Decode steps of a model whose caches are set up: a chunk of s tokens (s fixed, 1 for plain decode) for
+    every cache row, through the modules' static path, compiled by regions (or uncompiled).
 
     mode: "regions" (a graph per region kind and stage group), "step" (the whole step as one graph: the
-    baseline regions are measured against) or "eager" (the same stage functions, uncompiled).
+    baseline regions are measured against) or "eager" (the same code, uncompiled).
     """
 
     def __init__(self, model: Transformer, mode: str = "regions", backend: str | None = "inductor",
                  stages: str = "whole", cuda_graphs: bool = False):
         if stages not in STAGE_PLANS:
             raise InputError(f"unknown stage plan {stages!r} (choose from: {', '.join(STAGE_PLANS)})")
-        self.model, self.mode = model, mode
+        self.model, self.mode, self.stages = model, mode, stages
         if model.device.type == "cpu":
             qgemv.available()  # build/load the fused GEMV kernel now: graphs decide on it while tracing
-        c = model.cfg
-        hadamard(torch.zeros(1, c.index_head_dim, device=model.device))  # fill its cache now, not while tracing
-        hc = hc_spec(model)
-        quant_sim, tp = model.opts.quant_sim, model.opts.tp
-        freqs = model.freqs
-        self.cos = {k: f.real.contiguous() for k, f in freqs.items()}
-        self.sin = {k: f.imag.contiguous() for k, f in freqs.items()}
-        self.layer_inputs: list[tuple[str, dict, str, dict]] = []  # (attn kind, attn inp, moe kind, moe inp)
-        specs: dict[str, object] = {}
-        linears_of: dict[str, Linears] = {}  # per region kind, over its layers
-        layers_of: dict[str, list[int]] = {}
-        row = {ratio: 0 for ratio in model.roots}
-        for i, (block, (akind, mkind)) in enumerate(zip(model.layers, model.region_kinds, strict=True)):
-            ratio = block.attn.ratio
-            aw, al = layer_inputs(model, i, "attn")
-            mw, ml = layer_inputs(model, i, "moe")
-            for kind, lins in ((akind, al), (mkind, ml)):
-                linears_of[kind] = kind_linears(linears_of[kind], lins) if kind in linears_of else lins
-            freq_key = "compressed" if ratio else 0
-            ainp = {"w": aw, "roots": model.roots[ratio], "layer": torch.tensor([row[ratio]], device=model.device),
-                    "cos": self.cos[freq_key], "sin": self.sin[freq_key]}
-            row[ratio] += 1
-            self.layer_inputs.append((akind, ainp, mkind, {"w": mw}))
-            layers_of.setdefault(akind, []).append(i)
-            layers_of.setdefault(mkind, []).append(i)
-        for block, (akind, mkind) in zip(model.layers, model.region_kinds, strict=True):
-            a, ratio = block.attn, block.attn.ratio  # this rank's heads, o_groups and index heads under --tp
-            specs[akind] = AttnSpec(ratio, c.window_size, a.n_heads, c.head_dim, c.rope_head_dim, a.n_groups,
-                                    c.o_lora_rank, c.norm_eps, quant_sim, model.formats["kv"],
-                                    model.formats["idx_kv"], model.max_seq, frozen(linears_of[akind]),
-                                    a.indexer.n_heads if ratio == 4 else c.index_n_heads, c.index_head_dim,
-                                    c.index_topk, c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5, hc, tp)
-            owned = block.ffn.owned
-            specs[mkind] = MoeSpec(block.ffn.gate.hash, c.n_activated_experts, c.route_scale, c.score_func,
-                                   c.swiglu_limit, c.norm_eps, quant_sim, frozen(linears_of[mkind]), hc,
-                                   c.moe_inter_dim, (owned.start, owned.stop), tp)
-        hw, hl = head_inputs(model)
-        specs["head"] = HeadSpec(hc, frozen(hl), c.vocab_size, tp)
-        layers_of["head"] = [len(model.layers)]
-        self.head_inp = {"w": hw}
-        self.specs = specs
-        compile_backend = None if mode == "eager" else backend
-        cg_mode = "reduce-overhead" if cuda_graphs else None
-        self.groups: dict[str, list[CompiledGroup]] = {}
+        hadamard(torch.zeros(1, model.cfg.index_head_dim, device=model.device))  # fill its cache now
+        for block in model.layers:
+            block.ffn.gather_experts()
+        self.rows = torch.arange(model.max_batch, device=model.device)
+        self.backend = None if mode == "eager" else backend
+        self.cg_mode = "reduce-overhead" if cuda_graphs else None
+        self.layers_of: dict[str, list[int]] = {"head": [len(model.layers)]}
+        for i, kinds in enumerate(model.region_kinds):
+            for kind in kinds:
+                self.layers_of.setdefault(kind, []).append(i)
         self.stats: list[GraphStats] = []
+        self.kinds: dict[str, Callable] = {}
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
             self.stats.append(self.step_stats)
-            fn = functools.partial(self.run_layers, self.eager_groups())
-            self.step_fn = torch.compile(fn, backend=counting_backend(backend, self.step_stats), dynamic=False,
-                                         fullgraph=True)
-            return
-        for kind, spec in specs.items():
+            self.step_fn = torch.compile(Transformer.forward, backend=counting_backend(backend, self.step_stats),
+                                         dynamic=False, fullgraph=True)
+
+    def group(self, kind: str, stages: str, fn: Callable) -> CompiledGroup:
+        stats = GraphStats(kind, stages, self.layers_of[kind])
+        self.stats.append(stats)
+        return CompiledGroup(stats, fn, self.backend, self.cg_mode)
+
+    def run(self, kind: str, fn: Callable, module, *args) -> torch.Tensor:
+        """`Transformer.forward`'s regions: fn(module, *args) through its kind's compiled function (made on the
+        kind's first call)."""
+        if kind not in self.kinds:
             family = kind.split(":")[0]
-            groups = []
-            for names in STAGE_PLANS[stages][family]:
-                fns = [dict(STAGES[family])[n] for n in names]
-                stats = GraphStats(kind, "+".join(names), layers_of[kind])
-                self.stats.append(stats)
-                groups.append(CompiledGroup(stats, fns, spec, compile_backend, cg_mode))
-            self.groups[kind] = groups
-
-    def eager_groups(self) -> dict[str, list[Callable]]:
-        out = {}
-        for kind, spec in self.specs.items():
-            family = kind.split(":")[0]
-            out[kind] = [functools.partial(run_stages, [f for _, f in STAGES[family]], spec)]
-        return out
-
-    def inputs(self, tokens: torch.Tensor, pos: torch.Tensor) -> list[tuple[str, dict, str, dict]]:
-        return [(ak, ai | {"pos": pos, "tokens": tokens}, mk, mi | {"tokens": tokens})
-                for ak, ai, mk, mi in self.layer_inputs]
-
-    def run_layers(self, groups: dict[str, list[Callable]], x: torch.Tensor, layer_inputs: list,
-                   head_inp: dict, probe: Probe | None = None) -> torch.Tensor:
-        """The layers' regions, then the head; `probe` sees each region's output (outside the graphs), under
-        the eager model's names."""
-        probe = probe or skip_probe
-        for i, (akind, ainp, mkind, minp) in enumerate(layer_inputs):
-            carry = {"x": x}
-            for g in groups[akind]:
-                carry = g(carry, ainp)
-            probe(f"layer {i} {akind}", carry["x"])
-            for g in groups[mkind]:
-                carry = g(carry, minp)
-            x = carry["x"]
-            probe(f"layer {i} {mkind}", x)
-        for g in groups["head"]:
-            x = g({"x": x}, head_inp)
-        probe("head", x["logits"])
-        return x["logits"]
+            if self.stages == "whole" or family == "head":
+                self.kinds[kind] = self.group(kind, "mix+core+post" if family != "head" else "head", fn)
+            else:
+                site, core = SPLIT[family]
+                self.kinds[kind] = SplitHalf(site, self.group(kind, "mix", Block.mix), self.group(kind, "core", core),
+                                             self.group(kind, "post", hc_ops.hc_post))
+        return self.kinds[kind](module, *args)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None = None) -> torch.Tensor:
-        """tokens [B], pos [B] (every cache row, B fixed) -> logits [B, vocab]; `probe` as the eager model's."""
+        """tokens [B] or [B, s], pos [B] (every cache row, B fixed) -> logits [B, vocab] of each row's last token;
+        `probe` as the eager model's."""
         model = self.model
-        x = hc_expand(model.embedding(tokens.view(-1, 1)), model.cfg.hc_mult)
-        if probe is not None:
-            probe("embed", x)
-        layer_inputs = self.inputs(tokens, pos)
+        tokens = tokens.view(self.rows.size(0), -1)
         if self.mode == "step":
-            logits = self.step_fn(x, layer_inputs, self.head_inp)
+            logits = self.step_fn(model, tokens, self.rows, pos, None, True)
         else:
-            logits = self.run_layers(self.groups, x, layer_inputs, self.head_inp, probe)
+            logits = model(tokens, self.rows, pos, probe, static=True, regions=self.run)
         self.count_torch_hc_calls(tokens.device.type)
         return logits
 
     def count_torch_hc_calls(self, device_type: str) -> None:
         """hc steps on the torch path inside compiled graphs are not counted as they run (a counter in a
         graph would recompile it): count this step's here. The custom ops (simulator) count themselves."""
-        if self.mode == "eager" or hc_ops.hc_backend(device_type) != "torch":
+        if self.backend is None or hc_ops.hc_backend(device_type) != "torch":
             return
         n = len(self.model.layers)
         for kernel, calls in (("hc_expand", 0), ("hc_mixes", 2 * n), ("hc_collapse", 2 * n), ("hc_post", 2 * n),
@@ -379,32 +244,23 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
     model.setup_caches(batch, context)
     backend = backend or default_backend(model.device.type)
     dec = RegionDecoder(model, "regions", backend, stages, cuda_graphs=model.device.type == "cuda")
-    tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
-    pos = torch.zeros(batch, dtype=torch.long, device=model.device)
-    first_call: dict[int, float] = {}
-    total = len(dec.stats)
+    kinds = {k for ks in model.region_kinds for k in ks} | {"head"}
+    total = sum(1 if k == "head" or stages == "whole" else 3 for k in kinds)
+    done: set[int] = set()
 
-    def timed(group: CompiledGroup) -> Callable:
-        def call(carry: dict, inp: dict) -> dict:
-            t0 = time.perf_counter()
-            out = group(carry, inp)
-            key = id(group.stats)
-            if key not in first_call:
-                first_call[key] = time.perf_counter() - t0
+    def progress(name: str, t: torch.Tensor) -> None:  # a region finished: report the graphs it compiled
+        for s in dec.stats:
+            if id(s) not in done and s.first_call_s is not None:
+                done.add(id(s))
                 if on_progress:
-                    on_progress(len(first_call), total, f"{group.stats.region} [{group.stats.stages}]")
-            return out
-
-        return call
+                    on_progress(len(done), total, f"{s.region} [{s.stages}]")
 
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        x = hc_expand(model.embedding(tokens.view(-1, 1)), model.cfg.hc_mult)
-        groups = {kind: [timed(g) for g in gs] for kind, gs in dec.groups.items()}
-        dec.run_layers(groups, x, dec.inputs(tokens, pos), dec.head_inp)
+    zeros = torch.zeros(batch, dtype=torch.long, device=model.device)
+    dec(zeros, zeros, progress)
     total_s = time.perf_counter() - t0
     regions = [{"region": s.region, "layers": s.layers, "stages": s.stages,
-                "compile_s": first_call.get(id(s), 0.0), "backend_compile_s": s.compile_s,
+                "compile_s": s.first_call_s or 0.0, "backend_compile_s": s.compile_s,
                 "graph_breaks": 0 if s.fallback is None else None, "cache_hit": s.cache_hits > 0,
                 "graphs": s.graphs, "fallback": s.fallback} for s in dec.stats]
     return {"backend": backend, "stages": stages, "graphs": dec.graph_count(), "layers": len(model.layers),
