@@ -54,6 +54,16 @@ def run(model, row: int, ids: list[int], start: int, chunk: int) -> torch.Tensor
     return logits
 
 
+def fill_row(model, row: int, ids: list[int], chunk: int, restore: Snapshot | None, last: torch.Tensor):
+    """Prefill `ids` into `row` -> its last logits; or, with a snapshot of them, fill the row with another
+    sequence and restore the snapshot over it -> `last` (the logits that went with the snapshot)."""
+    if restore is None:
+        return run(model, row, ids, 0, chunk)
+    run(model, row, sequence(len(ids) + 7, seed=99), 0, chunk)
+    restore_snapshot(model, restore, row)
+    return last
+
+
 def continue_greedy(model, row: int, logits: torch.Tensor, start: int, steps: int) -> list[torch.Tensor]:
     """Decode `steps` greedy tokens in `row` after a sequence of `start` tokens whose last logits are `logits`."""
     out = []
@@ -96,12 +106,7 @@ def test_restored_row_decodes_in_a_batch_beside_another_row():
 
     def batch_steps(restore: Snapshot | None) -> list[torch.Tensor]:
         model.setup_caches(2, CONTEXT)
-        if restore is None:
-            la = run(model, 0, a, 0, 8)
-        else:
-            run(model, 0, sequence(40, seed=3), 0, 8)
-            restore_snapshot(model, restore, 0)
-            la = ref_last
+        la = fill_row(model, 0, a, 8, restore, ref_last)
         lb = run(model, 1, b, 0, 8)
         toks, out = [int(la.argmax()), int(lb.argmax())], []
         for i in range(12):
@@ -128,12 +133,7 @@ def test_restore_then_compiled_regions_decode_equals_running_on(n):
 
     def decode(restore: Snapshot | None) -> list[torch.Tensor]:
         model.setup_caches(1, CONTEXT)
-        if restore is None:
-            last = run(model, 0, ids, 0, 6)
-        else:
-            run(model, 0, sequence(30, seed=6), 0, 6)
-            restore_snapshot(model, restore, 0)
-            last = ref_last
+        last = fill_row(model, 0, ids, 6, restore, ref_last)
         decoder = RegionDecoder(model, "regions", "aot_eager")
         out = []
         for i in range(10):
@@ -178,7 +178,7 @@ def test_restore_refuses_a_snapshot_of_another_model():
     bf16 = make_model(True)
     bf16.dtype = torch.bfloat16
     bf16.setup_caches(1, CONTEXT)
-    with pytest.raises(ValueError, match="snapshot tensor 0.kv.rope"):
+    with pytest.raises(ValueError, match="snapshot tensor layers.0.attn.ring.rope"):
         restore_snapshot(bf16, snap, 0)  # the rope channels are stored in the activation dtype
     with pytest.raises(ValueError, match="cache row 3"):
         restore_snapshot(snap_model, snap, 3)
