@@ -76,6 +76,11 @@ HOLD_OUT = 20  # one module in HOLD_OUT is held out
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "lib2to3"}
 
 
+def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """mhcrun's RoPE on the last rope_dim channels, from a complex table [..., rd/2] (its cos and sin parts)."""
+    return apply_rope_tail(x, freqs.real, freqs.imag, rope_dim, inverse)
+
+
 # ---------------------------------------------------------------- text
 
 def stdlib_docstrings(root: Path, max_docs: int | None = None) -> tuple[list[str], list[str]]:
@@ -191,7 +196,7 @@ def compressed_entries(P: dict, p: str, x: torch.Tensor, ratio: int, f: torch.Te
     pooled = compress_chunk(state_kv, state_score, kv, score, torch.zeros(b, dtype=torch.long), ratio, overlap)[0]
     n = s // ratio
     pooled = pooled[:, lead // ratio: lead // ratio + n]
-    out = apply_rope_tail(rms_norm(pooled, P[p + "norm.weight"], eps), f[torch.arange(n) * ratio], rope_dim)
+    out = rope_tail(rms_norm(pooled, P[p + "norm.weight"], eps), f[torch.arange(n) * ratio], rope_dim)
     return hadamard(out) if rotate else out
 
 
@@ -204,8 +209,8 @@ def attention(P: dict, p: str, x: torch.Tensor, ratio: int, ctx: Ctx) -> torch.T
     qr = rms_norm(linear(P, p + "wq_a", x), P[p + "q_norm.weight"], eps)
     q = linear(P, p + "wq_b", qr).unflatten(-1, (H, hd))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
-    q = apply_rope_tail(q, f.unsqueeze(1), rd)
-    kv = apply_rope_tail(rms_norm(linear(P, p + "wkv", x), P[p + "kv_norm.weight"], eps), f, rd)
+    q = rope_tail(q, f.unsqueeze(1), rd)
+    kv = rope_tail(rms_norm(linear(P, p + "wkv", x), P[p + "kv_norm.weight"], eps), f, rd)
     start = torch.zeros(b, dtype=torch.long)
     keys = torch.cat([kv.new_zeros(b, c.window_size, hd), kv], dim=1)  # an empty ring, then the sequence
     mask = window_mask(start, s, c.window_size)
@@ -218,7 +223,7 @@ def attention(P: dict, p: str, x: torch.Tensor, ratio: int, ctx: Ctx) -> torch.T
         else:
             keys, mask = torch.cat([keys, comp], dim=1), torch.cat([mask, closed], dim=-1)
     o = sparse_attn(q, keys, mask, P[p + "attn_sink"], hd ** -0.5, sel, sel_mask)
-    o = apply_rope_tail(o, f.unsqueeze(1), rd, inverse=True).reshape(b, s, c.o_groups, -1)
+    o = rope_tail(o, f.unsqueeze(1), rd, inverse=True).reshape(b, s, c.o_groups, -1)
     w = P[p + "wo_a.weight"]
     o = torch.einsum("bsgd,grd->bsgr", o, w.view(c.o_groups, -1, w.size(-1)))
     return linear(P, p + "wo_b", o.flatten(2))
@@ -232,7 +237,7 @@ def indexed_entries(P: dict, p: str, x: torch.Tensor, qr: torch.Tensor, q: torch
     b, s, _ = x.shape
     x, qr = x.detach(), qr.detach()  # the indexer learns from its own loss only
     iq = linear(P, p + "wq_b", qr).unflatten(-1, (c.index_n_heads, c.index_head_dim))
-    iq = hadamard(apply_rope_tail(iq, f.unsqueeze(1), c.rope_head_dim))
+    iq = hadamard(rope_tail(iq, f.unsqueeze(1), c.rope_head_dim))
     keys = compressed_entries(P, p + "compressor.", x, 4, f, c.norm_eps, c.rope_head_dim, rotate=True)
     w = linear(P, p + "weights_proj", x) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
     scores = index_scores(iq, keys, w)  # [b, S, n]
