@@ -341,7 +341,7 @@ def generate(
     """Generate text: eager prefill in chunks, then decode; reports tokens/s, compile time and peak memory."""
 
     def body() -> int | None:
-        from mhcrun.generate import SamplingOptions, check_prompts
+        from mhcrun.generate import SamplingOptions, check_prompts, raise_nonfinite
         from mhcrun.generate import generate as run_generate
         from mhcrun.memory import check_fits
         from mhcrun.runner import open_runner
@@ -408,9 +408,10 @@ def generate(
                 session.chunk = chunk or default_prefill_chunk(cfg)
                 session.prefill(ids[0])
         try:
-            results = run_generate(runner.model, ids, max_new_tokens, eos,
-                                   SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                                   graph_mode=mode, stages=plan, prefill_chunk=chunk, session=session)
+            results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
+                                                   SamplingOptions(temperature, top_p, seed), ignore_eos,
+                                                   on_token=on_token, graph_mode=mode, stages=plan,
+                                                   prefill_chunk=chunk, session=session))
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
@@ -475,6 +476,7 @@ def golden_record(
     def body() -> int | None:
         from mhcrun.fileio import check_writable
         from mhcrun.generate import generate as run_generate
+        from mhcrun.generate import raise_nonfinite
         from mhcrun.golden import golden_from_results, write_golden
         from mhcrun.runner import open_runner
 
@@ -498,8 +500,8 @@ def golden_record(
 
         check_prompts(ids, max_new_tokens, runner.config.vocab_size, runner.config.max_position_embeddings,
                       [p.id for p in items])
-        results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k,
-                               prefill_chunk=chunk)
+        results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True,
+                                               record_topk=top_k, prefill_chunk=chunk))
         settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
                     "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
         golden = golden_from_results(runner.identity, settings, items, results, tolerance)
@@ -543,6 +545,7 @@ def golden_check(
 
     def body() -> int:
         from mhcrun.generate import generate as run_generate
+        from mhcrun.generate import teacher_force
         from mhcrun.golden import (
             TOLERANCES,
             check_model_identity,
@@ -581,10 +584,9 @@ def golden_check(
             cands = [t for t, _ in entries[row]["steps"][step]["top"]]
             forced[row].append((logp[cands].tolist(), int(logits.argmax())))
 
-        common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk, on_nonfinite="stop")
+        common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk)
         if teacher_forced:
-            results = run_generate(runner.model, ids, s["max_new_tokens"], eos, forced=[e["tokens"] for e in entries],
-                                   on_logits=observe, **common)
+            results = teacher_force(runner.model, ids, [e["tokens"] for e in entries], observe, **common)
         else:
             results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
                                    record_topk=s["top_k"], **common)
