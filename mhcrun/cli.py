@@ -94,8 +94,6 @@ def start_tp(tp: int, model: str | None, device: str):
 
     shard = env_shard()
     if shard is None:
-        if tp < 1:
-            raise InputError(f"--tp must be >= 1, got {tp}")
         if tp == 1:
             return SINGLE, None
         from mhcrun.config import load_config
@@ -120,12 +118,6 @@ def start_tp(tp: int, model: str | None, device: str):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
         err.quiet = True
     return shard, None
-
-
-def prefill_chunk_option(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {value}")
-    return value
 
 
 def say_error(line: str) -> None:
@@ -157,19 +149,16 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     raise typer.Exit(code)
 
 
-def graph_mode_option(value: str | None, device: str = "cpu") -> str:
-    """--graph-mode, else MHCRUN_GRAPH_MODE, else regions on an accelerator (launch-bound decode) and eager on
-    a CPU (a short run there never earns back the compile)."""
-    from mhcrun.runner import GRAPH_MODES, check_choice
+def run_settings(device: str = "cpu", graph_mode: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, memory_limit: str | None = None, **fields):
+    """-> (the run's settings, every option checked once: `mhcrun.settings`; the environment, read once)."""
+    from mhcrun.memory import parse_size
+    from mhcrun.settings import Env, RunSettings, SamplingOptions, default_graph_mode
 
-    default = "eager" if device == "cpu" else "regions"
-    return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", default), GRAPH_MODES)
-
-
-def stages_option(value: str) -> str:
-    from mhcrun.runner import STAGE_PLANS, check_choice
-
-    return check_choice("--stages", value, STAGE_PLANS)
+    env = Env.read()
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    return RunSettings(sampling=SamplingOptions(temperature, top_p, seed), memory_limit=limit,
+                       graph_mode=graph_mode or default_graph_mode(device, env), **fields), env
 
 
 @contextlib.contextmanager
@@ -205,12 +194,6 @@ def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
 CheckWeightsOpt = typer.Option(False, "--check-weights", help="Scan every stored tensor first: NaN/Inf floats, FP8 "
                                "NaN codes, NaN/Inf or overflowing scales (exit 3 naming each bad tensor).",
                                rich_help_panel=INPUT)
-
-
-def memory_limit_option(value: str | None) -> int | None:
-    from mhcrun.memory import parse_size
-
-    return None if value is None else parse_size(value)
 
 
 ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.",
@@ -263,15 +246,6 @@ def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_
 PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): loaded when it exists "
                               "and this prompt starts with its tokens (only the rest is prefilled); else written "
                               "with the state after this prompt. Never overwritten.", rich_help_panel=INPUT)
-
-
-def check_sampling(temperature: float, top_p: float, seed: int) -> None:
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InputError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if not 0 < top_p <= 1:  # also false for nan
-        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
-    if not 0 <= seed < 2**63:
-        raise InputError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 class LockstepConsole:
@@ -341,17 +315,14 @@ def generate(
     """Generate text: eager prefill in chunks, then decode; reports tokens/s, compile time and peak memory."""
 
     def body() -> int | None:
-        from mhcrun.generate import SamplingOptions, check_prompts, raise_nonfinite
+        from mhcrun.generate import check_prompts, raise_nonfinite
         from mhcrun.generate import generate as run_generate
         from mhcrun.memory import check_fits
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 0:
-            raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_p, seed)
-        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
-        limit = memory_limit_option(memory_limit)
-        chunk = prefill_chunk_option(prefill_chunk)
+        st, _ = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
+                             max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
+        mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
@@ -409,7 +380,7 @@ def generate(
                 session.prefill(ids[0])
         try:
             results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
-                                                   SamplingOptions(temperature, top_p, seed), ignore_eos,
+                                                   st.sampling, ignore_eos,
                                                    on_token=on_token, graph_mode=mode, stages=plan,
                                                    prefill_chunk=chunk, session=session))
         finally:
@@ -480,11 +451,10 @@ def golden_record(
         from mhcrun.golden import golden_from_results, write_golden
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        chunk = run_settings(max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk,
+                             tp=tp)[0].prefill_chunk
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
-        chunk = prefill_chunk_option(prefill_chunk)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu")
         if code is not None:
@@ -558,8 +528,8 @@ def golden_check(
         from mhcrun.runner import open_runner
 
         golden = load_golden(golden_path)
-        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
-        chunk = prefill_chunk_option(prefill_chunk)
+        st, env = run_settings(device, graph_mode, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
+        mode, plan, chunk = st.graph_mode, st.stages, st.prefill_chunk
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
@@ -713,9 +683,7 @@ def chat(
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        check_sampling(temperature, top_p, seed)
+        run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1, tp=tp)
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
@@ -764,13 +732,11 @@ def info(
     def body() -> int:
         from mhcrun.checkpoint import inspect_checkpoint
         from mhcrun.memory import format_bytes
+        from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        chunk = prefill_chunk_option(prefill_chunk)
-        from mhcrun.parallel import Shard
-
-        if tp < 1:
-            raise InputError(f"--tp must be >= 1, got {tp}")
+        st = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)[0]
+        chunk = st.prefill_chunk
         runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp))
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
@@ -778,7 +744,7 @@ def info(
             raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
                              f"got {batch} and {tokens}")
         desc = inspect_checkpoint(runner.path, layers)
-        mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit), prefill_chunk=chunk)
+        mp = runner.memory_plan(batch, tokens, available=st.memory_limit, prefill_chunk=chunk)
         desc["memory_plan"] = mp.to_dict()
         bad = None
         if check_weights:
@@ -863,7 +829,7 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        plan = stages_option(stages)
+        plan = run_settings(device, stages=stages, tp=tp)[0].stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
         shard, code = start_tp(tp, model, device)

@@ -21,6 +21,7 @@ from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import MOVED, Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 from mhcrun.session import Session
+from mhcrun.settings import SamplingOptions
 
 
 @dataclass
@@ -33,13 +34,6 @@ class GenerationResult:
     text: str = ""
     stats: dict = field(default_factory=dict)
     nonfinite: str | None = None  # the line saying where its logits turned NaN/Inf (generate's on_nonfinite="stop")
-
-
-@dataclass
-class SamplingOptions:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def peak_rss_mb() -> float:
@@ -58,8 +52,6 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
                   names: list[str] | None = None) -> None:
     """Raise InputError (naming the prompt) for an empty prompt, an id outside the vocabulary,
     or a prompt that with its new tokens does not fit the context."""
-    if max_new_tokens < 0:
-        raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if not prompts:
         raise InputError("no prompts given")
     for i, ids in enumerate(prompts):

@@ -24,13 +24,11 @@ from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.ops import qgemv
 from mhcrun.parallel import SINGLE, Shard
+from mhcrun.settings import DEVICES, check_choice
 from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GRAPH_MODES = ("eager", "regions")
-STAGE_PLANS = ("whole", "split")
-DEVICES = ("cpu", "cuda", "neuron")
 
 
 @dataclass
@@ -124,12 +122,6 @@ def resolve_model_path(model: str | None) -> Path:
         raise InputError(f"model {model!r} is not a directory (a checkpoint directory holds config.json, "
                          f"the index and the shards)")
     return p
-
-
-def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise InputError(f"unknown {what} {value!r} (choose from: {', '.join(choices)})")
-    return value
 
 
 def check_device(device: str) -> None:
