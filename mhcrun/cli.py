@@ -320,13 +320,13 @@ def generate(
         from mhcrun.memory import check_fits
         from mhcrun.runner import open_runner
 
-        st, _ = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
+        st, env = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
                              max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
         if messages is not None:
             from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
@@ -451,15 +451,15 @@ def golden_record(
         from mhcrun.golden import golden_from_results, write_golden
         from mhcrun.runner import open_runner
 
-        chunk = run_settings(max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk,
-                             tp=tp)[0].prefill_chunk
+        st, env = run_settings(max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk, tp=tp)
+        chunk = st.prefill_chunk
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu")
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, tp=shard)
+        runner = open_runner(model, dtype, quant_sim, tp=shard, env=env)
         from mhcrun.prompts import read_prompts_file
 
         items = read_prompts_file(prompts_file, runner.config.vocab_size)
@@ -536,7 +536,8 @@ def golden_check(
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard)
+        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard,
+                             env=env)
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
         entries = golden["prompts"]
@@ -683,11 +684,12 @@ def chat(
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
-        run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1, tp=tp)
+        env = run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
+                           tp=tp)[1]
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
         runner.require_tokenizer()
         from mhcrun.chat import resolve_format
 
@@ -829,13 +831,14 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        plan = run_settings(device, stages=stages, tp=tp)[0].stages
+        st, env = run_settings(device, stages=stages, tp=tp)
+        plan = st.stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, "fp32", True, device, tp=shard)
+        runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,8 +23,9 @@ from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.ops import qgemv
+from mhcrun.ops.qlinear import ScaledMM
 from mhcrun.parallel import SINGLE, Shard
-from mhcrun.settings import DEVICES, check_choice
+from mhcrun.settings import DEVICES, Env, check_choice
 from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
@@ -44,6 +45,7 @@ class Runner:
     layers: int | None = None  # run the first N layers (then the head); None = all
     dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
     tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
+    env: Env = field(default_factory=Env)  # the environment, as the command read it
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -83,6 +85,7 @@ class Runner:
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp)
         self.model.opts.quant_sim = self.quant_sim
+        self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
@@ -142,7 +145,8 @@ def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
 
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
-                layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE) -> Runner:
+                layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE,
+                env: Env | None = None) -> Runner:
     """Check everything that can be checked before loading: options, config, index, shard headers."""
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
@@ -155,7 +159,7 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
     plan = plan_checkpoint(path, layers, tp)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp)
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, env or Env())
 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
