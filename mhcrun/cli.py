@@ -212,15 +212,12 @@ def chat_ids(runner, text: str, fmt: str) -> list[int]:
     from mhcrun.chat import FORMATS
 
     tok = runner.require_tokenizer()
-    if not tok.has_tokens(FORMATS[fmt].special_tokens) and runner.path not in WARNED:
-        WARNED.add(runner.path)
+    if not tok.has_tokens(FORMATS[fmt].special_tokens) and not runner.warned_chat_tokens:
+        runner.warned_chat_tokens = True
         err.print(f"warning: {runner.path}'s tokenizer has no DeepSeek V4 chat tokens ({fmt}): the chat markers are "
                   f"encoded as plain text (a released V4 checkpoint's tokenizer.json has them)", markup=False,
                   soft_wrap=True)
     return tok.encode(text, add_bos=False)
-
-
-WARNED: set = set()  # checkpoints whose tokenizer lacks the chat tokens, said once
 
 
 def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):

@@ -46,6 +46,7 @@ class Runner:
     dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
     tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
     env: Env = field(default_factory=Env)  # the environment, as the command read it
+    warned_chat_tokens: bool = False  # said once: its tokenizer lacks the chat format's tokens
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
