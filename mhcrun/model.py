@@ -631,10 +631,10 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
         else:
             module.register_parameter(leaf, nn.Parameter(run_tensor(spec, t, quantized, dtype, device),
                                                          requires_grad=False))
-    # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)
+    # the NKI mixes kernels take fn as bf16 hi + lo (lo in the GEMM's dtype for these activations), split once here
     for block in model.layers:
-        block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn")) for site in ("attn", "ffn")}
-    model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn)
+        block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn"), dtype) for site in ("attn", "ffn")}
+    model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn, dtype)
     return model.eval()
 
 
