@@ -367,3 +367,45 @@ def test_tp_on_neuron_joins_torchneuron_s_neuron_backend(monkeypatch):
     assert calls == [("neuron", 1)]
     src = Path(parallel.__file__).read_text()
     assert "torch_xla" not in src and '"xla"' not in src
+
+
+# ------------------------------------------------------------------------------------------ the model's regions
+
+
+def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half(monkeypatch):
+    """The model's compiled region graphs (MHCRUN_NKI_SIM=1) call the fused kernels as custom-op nodes: every layer
+    half's graph one mhcrun::hc_pre and one mhcrun::hc_post, the head's one mhcrun::hc_head, none of the unfused
+    site kernels; the step counts them as it runs them."""
+    from mhcrun.config import config_from_hf
+    from mhcrun.model import build_model
+    from mhcrun.regions.runner import RegionDecoder
+    from mhcrun.tiny import init_tensors, tiny_config_raw
+
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    cfg = config_from_hf(dict(tiny_config_raw(), compress_ratios=[0, 4, 16], num_hidden_layers=3))
+    model = build_model(cfg, init_tensors(cfg, 0), set())
+    model.setup_caches(1, 8)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dec = RegionDecoder(model, "regions", capture)
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            dec(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    finally:
+        torch._dynamo.reset()
+    assert [s.region for s in dec.stats] == ["attn:window", "moe:hash", "attn:csa", "moe:routed", "attn:hca", "head"]
+    site_ops = ("hc_pre", "hc_post", "hc_head", "hc_mixes", "hc_collapse", "hc_post_pre")
+    for stats, gm in zip(dec.stats, graphs, strict=True):
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        calls = {k: sum(t in (getattr(torch.ops.mhcrun, k), getattr(torch.ops.mhcrun, k).default) for t in targets)
+                 for k in site_ops}
+        want = {"hc_head": 1} if stats.region == "head" else {"hc_pre": 1, "hc_post": 1}
+        assert calls == {k: want.get(k, 0) for k in site_ops}, (stats.region, calls)
+    counts = ops.kernel_stats()
+    assert counts["hc_pre"]["nki-sim"] == counts["hc_post"]["nki-sim"] == 2 * len(model.layers)
+    assert counts["hc_head"]["nki-sim"] == 1
