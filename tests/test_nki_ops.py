@@ -239,6 +239,30 @@ def test_mixes_with_the_fp32_split_match_torch_as_closely_as_fp32_does(case, mon
     assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
 
 
+@pytest.mark.parametrize("t", [2, 40], ids=["hidden-layout", "tokens-layout"])
+def test_pre_step_with_the_fp32_split_is_as_close_to_float64_as_torch(t, monkeypatch):
+    """hc_pre over fp32 activations with the fp32 lo, in both layouts: y, post and comb within 5e-7 of float64
+    (seeds 0-2: up to 2.3e-7; torch's own up to 3.4e-7), where a bf16 lo leaves up to 2.3e-6."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, t, N, D, generator=g)
+    fn = torch.randn((2 + N) * N, N * D, generator=g) * (N * D) ** -0.5
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + N) * N, generator=g) * 0.5
+    w = torch.randn(D, generator=g)
+    xf = x.flatten(2).double()
+    mixes = (xf @ fn.double().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)
+    pre, post, comb = ref.hc_split_sinkhorn(mixes, scale.double(), base.double(), N, ITERS, EPS)
+    want = (ref_rms_norm(ref.hc_collapse(x.double(), pre), w.double(), NORM_EPS), post, comb)
+
+    def worst(hi, lo):
+        got = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
+        return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
+
+    exact, bf16_lo = worst(*ops.split_hi_lo(fn, torch.float32)), worst(*ops.split_hi_lo(fn))
+    assert ops.kernel_stats()["hc_pre"]["nki-sim"] == 2
+    assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
+
+
 def test_kernel_stats_is_a_snapshot():
     snap = ops.kernel_stats()
     assert set(snap) == set(ops.KERNEL_NAMES) and all(set(v) == set(ops.BACKENDS) for v in snap.values())
