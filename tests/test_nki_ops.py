@@ -348,6 +348,25 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         assert torch.equal(a, c)
 
 
+def test_site_ops_run_under_inductor(case, monkeypatch):
+    """The model's two site ops, hc_pre then hc_post, compiled by inductor (the CPU regions' backend): the custom
+    ops run once each, in the simulator, and give the eager call's values."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+
+    def site(x, y, fn, hi, lo, scale, base, w):
+        h, post, comb = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
+        return ops.hc_post(h + y, x, post, comb)
+
+    args = [case[k] for k in ("x", "y", "fn", "hi", "lo", "scale", "base", "w")]
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(site, backend="inductor", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert_counts("nki-sim", times=1, kernels=("hc_pre", "hc_post"))
+    assert torch.equal(got, site(*args))
+
+
 def test_mixes_supported_matches_the_kernels():
     from mhcrun.nki.sim import load_kernel_module
 
