@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -571,20 +572,6 @@ def golden_check(
     run_guarded(debug, body)
 
 
-@contextlib.contextmanager
-def torch_hc_steps():
-    """MHCRUN_NKI_HC=0 while the block runs: the hyper-connection steps take the torch reference."""
-    before = os.environ.get("MHCRUN_NKI_HC")
-    os.environ["MHCRUN_NKI_HC"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MHCRUN_NKI_HC")
-        else:
-            os.environ["MHCRUN_NKI_HC"] = before
-
-
 def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: int | None, tol: float,
                     quiet: bool) -> None:
     """--locate: each failing prompt's first failing step again, on the eager fp32 reference (dequantised
@@ -600,15 +587,16 @@ def locate_failures(report, golden: dict, runner, mode: str, plan: str, chunk: i
     if not failing:
         return
     s = golden["settings"]
-    ref = open_runner(str(runner.path), "fp32", s["quant_sim"], "cpu", runner.layers, dequantize=True, tp=runner.tp)
+    # the reference's hc steps in plain torch, also under MHCRUN_NKI_SIM=1
+    ref = open_runner(str(runner.path), "fp32", s["quant_sim"], "cpu", runner.layers, dequantize=True, tp=runner.tp,
+                      env=replace(runner.env, hc_torch=True))
     load_weights(ref, quiet=quiet)
     max_seq = max(len(p["prompt_ids"]) for p in golden["prompts"]) + s["max_new_tokens"]
     chunk = chunk or default_prefill_chunk(runner.config)
     for i, check in failing:
         entry = golden["prompts"][i]
         tokens = entry["tokens"][:check.step]
-        with torch_hc_steps():  # the reference's hc steps in plain torch, also under MHCRUN_NKI_SIM=1
-            want = capture_step(ref.model, entry["prompt_ids"], tokens, max_seq, chunk)
+        want = capture_step(ref.model, entry["prompt_ids"], tokens, max_seq, chunk)
         got = capture_step(runner.model, entry["prompt_ids"], tokens, max_seq, chunk, mode, stages=plan)
         first, before = first_difference(region_diffs(want, got), tol)
         if first is None:

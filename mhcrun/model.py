@@ -61,6 +61,7 @@ class RunOptions:
     quant_sim: bool = True
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
     scaled_mm: ScaledMM | None = None  # MHCRUN_SCALED_MM=1: CUDA FP8 GEMMs through cuBLASLt
+    hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference (`mhcrun.nki.ops`)
 
 
 class Linear(nn.Module):
@@ -446,7 +447,7 @@ class Block(nn.Module):
 
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.opts = cfg, opts
         self.attn = Attention(layer_id, cfg, opts)
         self.ffn = MoE(layer_id, cfg, opts)
         self.attn_norm = RMSNorm(cfg.norm_eps)
@@ -460,17 +461,21 @@ class Block(nn.Module):
         norm = self.attn_norm if site == "attn" else self.ffn_norm
         return hc_ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site], getattr(self, f"hc_{site}_scale"),
                              getattr(self, f"hc_{site}_base"), norm.weight, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                             c.norm_eps)
+                             c.norm_eps, self.opts.hc_torch)
+
+    def post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The mHC post step: the sublayer's output y [b, s, d] into the streams x [b, s, n, d]."""
+        return hc_ops.hc_post(y, x, post, comb, self.opts.hc_torch)
 
     def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                   static: bool = False) -> torch.Tensor:
         # x [b, s, n, d] at positions start [b] + [0, s)
         h, post, comb = self.mix(x, "attn")
-        return hc_ops.hc_post(self.attn(h, rows, start, static), x, post, comb)
+        return self.post(self.attn(h, rows, start, static), x, post, comb)
 
     def ffn_half(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         h, post, comb = self.mix(x, "ffn")
-        return hc_ops.hc_post(self.ffn(h, token_ids, static), x, post, comb)
+        return self.post(self.ffn(h, token_ids, static), x, post, comb)
 
 
 def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
@@ -564,14 +569,14 @@ class Transformer(nn.Module):
 
     def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> the mHC streams [b, s, n, d]: the embedding, expanded."""
-        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult)
+        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult, self.opts.hc_torch)
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position: V4's head collapse,
         the final norm, the head."""
         c = self.cfg
         h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
-                           c.hc_eps, c.norm_eps)
+                           c.hc_eps, c.norm_eps, self.opts.hc_torch)
         return self.logits(self.norm(h)[:, -1].float())
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,7 @@ class Runner:
                                  self.tp)
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
+        self.model.opts.hc_torch = self.env.hc_torch
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them

@@ -59,22 +59,24 @@ def case():
     return c
 
 
-def run_all(c):
+def run_all(c, torch_only: bool = False):
     """Every public op once, in a block's order; returns the outputs by op name."""
-    pre, post, comb = ops.hc_mixes(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+    t = torch_only
+    pre, post, comb = ops.hc_mixes(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS,
+                                   t)
     return {
-        "hc_expand": ops.hc_expand(c["e"], N),
+        "hc_expand": ops.hc_expand(c["e"], N, t),
         "hc_mixes": (pre, post, comb),
-        "hc_collapse": ops.hc_collapse(c["x"], pre),
-        "hc_post": ops.hc_post(c["y"], c["x"], post, comb),
+        "hc_collapse": ops.hc_collapse(c["x"], pre, t),
+        "hc_post": ops.hc_post(c["y"], c["x"], post, comb, t),
         "hc_head": ops.hc_head(c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"],
-                               EPS, NORM_EPS),  # fmt: skip
-        "rmsnorm": ops.rms_norm(c["y"], c["w"], NORM_EPS),
-        "swiglu": ops.swiglu(c["gate"], c["up"], 10.0),
+                               EPS, NORM_EPS, t),  # fmt: skip
+        "rmsnorm": ops.rms_norm(c["y"], c["w"], NORM_EPS, t),
+        "swiglu": ops.swiglu(c["gate"], c["up"], 10.0, t),
         "hc_pre": ops.hc_pre(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], c["w"], N, ITERS, EPS,
-                             NORM_EPS),
+                             NORM_EPS, t),
         "hc_post_pre": ops.hc_post_pre(c["y"], c["x"], post, comb, c["fn"], c["hi"], c["lo"], c["scale"], c["base"],
-                                       c["w"], N, ITERS, EPS, NORM_EPS),
+                                       c["w"], N, ITERS, EPS, NORM_EPS, t),
     }
 
 
@@ -113,12 +115,11 @@ def assert_counts(backend: str, times: int = 1, kernels=ops.KERNEL_NAMES):
 # ------------------------------------------------------------------------------------------ backends
 
 
-def test_hc_backend_follows_env_at_call_time(monkeypatch):
+def test_hc_backend_follows_the_simulator_env_and_the_runs_torch_switch(monkeypatch):
     assert ops.hc_backend("cpu") == "torch" and ops.hc_backend("neuron") == "nki"
     monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
     assert ops.hc_backend("cpu") == "nki-sim" and ops.hc_backend("neuron") == "nki"
-    monkeypatch.setenv("MHCRUN_NKI_HC", "0")
-    assert ops.hc_backend("cpu") == "torch" and ops.hc_backend("neuron") == "torch"
+    assert ops.hc_backend("cpu", torch_only=True) == "torch" and ops.hc_backend("neuron", torch_only=True) == "torch"
 
 
 def test_torch_path_equals_reference_exactly(case):
@@ -131,8 +132,7 @@ def test_torch_path_equals_reference_exactly(case):
 
 def test_hc_disabled_calls_reference_and_counts_torch(case, monkeypatch):
     monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
-    monkeypatch.setenv("MHCRUN_NKI_HC", "0")
-    got, want = run_all(case), reference_all(case)
+    got, want = run_all(case, torch_only=True), reference_all(case)
     for k in want:
         for a, b in zip(_flat(got[k]), _flat(want[k]), strict=True):
             assert torch.equal(a, b), k

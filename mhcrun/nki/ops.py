@@ -5,7 +5,8 @@ Each step is a ``torch.library.custom_op`` (``mhcrun::hc_expand``, ``mhcrun::hc_
 fused pre step with the sublayer's RMSNorm) with a fake kernel, so it sits
 in a ``torch.compile`` graph as one node. The public functions below pick a backend per call:
 
-- ``MHCRUN_NKI_HC=0``: the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
+- ``MHCRUN_NKI_HC=0`` (read by the command into `Env`, passed as the model's `RunOptions.hc_torch`, here
+  ``torch_only``): the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
 - a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
   ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
 - ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator
@@ -112,10 +113,6 @@ def reset_kernel_stats() -> None:
             v[b] = 0
 
 
-def _hc_disabled() -> bool:
-    return os.environ.get("MHCRUN_NKI_HC", "1") == "0"
-
-
 SIM_MODES = {"1": "exact", "device": "device"}  # MHCRUN_NKI_SIM value -> simulator numerics
 
 
@@ -128,9 +125,10 @@ def _sim_enabled() -> bool:
     return sim_mode() is not None
 
 
-def hc_backend(device_type: str) -> str:
-    """The backend a kernel call on a tensor of ``device_type`` takes now: "torch", "nki-sim" or "nki"."""
-    if _hc_disabled():
+def hc_backend(device_type: str, torch_only: bool = False) -> str:
+    """The backend a kernel call on a tensor of ``device_type`` takes now: "torch", "nki-sim" or "nki";
+    `torch_only` (a run's MHCRUN_NKI_HC=0, `RunOptions.hc_torch`): always the torch reference."""
+    if torch_only:
         return "torch"
     if device_type == "neuron":
         return "nki"
@@ -459,11 +457,11 @@ def _(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 
 def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: Callable[[], object],
-              op: Callable[[], object]):
+              op: Callable[[], object], torch_only: bool = False):
     """One call of kernel `name` on tensors like `t`: the real kernel on a neuron device (when it covers the
     shapes), the custom op with MHCRUN_NKI_SIM=1 (its CPU implementation runs the kernel in the simulator and
     counts), else the torch reference: plain torch that a compiled region can fuse."""
-    path = hc_backend(t.device.type)
+    path = hc_backend(t.device.type, torch_only)
     if path == "nki-sim" and not torch.compiler.is_compiling():
         sim_kernels(KERNEL_SOURCE, sim_mode())  # a refused kernel stops the run here, outside the custom op
     if path == "nki" and ok():
@@ -475,14 +473,14 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     return ref()
 
 
-def hc_expand(e: Tensor, n: int) -> Tensor:
+def hc_expand(e: Tensor, n: int, torch_only: bool = False) -> Tensor:
     """[b, s, d] -> [b, s, n, d]: n identical copies (mhcrun.ops.hc.hc_expand)."""
     return _dispatch("hc_expand", e, lambda: _expand_ok(e, n), lambda get: _run_expand(get, e, n),
-                     lambda: _ref.hc_expand(e, n), lambda: torch.ops.mhcrun.hc_expand(e, n))
+                     lambda: _ref.hc_expand(e, n), lambda: torch.ops.mhcrun.hc_expand(e, n), torch_only)
 
 
 def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor, n: int,
-             iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+             iters: int, eps: float, norm_eps: float, torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x [b, s, n, d] -> pre [b, s, n], post [b, s, n], comb [b, s, n, n] (fp32), as mhcrun.ops.hc.hc_mixes.
 
     ``fn`` is the fp32 weight (torch path); ``fn_hi`` / ``fn_lo`` its ``split_hi_lo`` (kernel paths; split here
@@ -498,11 +496,13 @@ def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, 
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_mixes", x, lambda: _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
                      lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
-                     lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps))
+                     lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
+                     torch_only)
 
 
 def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
-           weight: Tensor, n: int, iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+           weight: Tensor, n: int, iters: int, eps: float, norm_eps: float,
+           torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The mHC pre step of a site and its sublayer's RMSNorm in one kernel: x [b, s, n, d] ->
     y [b, s, d] = rms_norm(hc_collapse(x, pre), weight, norm_eps), post [b, s, n], comb [b, s, n, n] (fp32).
     The same values as hc_mixes, hc_collapse and rms_norm one after the other (the layer's RMSNorm epsilon is
@@ -518,19 +518,19 @@ def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, sc
     return _dispatch("hc_pre", x, lambda: _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps),
                      lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps), ref,
                      lambda: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
-                                                     norm_eps))
+                                                     norm_eps), torch_only)
 
 
 def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
                 fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
-                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                norm_eps: float, torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A site's post step and the next site's pre step (``fn`` ... ``weight`` are the next site's): the new streams
     [b, s, n, d] and hc_pre's (y, post, comb) of them. One kernel for decode rows (b * s <= DECODE_MAX_T), where
     the streams stay on chip between the two; above, hc_post then hc_pre."""
     rows = y.numel() // max(y.shape[-1], 1)
     if rows > DECODE_MAX_T or not mixes_supported(n, iters, eps, norm_eps):
-        x_new = hc_post(y, residual, post, comb)
-        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps))
+        x_new = hc_post(y, residual, post, comb, torch_only)
+        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, torch_only))
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
@@ -538,25 +538,25 @@ def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Ten
                      lambda get: _run_post_pre(get, *args, norm_eps),
                      lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
                      lambda: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
-                                                          weight, n, iters, eps, norm_eps))
+                                                          weight, n, iters, eps, norm_eps), torch_only)
 
 
-def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
+def hc_collapse(x: Tensor, pre: Tensor, torch_only: bool = False) -> Tensor:
     """sum_m pre[m] * x[m] in fp32, in x's dtype: x [b, s, n, d], pre [b, s, n] -> [b, s, d]."""
     return _dispatch("hc_collapse", x, lambda: _collapse_ok(x, pre), lambda get: _run_collapse(get, x, pre),
-                     lambda: _ref.hc_collapse(x, pre), lambda: torch.ops.mhcrun.hc_collapse(x, pre))
+                     lambda: _ref.hc_collapse(x, pre), lambda: torch.ops.mhcrun.hc_collapse(x, pre), torch_only)
 
 
-def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, torch_only: bool = False) -> Tensor:
     """X'[o] = post[o] * y + sum_i comb[i, o] * R[i]: y [b, s, d], residual [b, s, n, d] -> [b, s, n, d]."""
     return _dispatch("hc_post", y, lambda: _post_ok(y, residual, post, comb),
                      lambda get: _run_post(get, y, residual, post, comb),
                      lambda: _ref.hc_post(y, residual, post, comb),
-                     lambda: torch.ops.mhcrun.hc_post(y, residual, post, comb))
+                     lambda: torch.ops.mhcrun.hc_post(y, residual, post, comb), torch_only)
 
 
 def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
-            eps: float, norm_eps: float) -> Tensor:
+            eps: float, norm_eps: float, torch_only: bool = False) -> Tensor:
     """V4's final collapse (mhcrun.ops.hc.hc_head): x [b, s, n, d] -> [b, s, d]."""
     def ref():
         return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
@@ -568,16 +568,17 @@ def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, s
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_head", x, lambda: _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps),
                      lambda get: _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
-                     lambda: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps))
+                     lambda: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps), torch_only)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, torch_only: bool = False) -> Tensor:
     """RMSNorm in fp32, cast back to x's dtype (mhcrun.ops.norm.rms_norm)."""
     return _dispatch("rmsnorm", x, lambda: _rmsnorm_ok(x, weight), lambda get: _run_rmsnorm(get, x, weight, eps),
-                     lambda: _ref_rms_norm(x, weight, eps), lambda: torch.ops.mhcrun.rmsnorm(x, weight, eps))
+                     lambda: _ref_rms_norm(x, weight, eps), lambda: torch.ops.mhcrun.rmsnorm(x, weight, eps),
+                     torch_only)
 
 
-def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, limit: float, torch_only: bool = False) -> Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) in fp32 (mhcrun.ops.moe.swiglu)."""
     return _dispatch("swiglu", gate, lambda: _swiglu_ok(gate, up), lambda get: _run_swiglu(get, gate, up, limit),
-                     lambda: _ref_swiglu(gate, up, limit), lambda: torch.ops.mhcrun.swiglu(gate, up, limit))
+                     lambda: _ref_swiglu(gate, up, limit), lambda: torch.ops.mhcrun.swiglu(gate, up, limit), torch_only)

@@ -154,7 +154,7 @@ class SplitHalf:
 
     def __call__(self, block: Block, x: torch.Tensor, *args) -> torch.Tensor:
         h, post, comb = self.mix(block, x, self.site)
-        return self.post(self.core(block, h, *args), x, post, comb)
+        return self.post(block, self.core(block, h, *args), x, post, comb)
 
 
 class RegionDecoder:
@@ -203,7 +203,7 @@ class RegionDecoder:
             else:
                 site, core = SPLIT[family]
                 self.kinds[kind] = SplitHalf(site, self.group(kind, "mix", Block.mix), self.group(kind, "core", core),
-                                             self.group(kind, "post", hc_ops.hc_post))
+                                             self.group(kind, "post", Block.post))
         return self.kinds[kind](module, *args)
 
     @torch.inference_mode()
@@ -222,7 +222,7 @@ class RegionDecoder:
     def count_torch_hc_calls(self, device_type: str) -> None:
         """hc steps on the torch path inside compiled graphs are not counted as they run (a counter in a
         graph would recompile it): count this step's here. The custom ops (simulator) count themselves."""
-        if self.backend is None or hc_ops.hc_backend(device_type) != "torch":
+        if self.backend is None or hc_ops.hc_backend(device_type, self.model.opts.hc_torch) != "torch":
             return
         n = len(self.model.layers)
         for kernel, calls in (("hc_pre", 2 * n), ("hc_post", 2 * n), ("hc_head", 1)):  # hc_expand runs eagerly
