@@ -46,6 +46,7 @@ class Runner:
     layers: int | None = None  # run the first N layers (then the head); None = all
     dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
     tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
+    mtp: bool = False  # load and build the first MTP layer too (speculative decoding, `mhcrun.speculate`)
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -80,10 +81,10 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp)
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
-                                 self.tp)
+                                 self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
@@ -150,8 +151,10 @@ def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
 
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
-                layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE) -> Runner:
-    """Check everything that can be checked before loading: options, config, index, shard headers."""
+                layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE,
+                mtp: bool = False) -> Runner:
+    """Check everything that can be checked before loading: options, config, index, shard headers (with `mtp`,
+    the MTP layer's too)."""
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
     check_device(device)
@@ -160,15 +163,15 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
         from mhcrun.config import load_config
 
         check_layers(layers, load_config(path), path)
-    plan = plan_checkpoint(path, layers, tp)
+    plan = plan_checkpoint(path, layers, tp, mtp)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp)
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, mtp)
 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
-                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp)
+                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp)
     runner.load(progress)
     return runner
