@@ -93,13 +93,19 @@ def sample(logits: torch.Tensor, opts: SamplingOptions, gen: torch.Generator) ->
     """logits [b, V] (fp32) -> token ids [b]: argmax when greedy, else temperature + top-p sampling."""
     if opts.temperature <= 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(sampling_probs(logits, opts), 1, generator=gen).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+    """logits [..., V] -> the distribution a token is drawn from: softmax at the temperature, cut to top-p
+    (unnormalised after the cut: multinomial normalises)."""
     probs = (logits / opts.temperature).softmax(dim=-1)
     if opts.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(dim=-1) - sorted_p > opts.top_p  # keep the smallest set reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return probs
 
 
 def record_step(logits: torch.Tensor, k: int) -> tuple[list[tuple[int, float]], float]:
@@ -229,7 +235,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              forced: list[list[int]] | None = None, on_logits: Callable[[int, int, torch.Tensor], None] | None = None,
              probe_at: Callable[[int, int], Probe | None] | None = None,
              on_nonfinite: str = "raise", session: Session | None = None,
-             marks: tuple[int, ...] = ()) -> list[GenerationResult]:
+             marks: tuple[int, ...] = (), draft_tokens: int = 0) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams.
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`).
@@ -243,7 +249,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prompt, the step and that place; "stop": the row's result carries the same line in `nonfinite` and the
     other rows go on.
     With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
-    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs."""
+    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs.
+    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`)."""
+    if draft_tokens:
+        from mhcrun.speculate import speculate
+
+        if forced is not None or on_logits or probe_at or session is not None:
+            raise InputError("--draft-tokens does not run with teacher forcing, probes or a session / prompt cache")
+        return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
+                         on_token, graph_mode, backend, stages, prefill_chunk)
     sampling = sampling or SamplingOptions()
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mhcrun.model import Compressor, Transformer
+from mhcrun.model import Attention, Compressor, Transformer
 
 
 @dataclass
@@ -64,6 +64,64 @@ def restore_snapshot(model: Transformer, snap: Snapshot, row: int) -> None:
         src = snap.tensors[path]
         t[row].zero_()
         t[row, :src.size(0)] = src
+
+
+@dataclass
+class SpanSnapshot:
+    """What a chunk of `length` tokens per row at positions start [b] + [0, length) can change in cache rows
+    `rows` [b] of a module's state (a speculative verify step, `mhcrun.speculate`): per state buffer path (as in
+    `named_buffers`), the slots along dim 1 it copied (`index` [b, m], None: the whole row) and their values."""
+
+    rows: torch.Tensor
+    index: dict[str, torch.Tensor | None]
+    tensors: dict[str, torch.Tensor]
+
+
+def span_slots(module: nn.Module, start: torch.Tensor, length: int) -> dict[str, torch.Tensor | None]:
+    """Per state buffer of `module`, the slots [b, m] a chunk of `length` tokens at start [b] writes: the ring's
+    slots of those positions (length <= window), each compressor's open-group state whole (None) and the entries
+    the chunk can close (position // ratio for its positions: start // ratio + [0, length // ratio + 1), the
+    spare last slot past the end)."""
+    out: dict[str, torch.Tensor | None] = {}
+    steps = torch.arange(length, device=start.device)
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, Attention):
+            if length > m.window:
+                raise ValueError(f"a span of {length} tokens is longer than the window ring of {m.window}")
+            slots = (start.view(-1, 1) + steps) % m.window
+            out.update({f"{prefix}ring.{p}": slots for p in m.ring.parts()})
+        elif isinstance(m, Compressor):
+            out[f"{prefix}kv_state"] = out[f"{prefix}score_state"] = None
+            entries = start.view(-1, 1) // m.ratio + torch.arange(length // m.ratio + 1, device=start.device)
+            out.update({f"{prefix}cache.{p}": entries.clamp(max=m.n_entries) for p in m.cache.parts()})
+    return out
+
+
+def take_span(module: nn.Module, rows: torch.Tensor, start: torch.Tensor, length: int) -> SpanSnapshot:
+    """Copy what a chunk of `length` tokens at start [b] can change in cache rows `rows` [b] of `module`'s state
+    (`span_slots`): far fewer bytes than a whole row's `take_snapshot`. Raises when a buffer is not one of the
+    kinds it knows (every state buffer must be covered)."""
+    index = span_slots(module, start, length)
+    buffers = dict(module.named_buffers())
+    if set(buffers) != set(index):
+        raise ValueError(f"take_span: state buffers it does not know: {sorted(set(buffers) - set(index))}")
+    tensors = {p: (t[rows] if index[p] is None else t[rows.view(-1, 1), index[p]]).clone()
+               for p, t in buffers.items()}
+    return SpanSnapshot(rows, index, tensors)
+
+
+def restore_span(module: nn.Module, snap: SpanSnapshot, which: torch.Tensor | None = None) -> None:
+    """Write the span's copies back into their rows (`which` [b] bool: only those of `snap.rows`): the rows hold
+    the state they had before the chunk, as if it had never run."""
+    keep = slice(None) if which is None else which
+    rows = snap.rows[keep]
+    for p, t in module.named_buffers():
+        idx = snap.index[p]
+        if idx is None:
+            t[rows] = snap.tensors[p][keep]
+        else:
+            t[rows.view(-1, 1), idx[keep]] = snap.tensors[p][keep]
 
 
 def check_row(model: Transformer, row: int) -> None:
