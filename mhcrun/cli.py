@@ -335,6 +335,9 @@ def generate(
     check_weights: bool = CheckWeightsOpt,
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
+    draft_tokens: int = typer.Option(0, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
+                                     "with the checkpoint's MTP layer, verified by the model in one step (1 to 8; "
+                                     "0: off).", rich_help_panel=SAMPLING),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -355,7 +358,11 @@ def generate(
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
+        if draft_tokens:
+            from mhcrun.speculate import check_draft_k
+
+            check_draft_k(draft_tokens, prompt_cache is not None)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, mtp=draft_tokens > 0)
         if messages is not None:
             from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
@@ -410,7 +417,8 @@ def generate(
         try:
             results = run_generate(runner.model, ids, max_new_tokens, eos,
                                    SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                                   graph_mode=mode, stages=plan, prefill_chunk=chunk, session=session)
+                                   graph_mode=mode, stages=plan, prefill_chunk=chunk, session=session,
+                                   draft_tokens=draft_tokens)
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
@@ -440,11 +448,14 @@ def generate(
                 out.print(f"[bold]{name}[/]: ", end="")
                 out.print((text or "") + res.text if tok else " ".join(map(str, res.tokens)), markup=False)
         if not as_json:
+            from mhcrun.speculate import stats_note
+
             s = results[0].stats if results else {}
             err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
                       f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
                       f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
                       + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "")
+                      + (f" | {stats_note(s['speculative'])}" if "speculative" in s else "")
                       + (f" | prompt cache: {cache_note['reused_tokens']} tokens reused, "
                          f"{cache_note['prefilled_tokens']} prefilled" + (", saved" if cache_note["saved"] else "")
                          if cache_note else "") + "[/]", soft_wrap=True)

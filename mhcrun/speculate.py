@@ -50,6 +50,15 @@ def draft_limit(model: Transformer) -> int:
     return min(MAX_DRAFT_TOKENS, model.cfg.window_size - 1)
 
 
+def check_draft_k(k: int, prompt_cache: bool = False) -> None:
+    """What can be checked of --draft-tokens before loading: K in 1 .. MAX_DRAFT_TOKENS (the model's window may
+    lower the limit, `draft_limit`), not with a prompt cache."""
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {k}")
+    if prompt_cache:
+        raise InputError("--draft-tokens does not run with --prompt-cache")
+
+
 def check_draft_tokens(model: Transformer, k: int) -> None:
     """A one-line InputError for a K out of range or a model built without its MTP layer."""
     limit = draft_limit(model)
