@@ -187,7 +187,7 @@ def draft(model: Transformer, pending: list[Pending], rows: torch.Tensor, k: int
         if j:
             logits, x = mtp(model, x, drafts[-1].view(-1, 1), rows, start + j - 1)
         if sampling.temperature > 0:
-            probs.append(sampling_probs(logits, sampling))
+            probs.append(normalised_probs(logits, sampling))
             drafts.append(torch.multinomial(probs[-1], 1, generator=gen).squeeze(-1))
         else:
             drafts.append(logits.argmax(dim=-1))
@@ -269,7 +269,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         accepted = []
         for i, r in enumerate(active):
             if sampling.temperature > 0:
-                a, nxt = accept_drafts(sampling_probs(logits[i], sampling), q[i], drafts[i], gen)
+                a, nxt = accept_drafts(normalised_probs(logits[i], sampling), q[i], drafts[i], gen)
             else:
                 a, nxt = accept_greedy(logits[i], drafts[i])
             stats.add(a)
@@ -310,6 +310,13 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             "speculative": stats.as_dict(),
         }
     return results
+
+
+def normalised_probs(logits: torch.Tensor, sampling: SamplingOptions) -> torch.Tensor:
+    """logits [..., V] -> the sampling distribution (temperature, top-p), summing to 1: the ratios p / q of the
+    acceptance rule need both normalised."""
+    p = sampling_probs(logits, sampling)
+    return p / p.sum(dim=-1, keepdim=True)
 
 
 def step_name(step: int) -> str:

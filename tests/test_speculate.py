@@ -70,10 +70,9 @@ def test_trained_model_drafts_are_accepted_and_tokens_equal_greedy():
     runner = load_runner(None, mtp=True)
     prompts = [runner.tokenizer.encode(t) for t in ("The module defines", "Return the number of items in the")]
     base = generate(runner.model, prompts, 40, 1, ignore_eos=True)
-    for k in (1, 3):
-        got = generate(runner.model, prompts, 40, 1, ignore_eos=True, draft_tokens=k)
-        assert [r.tokens for r in got] == [r.tokens for r in base], k
-        assert got[0].stats["speculative"]["mean_accepted_length"] > 1.3
+    got = generate(runner.model, prompts, 40, 1, ignore_eos=True, draft_tokens=2)
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert got[0].stats["speculative"]["mean_accepted_length"] > 1.3
 
 
 def test_span_restore_puts_back_what_a_chunk_wrote(random_mtp):
@@ -101,18 +100,18 @@ def test_span_restore_puts_back_what_a_chunk_wrote(random_mtp):
 
 def test_speculative_sampling_gives_the_target_distribution():
     """accept_drafts on fixed p and q: the first token it yields is distributed as p[0] (total variation within
-    sampling noise of 20,000 draws), and drafts are accepted at the rate sum min(p, q)."""
+    sampling noise of 10,000 draws), and drafts are accepted at the rate sum min(p, q)."""
     gen = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.6, 0.1, 0.1]], dtype=torch.float64)
     q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]], dtype=torch.float64)
-    n, counts, accepted = 20000, torch.zeros(5), 0
+    n, counts, accepted = 10000, torch.zeros(5), 0
     for _ in range(n):
         draft = torch.multinomial(q[0], 1, generator=gen)
         a, nxt = accept_drafts(p, q, draft, gen)
         accepted += a
         counts[int(draft) if a else nxt] += 1
-    assert (counts / n - p[0].float()).abs().sum() / 2 < 0.015
-    assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.015
+    assert (counts / n - p[0].float()).abs().sum() / 2 < 0.02
+    assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
 
 
 def test_sampling_with_drafts_runs_to_the_end(random_mtp):
