@@ -65,6 +65,20 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def experts_read(model, step, s: int) -> str:
+    """The distinct routed experts a step of s tokens runs, per score-routed layer (the hash layers' are fixed
+    by the token ids): the weights a bandwidth-bound decode reads grow with them."""
+    seen: list[int] = []
+    hooks = [layer.ffn.gate.register_forward_hook(lambda m, i, out: seen.append(int(out[1].unique().numel())))
+             for layer in model.layers if not layer.ffn.gate.hash]
+    try:
+        step(s)
+    finally:
+        for h in hooks:
+            h.remove()
+    return "/".join(map(str, seen)) + f" of {model.cfg.n_routed_experts}"
+
+
 def mid(ks: list[int], repeats: int, path: Path | None) -> None:
     from mhcrun.synthetic import make_synthetic
 
@@ -87,7 +101,7 @@ def mid(ks: list[int], repeats: int, path: Path | None) -> None:
 
             one = timed(lambda: step(1), repeats)
             print(f"mid-size config, kept quantised, at position {n}: decode step (1 token) {1e3 * one:.1f} ms "
-                  f"(median of {repeats})")
+                  f"(median of {repeats}), routed experts read per routed layer {experts_read(model, step, 1)}")
             for k in ks:
                 if k == 0:
                     continue
@@ -95,8 +109,8 @@ def mid(ks: list[int], repeats: int, path: Path | None) -> None:
                 span = timed(lambda k=k: restore_span(model.layers, take_span(model.layers, rows, at, k + 1)),
                              repeats)
                 print(f"  verify K={k} ({k + 1} tokens): {1e3 * cost:.1f} ms = x{cost / one:.2f} a decode step; "
-                      f"span snapshot + restore {1e3 * span:.2f} ms; break-even mean accepted length "
-                      f"{cost / one:.2f}", flush=True)
+                      f"routed experts read {experts_read(model, step, k + 1)}; span snapshot + restore "
+                      f"{1e3 * span:.2f} ms; break-even mean accepted length {cost / one:.2f}", flush=True)
 
 
 def main() -> None:
@@ -106,11 +120,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-mid", action="store_true")
+    ap.add_argument("--skip-bundled", action="store_true")
     ap.add_argument("--mid", type=Path, default=None, help="an existing mid-size checkpoint (else made here)")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bundled(ks, args.modes.split(","), args.tokens, args.repeats)
+    if not args.skip_bundled:
+        bundled(ks, args.modes.split(","), args.tokens, args.repeats)
     if not args.skip_mid:
         mid(ks, max(5, args.repeats), args.mid)
 
