@@ -40,7 +40,7 @@ from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import gather_values
-from mhcrun.snapshot import restore_span, take_span
+from mhcrun.snapshot import SpanSnapshot, restore_span, take_span
 
 MAX_DRAFT_TOKENS = 8  # and K + 1 <= the sliding window (a span's ring slots must not wrap onto each other)
 
@@ -167,7 +167,7 @@ def group_by(values: list[int]) -> dict[int, list[int]]:
 
 
 def draft(model: Transformer, pending: list[Pending], rows: torch.Tensor, k: int, sampling: SamplingOptions,
-          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, SpanSnapshot | None]:
     """Run each row's pending MTP inputs (grouped by length), then K - 1 more MTP steps on its own streams ->
     (drafts [b, K], their draft distributions [b, K, V] when sampling, the MTP span snapshot to restore)."""
     mtp, dev = model.mtp[0], model.device
