@@ -149,6 +149,8 @@ class Compressor(nn.Module):
         self.cache = Cache()
         self.rope = Rope()
         self.n_entries = 0
+        self.keep_chunk = False  # a speculative verify: keep each chunk's kv, score to rewind the open group
+        self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def allocate(self, batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
                  fmt: CacheFormat) -> None:
@@ -167,6 +169,8 @@ class Compressor(nn.Module):
         pos = start.view(-1, 1) + torch.arange(s, device=x.device)
         kv = self.wkv(x.float())
         score = self.wgate(x.float()) + self.ape[pos % r]
+        if self.keep_chunk:  # `snapshot.rewind_span` rebuilds the state after a prefix of the chunk from them
+            self.chunk = (kv, score)
         fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
         kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))

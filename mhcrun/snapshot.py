@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mhcrun.model import Attention, Compressor, Transformer
+from mhcrun.ops.compress import compress_chunk
 
 
 @dataclass
@@ -122,6 +123,53 @@ def restore_span(module: nn.Module, snap: SpanSnapshot, which: torch.Tensor | No
             t[rows] = snap.tensors[p][keep]
         else:
             t[rows.view(-1, 1), idx[keep]] = snap.tensors[p][keep]
+
+
+def keep_chunks(module: nn.Module, keep: bool) -> None:
+    """Make `module`'s compressors keep (or stop keeping) each chunk's kv and score, for `rewind_span`."""
+    for m in module.modules():
+        if isinstance(m, Compressor):
+            m.keep_chunk, m.chunk = keep, None
+
+
+def rewind_span(module: nn.Module, snap: SpanSnapshot, start: torch.Tensor, kept: torch.Tensor,
+                which: torch.Tensor) -> None:
+    """After a chunk at start [b] ran in the span's rows with its compressors keeping their chunk (`keep_chunks`):
+    make the rows in `which` [b] hold the state after only the chunk's first kept [b] tokens, without running
+    them again. The ring slots and the entries of the positions past the kept ones get their copies back; what
+    the kept tokens wrote stays (a position's kv and the groups it closes depend on nothing after it); each
+    compressor's open-group state is rebuilt from its copy and the kept tokens' kv and score
+    (`compress_chunk`, as the kept prefix alone would have left it)."""
+    rows = snap.rows
+    buffers = dict(module.named_buffers())
+    owners = {name: m for name, m in module.named_modules()}
+    for path, idx in snap.index.items():
+        if idx is None:
+            continue
+        owner = owners[path.rsplit(".", 2)[0]]
+        if isinstance(owner, Compressor):  # entry e is closed at position (e + 1) * ratio - 1
+            back = (idx + 1) * owner.ratio - 1 >= (start + kept).view(-1, 1)
+        else:  # ring slot of position start + j
+            back = torch.arange(idx.size(1), device=idx.device) >= kept.view(-1, 1)
+        back = back & which.view(-1, 1)
+        t = buffers[path]
+        now = t[rows.view(-1, 1), idx]
+        mask = back.view(*back.shape, *([1] * (now.dim() - 2)))
+        t[rows.view(-1, 1), idx] = torch.where(mask, snap.tensors[path], now)
+    for name, m in module.named_modules():
+        if not isinstance(m, Compressor) or not bool(which.any()):
+            continue
+        if m.chunk is None:
+            raise ValueError(f"rewind_span: compressor {name} kept no chunk (keep_chunks before the chunk)")
+        kv, score = m.chunk
+        prefix = f"{name}." if name else ""
+        for n in kept[which].unique().tolist():
+            sel = which & (kept == n)
+            r, fresh = rows[sel], (start[sel] == 0).view(-1, 1, 1)  # as Compressor.forward: a new sequence
+            kv_state = snap.tensors[f"{prefix}kv_state"][sel].masked_fill(fresh, 0.0)
+            score_state = snap.tensors[f"{prefix}score_state"][sel].masked_fill(fresh, float("-inf"))
+            state = compress_chunk(kv_state, score_state, kv[sel, :n], score[sel, :n], start[sel], m.ratio, m.overlap)
+            m.kv_state[r], m.score_state[r] = state[3], state[4]
 
 
 def check_row(model: Transformer, row: int) -> None:

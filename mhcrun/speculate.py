@@ -40,7 +40,7 @@ from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import gather_values
-from mhcrun.snapshot import SpanSnapshot, restore_span, take_span
+from mhcrun.snapshot import SpanSnapshot, keep_chunks, restore_span, rewind_span, take_span
 
 MAX_DRAFT_TOKENS = 8  # and K + 1 <= the sliding window (a span's ring slots must not wrap onto each other)
 
@@ -265,6 +265,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         drafts, q, mtp_snap = draft(model, [pending[r] for r in active], rows, k, sampling, gen)
         chunk_ids = torch.cat([torch.tensor([[results[r].tokens[-1]] for r in active], device=dev), drafts], 1)
         main_snap = take_span(model.layers, rows, n, k + 1)
+        keep_chunks(model.layers, decoder is None)
         logits, streams = verify(model, decoder, chunk_ids, rows, n, max_seq)
         accepted = []
         for i, r in enumerate(active):
@@ -277,7 +278,10 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             emit(r, [*drafts[i, :a].tolist(), nxt], logits[i, :a + 1], before[i])
             pending[r] = Pending(int(n[i]), streams[i, :a + 1], [*drafts[i, :a].tolist(), nxt])
         redo = torch.tensor([a < k for a in accepted], device=dev)
-        if bool(redo.any()):  # rejected drafts: the span back, the accepted tokens again
+        if decoder is None:  # rejected drafts: the state after the accepted tokens, rebuilt from the span
+            rewind_span(model.layers, main_snap, n, torch.tensor(accepted, device=dev) + 1, redo)
+            keep_chunks(model.layers, False)
+        elif bool(redo.any()):  # compiled: the span back, the accepted tokens again (eagerly)
             restore_span(model.layers, main_snap, redo)
             for a, idx in group_by(accepted).items():
                 if a < k:

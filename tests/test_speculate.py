@@ -18,7 +18,15 @@ from typer.testing import CliRunner
 from mhcrun.cli import app
 from mhcrun.generate import SamplingOptions, generate
 from mhcrun.runner import load_runner
-from mhcrun.snapshot import restore_span, take_snapshot, take_span
+from mhcrun.snapshot import (
+    keep_chunks,
+    restore_snapshot,
+    restore_span,
+    rewind_span,
+    state_extents,
+    take_snapshot,
+    take_span,
+)
 from mhcrun.speculate import accept_drafts
 from mhcrun.tiny import make_tiny
 
@@ -96,6 +104,36 @@ def test_span_restore_puts_back_what_a_chunk_wrote(random_mtp):
         for path, t in model.state().items():
             want = full.tensors[path]
             assert torch.equal(t[1, :want.size(0)], want), (start, path)
+
+
+def test_rewind_equals_running_only_the_kept_tokens(random_mtp):
+    """rewind_span (the eager path's rollback, no rerun) against restoring the row and running only the kept
+    tokens: every state buffer within the kept extent equal, up to the last bits a chunk of other length moves
+    (quantisation simulation off, so that no FP8 rounding step can amplify them)."""
+    model = load_runner(str(random_mtp)).model
+    model.opts.quant_sim = False
+    model.setup_caches(2, 64)
+    rows, chunk = torch.tensor([0, 1]), torch.tensor([[7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+    for starts, kept in (((13, 14), (2, 4)), ((12, 30), (4, 1)), ((15, 3), (5, 3))):
+        for r, st in enumerate(starts):
+            model(torch.tensor([list(range(4, 4 + st))]), torch.tensor([r]), 0)
+        snaps = [take_snapshot(model, r, st) for r, st in enumerate(starts)]
+        start, keep = torch.tensor(starts), torch.tensor(kept)
+        span = take_span(model.layers, rows, start, 5)
+        keep_chunks(model.layers, True)
+        model(chunk, rows, start)
+        rewind_span(model.layers, span, start, keep, torch.tensor([True, True]))
+        keep_chunks(model.layers, False)
+        rewound = {p: t.clone() for p, t in model.state().items()}
+        for r, st in enumerate(starts):
+            restore_snapshot(model, snaps[r], r)
+            model(chunk[r:r + 1, :kept[r]], torch.tensor([r]), st)
+            extents = state_extents(model, st + kept[r])
+            for path, t in model.state().items():
+                n = extents.get(path, t.size(1))
+                a, b = rewound[path][r, :n], t[r, :n]
+                assert torch.allclose(a.nan_to_num(neginf=0.0), b.nan_to_num(neginf=0.0), atol=1e-5), (starts, path)
+                assert torch.equal(a.isneginf(), b.isneginf()), (starts, path)
 
 
 def test_speculative_sampling_gives_the_target_distribution():
