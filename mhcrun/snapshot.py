@@ -132,6 +132,14 @@ def keep_chunks(module: nn.Module, keep: bool) -> None:
             m.keep_chunk, m.chunk = keep, None
 
 
+def keep_rows(module: nn.Module, rows: torch.Tensor) -> None:
+    """The chunks `module`'s compressors kept, cut to the batch entries `rows` [b] (a chunk run over every cache
+    row, whose span covers some of them)."""
+    for m in module.modules():
+        if isinstance(m, Compressor) and m.chunk is not None:
+            m.chunk = (m.chunk[0][rows], m.chunk[1][rows])
+
+
 def rewind_span(module: nn.Module, snap: SpanSnapshot, start: torch.Tensor, kept: torch.Tensor,
                 which: torch.Tensor) -> None:
     """After a chunk at start [b] ran in the span's rows with its compressors keeping their chunk (`keep_chunks`):

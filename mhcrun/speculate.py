@@ -40,7 +40,7 @@ from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import gather_values
-from mhcrun.snapshot import SpanSnapshot, keep_chunks, restore_span, rewind_span, take_span
+from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
 
 MAX_DRAFT_TOKENS = 8  # and K + 1 <= the sliding window (a span's ring slots must not wrap onto each other)
 
@@ -265,7 +265,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         drafts, q, mtp_snap = draft(model, [pending[r] for r in active], rows, k, sampling, gen)
         chunk_ids = torch.cat([torch.tensor([[results[r].tokens[-1]] for r in active], device=dev), drafts], 1)
         main_snap = take_span(model.layers, rows, n, k + 1)
-        keep_chunks(model.layers, decoder is None)
+        keep_chunks(model.layers, True)
         logits, streams = verify(model, decoder, chunk_ids, rows, n, max_seq)
         accepted = []
         for i, r in enumerate(active):
@@ -278,17 +278,9 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             emit(r, [*drafts[i, :a].tolist(), nxt], logits[i, :a + 1], before[i])
             pending[r] = Pending(int(n[i]), streams[i, :a + 1], [*drafts[i, :a].tolist(), nxt])
         redo = torch.tensor([a < k for a in accepted], device=dev)
-        if decoder is None:  # rejected drafts: the state after the accepted tokens, rebuilt from the span
-            rewind_span(model.layers, main_snap, n, torch.tensor(accepted, device=dev) + 1, redo)
-            keep_chunks(model.layers, False)
-        elif bool(redo.any()):  # compiled: the span back, the accepted tokens again (eagerly)
-            restore_span(model.layers, main_snap, redo)
-            for a, idx in group_by(accepted).items():
-                if a < k:
-                    at = torch.tensor(idx, device=dev)
-                    _, again = model(chunk_ids[at, :a + 1], rows[at], n[at], streams=True)
-                    for j, i in enumerate(idx):
-                        pending[active[i]].streams = again[j]
+        # rejected drafts: the state after the accepted tokens, rebuilt from the span (no rerun)
+        rewind_span(model.layers, main_snap, n, torch.tensor(accepted, device=dev) + 1, redo)
+        keep_chunks(model.layers, False)
         if mtp_snap is not None:  # the MTP layer's draft positions ran on its own streams: put them back
             restore_span(model.mtp, mtp_snap)
         step_s.append(time.perf_counter() - t0)
@@ -346,4 +338,5 @@ def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor,
     at = torch.full((b,), max_seq - s, dtype=torch.long, device=chunk.device)
     full[rows], at[rows] = chunk, n
     logits, streams = model(full, decoder.rows, at, static=True, regions=decoder.run, every=True, streams=True)
+    keep_rows(model.layers, rows)
     return logits[rows], streams[rows]
