@@ -8,13 +8,17 @@ the drafts are accepted while each equals the argmax of the position before it, 
 accepted one is taken too (a + 1 tokens per step for a accepted drafts). With temperature: the standard
 speculative sampling rule (`accept_drafts`).
 
-Rollback, built on snapshots of the spans a chunk writes (`mhcrun.snapshot.take_span`): V4's state cannot be cut
-back (a compressor keeps a shifted window of the previous and the open group, not a positional ring), so before
-the verify each row's span of K + 1 positions is copied (ring slots, compressors' open-group state, the entries
-the chunk can close, indexer keys included); a row that accepts a < K drafts gets its span back and runs its
-a + 1 accepted tokens again (one chunk per acceptance length). The MTP layer's own state is rolled back the same
-way: its draft positions n .. n + K - 2 ran on its own streams, so they are put back and rerun at the next step
-with the main model's streams of the accepted positions (one MTP chunk, which also drafts the next first token).
+Rollback, built on snapshots of the spans a chunk writes (`mhcrun.snapshot`): V4's state cannot be cut back (a
+compressor keeps a shifted window of the previous and the open group, not a positional ring), so before the
+verify each row's span of K + 1 positions is copied (`take_span`: ring slots, compressors' open-group state, the
+entries the chunk can close, indexer keys included) and the compressors keep the chunk's kv and score. A row that
+accepts a < K drafts is rewound without running anything again (`rewind_span`): what its a + 1 accepted tokens
+wrote stays (a position's kv, and a group closed by accepted tokens, depend on nothing after them), the ring slots
+and entries of the rejected positions get their copies back, and each compressor's open group is rebuilt from its
+copy and the accepted tokens' kept kv and score (`compress_chunk` over that prefix, as a chunk of a + 1 tokens
+would have left it). The MTP layer's own state: its draft positions n .. n + K - 2 ran on its own streams, so they
+are put back (`restore_span`) and run again at the next step with the main model's streams of the accepted
+positions (one MTP chunk, which also drafts the next first token).
 """
 
 from __future__ import annotations
@@ -202,8 +206,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
               prefill_chunk: int | None = None) -> list[GenerationResult]:
     """`generate` with K draft tokens per step from the model's MTP layer (see the module docstring); the same
     results, with stats["speculative"] (`DraftStats.as_dict`). graph_mode "regions": the verify runs the
-    compiled regions at a static chunk of K + 1 tokens for every cache row; the reruns after a rejection and
-    the MTP layer run eagerly."""
+    compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly."""
     sampling = sampling or SamplingOptions()
     cfg, dev = model.cfg, model.device
     check_draft_tokens(model, k)
