@@ -206,14 +206,13 @@ def bench_cuda() -> None:
         for m in (1, 37, 4096):
             x = torch.randn(m, in_f, device=dev)
             ref = F.linear(fp8_simulate(x, 128), w)
-            ql._SCALED_MM_BROKEN = False
             wq = QWeight(q, s, 128).checked()
-            y = ql._scaled_mm_fp8(x, wq)
+            y = ql._scaled_mm_fp8(x, wq, ql.ScaledMM())
             if y is None:
                 print(f"  [{out_f} x {in_f}] M={m}: _scaled_mm path not taken")
                 continue
             err = ((y - ref).abs() / (fp8_simulate(x, 128).abs() @ w.abs().T + 1e-30)).max().item()
-            t_s = best_time(lambda x=x, wq=wq: ql._scaled_mm_fp8(x, wq), sync=sync)
+            t_s = best_time(lambda x=x, wq=wq: ql._scaled_mm_fp8(x, wq, ql.ScaledMM()), sync=sync)
             t_q = best_time(lambda x=x, q=q, s=s: F.linear(fp8_simulate(x, 128), dequantize_fp8(q, s, 128)),
                             sync=sync)
             t_d = best_time(lambda x=x, w=w: F.linear(fp8_simulate(x, 128), w), sync=sync)

@@ -27,7 +27,7 @@ from mhcrun.chat import (
     history_message,
     parse_reply,
 )
-from mhcrun.generate import SamplingOptions, generate
+from mhcrun.generate import SamplingOptions, generate, raise_nonfinite
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.promptcache import open_prompt_cache, save_new_prompt_cache, shared_prefix
 from mhcrun.session import Session
@@ -150,8 +150,9 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
         stopped = False
         try:
-            generate(runner.model, [ids], budget, tok.eos_id, SamplingOptions(temperature, top_p, seed),
-                     on_token=view.push, session=session, marks=(mark,))
+            raise_nonfinite(generate(runner.model, [ids], budget, tok.eos_id,
+                                     SamplingOptions(temperature, top_p, seed), on_token=view.push, session=session,
+                                     marks=(mark,)))
         except KeyboardInterrupt:
             stopped = True
             session.lose_live_state()  # a step may have stopped half way through the row's state

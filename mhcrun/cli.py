@@ -94,8 +94,6 @@ def start_tp(tp: int, model: str | None, device: str):
 
     shard = env_shard()
     if shard is None:
-        if tp < 1:
-            raise InputError(f"--tp must be >= 1, got {tp}")
         if tp == 1:
             return SINGLE, None
         from mhcrun.config import load_config
@@ -120,12 +118,6 @@ def start_tp(tp: int, model: str | None, device: str):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
         err.quiet = True
     return shard, None
-
-
-def prefill_chunk_option(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {value}")
-    return value
 
 
 def say_error(line: str) -> None:
@@ -157,19 +149,16 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     raise typer.Exit(code)
 
 
-def graph_mode_option(value: str | None, device: str = "cpu") -> str:
-    """--graph-mode, else MHCRUN_GRAPH_MODE, else regions on an accelerator (launch-bound decode) and eager on
-    a CPU (a short run there never earns back the compile)."""
-    from mhcrun.runner import GRAPH_MODES, check_choice
+def run_settings(device: str = "cpu", graph_mode: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, memory_limit: str | None = None, **fields):
+    """-> (the run's settings, every option checked once: `mhcrun.settings`; the environment, read once)."""
+    from mhcrun.memory import parse_size
+    from mhcrun.settings import Env, RunSettings, SamplingOptions, default_graph_mode
 
-    default = "eager" if device == "cpu" else "regions"
-    return check_choice("--graph-mode", value or os.environ.get("MHCRUN_GRAPH_MODE", default), GRAPH_MODES)
-
-
-def stages_option(value: str) -> str:
-    from mhcrun.runner import STAGE_PLANS, check_choice
-
-    return check_choice("--stages", value, STAGE_PLANS)
+    env = Env.read()
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    return RunSettings(sampling=SamplingOptions(temperature, top_p, seed), memory_limit=limit,
+                       graph_mode=graph_mode or default_graph_mode(device, env), **fields), env
 
 
 @contextlib.contextmanager
@@ -207,12 +196,6 @@ CheckWeightsOpt = typer.Option(False, "--check-weights", help="Scan every stored
                                rich_help_panel=INPUT)
 
 
-def memory_limit_option(value: str | None) -> int | None:
-    from mhcrun.memory import parse_size
-
-    return None if value is None else parse_size(value)
-
-
 ModeOpt = typer.Option("thinking", "--mode", help="Chat format mode: thinking (<think> opens the reply) or chat.",
                        rich_help_panel=INPUT)
 EffortOpt = typer.Option(None, "--reasoning-effort", help="Thinking mode's reasoning effort, as the chat format "
@@ -229,15 +212,12 @@ def chat_ids(runner, text: str, fmt: str) -> list[int]:
     from mhcrun.chat import FORMATS
 
     tok = runner.require_tokenizer()
-    if not tok.has_tokens(FORMATS[fmt].special_tokens) and runner.path not in WARNED:
-        WARNED.add(runner.path)
+    if not tok.has_tokens(FORMATS[fmt].special_tokens) and not runner.warned_chat_tokens:
+        runner.warned_chat_tokens = True
         err.print(f"warning: {runner.path}'s tokenizer has no DeepSeek V4 chat tokens ({fmt}): the chat markers are "
                   f"encoded as plain text (a released V4 checkpoint's tokenizer.json has them)", markup=False,
                   soft_wrap=True)
     return tok.encode(text, add_bos=False)
-
-
-WARNED: set = set()  # checkpoints whose tokenizer lacks the chat tokens, said once
 
 
 def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_file: Path | None):
@@ -263,15 +243,6 @@ def collect_prompts(runner, prompt: str | None, prompt_ids: str | None, prompts_
 PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): loaded when it exists "
                               "and this prompt starts with its tokens (only the rest is prefilled); else written "
                               "with the state after this prompt. Never overwritten.", rich_help_panel=INPUT)
-
-
-def check_sampling(temperature: float, top_p: float, seed: int) -> None:
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InputError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if not 0 < top_p <= 1:  # also false for nan
-        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
-    if not 0 <= seed < 2**63:
-        raise InputError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 class LockstepConsole:
@@ -344,25 +315,21 @@ def generate(
     """Generate text: eager prefill in chunks, then decode; reports tokens/s, compile time and peak memory."""
 
     def body() -> int | None:
-        from mhcrun.generate import SamplingOptions, check_prompts
+        from mhcrun.generate import check_prompts, raise_nonfinite
         from mhcrun.generate import generate as run_generate
         from mhcrun.memory import check_fits
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 0:
-            raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_p, seed)
-        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
-        limit = memory_limit_option(memory_limit)
-        chunk = prefill_chunk_option(prefill_chunk)
+        st, env = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
+                             max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp,
+                             draft_tokens=draft_tokens)
+        mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
+        if draft_tokens and prompt_cache is not None:
+            raise InputError("--draft-tokens does not run with --prompt-cache")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        if draft_tokens:
-            from mhcrun.speculate import check_draft_k
-
-            check_draft_k(draft_tokens, prompt_cache is not None)
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, mtp=draft_tokens > 0)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env, mtp=draft_tokens > 0)
         if messages is not None:
             from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
@@ -415,10 +382,11 @@ def generate(
                 session.chunk = chunk or default_prefill_chunk(cfg)
                 session.prefill(ids[0])
         try:
-            results = run_generate(runner.model, ids, max_new_tokens, eos,
-                                   SamplingOptions(temperature, top_p, seed), ignore_eos, on_token=on_token,
-                                   graph_mode=mode, stages=plan, prefill_chunk=chunk, session=session,
-                                   draft_tokens=draft_tokens)
+            results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
+                                                   st.sampling, ignore_eos,
+                                                   on_token=on_token, graph_mode=mode, stages=plan,
+                                                   prefill_chunk=chunk, session=session,
+                                                   draft_tokens=draft_tokens))
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
@@ -486,19 +454,19 @@ def golden_record(
     def body() -> int | None:
         from mhcrun.fileio import check_writable
         from mhcrun.generate import generate as run_generate
+        from mhcrun.generate import raise_nonfinite
         from mhcrun.golden import golden_from_results, write_golden
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        st, env = run_settings(max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk, tp=tp)
+        chunk = st.prefill_chunk
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
-        chunk = prefill_chunk_option(prefill_chunk)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu")
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, tp=shard)
+        runner = open_runner(model, dtype, quant_sim, tp=shard, env=env)
         from mhcrun.prompts import read_prompts_file
 
         items = read_prompts_file(prompts_file, runner.config.vocab_size)
@@ -509,8 +477,8 @@ def golden_record(
 
         check_prompts(ids, max_new_tokens, runner.config.vocab_size, runner.config.max_position_embeddings,
                       [p.id for p in items])
-        results = run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True, record_topk=top_k,
-                               prefill_chunk=chunk)
+        results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos, ignore_eos=True,
+                                               record_topk=top_k, prefill_chunk=chunk))
         settings = {"dtype": dtype, "quant_sim": quant_sim, "graph_mode": "eager",
                     "max_new_tokens": max_new_tokens, "top_k": top_k, "ignore_eos": True}
         golden = golden_from_results(runner.identity, settings, items, results, tolerance)
@@ -554,6 +522,7 @@ def golden_check(
 
     def body() -> int:
         from mhcrun.generate import generate as run_generate
+        from mhcrun.generate import teacher_force
         from mhcrun.golden import (
             TOLERANCES,
             check_model_identity,
@@ -566,15 +535,16 @@ def golden_check(
         from mhcrun.runner import open_runner
 
         golden = load_golden(golden_path)
-        mode, plan = graph_mode_option(graph_mode, device), stages_option(stages)
-        chunk = prefill_chunk_option(prefill_chunk)
+        st, env = run_settings(device, graph_mode, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
+        mode, plan, chunk = st.graph_mode, st.stages, st.prefill_chunk
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard)
+        runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard,
+                             env=env)
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
         entries = golden["prompts"]
@@ -592,10 +562,9 @@ def golden_check(
             cands = [t for t, _ in entries[row]["steps"][step]["top"]]
             forced[row].append((logp[cands].tolist(), int(logits.argmax())))
 
-        common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk, on_nonfinite="stop")
+        common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk)
         if teacher_forced:
-            results = run_generate(runner.model, ids, s["max_new_tokens"], eos, forced=[e["tokens"] for e in entries],
-                                   on_logits=observe, **common)
+            results = teacher_force(runner.model, ids, [e["tokens"] for e in entries], observe, **common)
         else:
             results = run_generate(runner.model, ids, s["max_new_tokens"], eos, ignore_eos=s["ignore_eos"],
                                    record_topk=s["top_k"], **common)
@@ -722,13 +691,12 @@ def chat(
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        check_sampling(temperature, top_p, seed)
+        env = run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
+                           tp=tp)[1]
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
         runner.require_tokenizer()
         from mhcrun.chat import resolve_format
 
@@ -773,13 +741,11 @@ def info(
     def body() -> int:
         from mhcrun.checkpoint import inspect_checkpoint
         from mhcrun.memory import format_bytes
+        from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        chunk = prefill_chunk_option(prefill_chunk)
-        from mhcrun.parallel import Shard
-
-        if tp < 1:
-            raise InputError(f"--tp must be >= 1, got {tp}")
+        st = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)[0]
+        chunk = st.prefill_chunk
         runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp))
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
@@ -787,7 +753,7 @@ def info(
             raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
                              f"got {batch} and {tokens}")
         desc = inspect_checkpoint(runner.path, layers)
-        mp = runner.memory_plan(batch, tokens, available=memory_limit_option(memory_limit), prefill_chunk=chunk)
+        mp = runner.memory_plan(batch, tokens, available=st.memory_limit, prefill_chunk=chunk)
         desc["memory_plan"] = mp.to_dict()
         bad = None
         if check_weights:
@@ -872,13 +838,14 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        plan = stages_option(stages)
+        st, env = run_settings(device, stages=stages, tp=tp)
+        plan = st.stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, "fp32", True, device, tp=shard)
+        runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

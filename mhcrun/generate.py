@@ -21,6 +21,7 @@ from mhcrun.nki import ops as hc_ops
 from mhcrun.parallel import MOVED, Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 from mhcrun.session import Session
+from mhcrun.settings import SamplingOptions
 
 
 @dataclass
@@ -33,13 +34,6 @@ class GenerationResult:
     text: str = ""
     stats: dict = field(default_factory=dict)
     nonfinite: str | None = None  # the line saying where its logits turned NaN/Inf (generate's on_nonfinite="stop")
-
-
-@dataclass
-class SamplingOptions:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def peak_rss_mb() -> float:
@@ -58,8 +52,6 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
                   names: list[str] | None = None) -> None:
     """Raise InputError (naming the prompt) for an empty prompt, an id outside the vocabulary,
     or a prompt that with its new tokens does not fit the context."""
-    if max_new_tokens < 0:
-        raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if not prompts:
         raise InputError("no prompts given")
     for i, ids in enumerate(prompts):
@@ -126,13 +118,8 @@ def prefill(model: Transformer, ids: list[int], row: int, chunk: int, probe: Pro
     return logits
 
 
-def row_probe(probe: Probe, i: int) -> Probe:
-    """`probe` seeing only row i of each region's output (as a batch of one)."""
-    return fan_out({i: probe})
-
-
 def fan_out(probes: dict[int, Probe]) -> Probe | None:
-    """One probe for a batch: probes[i] sees row i of each region's output."""
+    """One probe for a batch: probes[i] sees row i of each region's output (as a batch of one)."""
     if not probes:
         return None
 
@@ -143,25 +130,49 @@ def fan_out(probes: dict[int, Probe]) -> Probe | None:
     return probe
 
 
-def replay(model: Transformer, decoder, ids: list[int], tokens: list[int], row: int, chunk: int,
+class Stepper:
+    """The steps of a batch of sequences, one per cache row, on one path: `prefill(row, ids)` then
+    `decode(rows, tokens)`, each feeding a row's tokens at its next positions. Eager decode runs the model's
+    forward on the given rows (a chunk of one token each); compiled decode (`decoder`, `mhcrun.regions`) runs
+    every row at static shapes, a row not stepped repeating its last step (the same token at the same position
+    writes the same state). Probes are keyed by cache row."""
+
+    def __init__(self, model: Transformer, chunk: int, decoder=None):
+        self.model, self.chunk, self.decoder = model, chunk, decoder
+        self.length = [0] * model.max_batch  # tokens each row's state holds
+        self.last = [0] * model.max_batch  # the token each row ran last
+
+    def prefill(self, row: int, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
+        """Row `row` starts the sequence `ids` -> logits [V] of its last token."""
+        logits = prefill(self.model, ids, row, self.chunk, probe)[0]
+        self.length[row], self.last[row] = len(ids), ids[-1]
+        return logits
+
+    def decode(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None = None) -> torch.Tensor:
+        """Feed tokens[i] to row rows[i] at its next position -> logits [len(rows), V]."""
+        probes, dev = probes or {}, self.model.device
+        for r, t in zip(rows, tokens, strict=True):
+            self.length[r], self.last[r] = self.length[r] + 1, t
+        pos = [max(n - 1, 0) for n in self.length]
+        if self.decoder is None:
+            at = torch.tensor(rows, device=dev)
+            by_index = {i: probes[r] for i, r in enumerate(rows) if r in probes}
+            return self.model(torch.tensor([[t] for t in tokens], device=dev), at,
+                              torch.tensor([pos[r] for r in rows], device=dev), fan_out(by_index))
+        logits = self.decoder(torch.tensor(self.last, device=dev), torch.tensor(pos, device=dev), fan_out(probes))
+        return logits[torch.tensor(rows, device=dev)]
+
+
+def replay(steps: Stepper, ids: list[int], tokens: list[int], row: int,
            probe_at: Callable[[int], Probe | None]) -> torch.Tensor:
-    """Run one sequence again in cache row `row`: prefill `ids`, then decode `tokens` (forced) on the eager model
-    or `decoder` (compiled regions; its other rows start afresh), with `probe_at(step)` watching each step's
-    regions for this row. -> the logits [V] of the last step."""
-    dev = model.device
-    model.clear_row(row)
+    """Run one sequence again in cache row `row`: prefill `ids`, then decode `tokens` (forced), with
+    `probe_at(step)` watching each step's regions for this row. -> the logits [V] of the last step."""
+    steps.model.clear_row(row)
     probe = probe_at(0)
-    logits = prefill(model, ids, row, chunk, probe and row_probe(probe, 0))[0]
+    logits = steps.prefill(row, ids, probe and fan_out({0: probe}))
     for step, token in enumerate(tokens, start=1):
-        probe, pos = probe_at(step), len(ids) + step - 1
-        if decoder is None:
-            logits = model(torch.tensor([[token]], device=dev), torch.tensor([row], device=dev),
-                           torch.tensor([pos], device=dev), probe and row_probe(probe, 0))[0]
-        else:
-            b = model.max_batch
-            toks = torch.zeros(b, dtype=torch.long, device=dev).index_fill_(0, torch.tensor([row], device=dev), token)
-            at = torch.zeros(b, dtype=torch.long, device=dev).index_fill_(0, torch.tensor([row], device=dev), pos)
-            logits = decoder(toks, at, probe and row_probe(probe, row))[row]
+        probe = probe_at(step)
+        logits = steps.decode([row], [token], probe and {row: probe})[0]
     return logits
 
 
@@ -179,11 +190,11 @@ def capture_step(model: Transformer, ids: list[int], tokens: list[int], max_seq:
         cap.on = step == len(tokens)
         return cap
 
-    replay(model, decoder, ids, tokens, 0, chunk, probe_at)
+    replay(Stepper(model, chunk, decoder), ids, tokens, 0, probe_at)
     return cap.joined()
 
 
-def locate_nonfinite(model: Transformer, decoder, ids: list[int], tokens: list[int], row: int, chunk: int) -> str:
+def locate_nonfinite(steps: Stepper, ids: list[int], tokens: list[int], row: int) -> str:
     """Where a sequence's first non-finite value appears: its prefill and decode steps run again on the same path
     with every region checked (the embedding, each layer's attention and MoE half, the head), and, where the
     step runs eagerly, every module. -> e.g. "layer 2 attn:csa produced NaN from finite inputs (in
@@ -194,9 +205,9 @@ def locate_nonfinite(model: Transformer, decoder, ids: list[int], tokens: list[i
         first.current_step = step
         return first
 
-    with first_nonfinite_op(model) as ops:
-        replay(model, decoder, ids, tokens, row, chunk, probe_at)
-    first_op = deepest_on_any_rank(ops.first, model.opts.tp)
+    with first_nonfinite_op(steps.model) as ops:
+        replay(steps, ids, tokens, row, probe_at)
+    first_op = deepest_on_any_rank(ops.first, steps.model.opts.tp)
     if first.region is None:
         return "not located: a run again of its steps stayed finite"
     where = f"{first.region} produced {first.kind}"
@@ -205,7 +216,7 @@ def locate_nonfinite(model: Transformer, decoder, ids: list[int], tokens: list[i
         where += f" at step {first.step}"
     if first_op is not None:
         where += f", first in {first_op}"
-    elif decoder is None or first.step == 0:
+    elif steps.decoder is None or first.step == 0:
         where += ", in the mHC steps"
     return where
 
@@ -227,162 +238,182 @@ def make_decoder(model: Transformer, backend: str | None = None, stages: str = "
                          cuda_graphs=dev.type == "cuda")
 
 
+@dataclass
+class Batch:
+    """Results being made for a batch of prompts: each row's tokens so far, and where its logits turned
+    non-finite (row -> step, NaN|Inf)."""
+
+    results: list[GenerationResult]
+    bad: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def take(self, rows: list[int], logits: torch.Tensor) -> list[int]:
+        """The rows of one step's logits [len(rows), V] that are finite (the others are marked bad)."""
+        for i, kind in nonfinite_rows(logits):
+            self.bad[rows[i]] = (len(self.results[rows[i]].tokens), kind)
+        return [i for i, r in enumerate(rows) if r not in self.bad]
+
+    def locate(self, steps: Stepper) -> None:
+        """Each bad row's steps run again to find where its value first appeared: its result's `nonfinite`."""
+        for row, (step, kind) in sorted(self.bad.items()):
+            res = self.results[row]
+            where = locate_nonfinite(steps, res.prompt_ids, res.tokens[:step], row)
+            res.nonfinite = (f"prompt {row}: the logits of step {step} ({step_name(step)}) hold {kind}; {where}; no "
+                             f"token was emitted from them")
+
+
+def raise_nonfinite(results: list[GenerationResult]) -> list[GenerationResult]:
+    """results, or a NonFiniteError with the line of the first whose logits turned non-finite."""
+    for res in results:
+        if res.nonfinite:
+            raise NonFiniteError(res.nonfinite)
+    return results
+
+
+def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chunk: int | None, graph_mode: str,
+                backend: str | None, stages: str, session: Session | None = None) -> tuple[Batch, Stepper]:
+    """Results and steps for a batch of prompts (already checked: `check_prompts`) on fresh caches of `max_seq`
+    tokens a row, or on a session's."""
+    hc_ops.reset_kernel_stats()
+    if session is None:
+        model.setup_caches(len(prompts), max_seq)
+    elif len(prompts) != 1 or max_seq > model.max_seq:
+        raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
+    decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
+    batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
+    return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder)
+
+
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
              sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
-             forced: list[list[int]] | None = None, on_logits: Callable[[int, int, torch.Tensor], None] | None = None,
-             probe_at: Callable[[int, int], Probe | None] | None = None,
-             on_nonfinite: str = "raise", session: Session | None = None,
-             marks: tuple[int, ...] = (), draft_tokens: int = 0) -> list[GenerationResult]:
-    """Generate up to max_new_tokens for each prompt (token id lists). on_token(row, id) streams.
+             session: Session | None = None, marks: tuple[int, ...] = (),
+             draft_tokens: int = 0) -> list[GenerationResult]:
+    """Generate up to max_new_tokens for each prompt (token id lists, checked by `check_prompts`).
 
-    Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`).
-    graph_mode "eager" decodes with the model's eager code (a chunk of one token per row); "regions" with
-    compiled region graphs (`mhcrun.regions`).
-    Teacher forcing: with `forced`, row r is fed forced[r][t] after step t whatever it would have chosen, and runs
-    len(forced[r]) steps. on_logits(row, step, logits [V]) sees every step's logits; probe_at(row, step) may give
-    a probe for that step's regions (`mhcrun.probes`).
-    Logits that are not finite end their row before a token is taken from them; the row's steps run again to
-    find where the value first appeared (`locate_nonfinite`). on_nonfinite "raise": a NonFiniteError naming the
-    prompt, the step and that place; "stop": the row's result carries the same line in `nonfinite` and the
-    other rows go on.
+    Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`), then
+    decode steps (`Stepper`: eager, or compiled regions with graph_mode "regions") advance every unfinished row by
+    a token sampled from its logits (`sample`); on_token(row, id) streams, `record_topk` keeps each step's top-k
+    log-probs and margin. A row whose logits turn non-finite ends before a token is taken from them; its steps run
+    again to find where the value first appeared, and its result's `nonfinite` says so (`raise_nonfinite`).
     With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
     which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs.
-    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`)."""
+    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`; no session)."""
     if draft_tokens:
         from mhcrun.speculate import speculate
 
-        if forced is not None or on_logits or probe_at or session is not None:
-            raise InputError("--draft-tokens does not run with teacher forcing, probes or a session / prompt cache")
+        if session is not None:
+            raise InputError("--draft-tokens does not run with a session or --prompt-cache")
         return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
                          on_token, graph_mode, backend, stages, prefill_chunk)
     sampling = sampling or SamplingOptions()
-    cfg = model.cfg
-    check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
-    results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     if max_new_tokens == 0:
-        rss = peak_rss_mb()
-        per_rank = gather_values([rss], model.opts.tp)  # every rank gets here
-        for res in results:
-            res.stats = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "compile_s": 0.0, "peak_rss_mb": rss,
-                         "tp": model.opts.tp.world, "peak_rss_mb_per_rank": per_rank}
-        return results
-    if forced is not None and (len(forced) != len(prompts) or any(len(f) > max_new_tokens for f in forced)):
-        raise InputError(f"teacher forcing needs one token list per prompt of at most {max_new_tokens} tokens")
-    dev = model.device
-    gen = torch.Generator(device=dev).manual_seed(sampling.seed)
-    hc_ops.reset_kernel_stats()
-    if session is None:
-        model.setup_caches(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
-    elif len(prompts) != 1 or len(prompts[0]) + max_new_tokens > model.max_seq or forced is not None:
-        raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply, not teacher "
-                         f"forced")
-    bad: dict[int, tuple[int, str]] = {}  # row -> (step, NaN|Inf)
-
-    def accept(row: int, logits: torch.Tensor, token: int) -> None:
-        res = results[row]
-        step = len(res.tokens)
-        if on_logits:
-            on_logits(row, step, logits)
-        if forced is not None:
-            token = forced[row][step]
-        res.tokens.append(token)
-        if record_topk:
-            pairs, margin = record_step(logits, record_topk)
-            res.top_logprobs.append(pairs)
-            res.margins.append(margin)
-        if on_token:
-            on_token(row, token)
-
-    def finished(row: int) -> bool:
-        toks = results[row].tokens
-        if row in bad:
-            return True
-        if forced is not None:
-            return len(toks) >= len(forced[row])
-        return len(toks) >= max_new_tokens or (not ignore_eos and toks[-1] == eos_id)
-
-    def probe(row: int, i: int | None = None) -> Probe | None:
-        p = probe_at(row, len(results[row].tokens)) if probe_at else None
-        return p if p is None or i is None else row_probe(p, i)
+        return finish_stats(model, [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts], [], [], 0)
+    batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
+                               backend, stages, session)
+    results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
-        """Accept one step's logits [len(rows), V] (one row per entry of rows), except non-finite ones."""
-        for i, kind in nonfinite_rows(logits):
-            bad[rows[i]] = (len(results[rows[i]].tokens), kind)
-        ok = [i for i, r in enumerate(rows) if r not in bad]
-        next_ids = sample(logits[ok], sampling, gen).tolist() if ok else []
-        for i, token in zip(ok, next_ids, strict=True):
-            accept(rows[i], logits[i], token)
+        ok = batch.take(rows, logits)
+        for i, token in zip(ok, sample(logits[ok], sampling, gen).tolist() if ok else [], strict=True):
+            res = results[rows[i]]
+            res.tokens.append(token)
+            if record_topk:
+                pairs, margin = record_step(logits[i], record_topk)
+                res.top_logprobs.append(pairs)
+                res.margins.append(margin)
+            if on_token:
+                on_token(rows[i], token)
 
-    chunk = prefill_chunk or default_prefill_chunk(cfg)
-    if chunk < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
+    def running(row: int) -> bool:
+        toks = results[row].tokens
+        return row not in batch.bad and len(toks) < max_new_tokens and (ignore_eos or toks[-1] != eos_id)
+
     prefill_s = []
     for row, ids in enumerate(prompts):
-        if forced is not None and not forced[row]:
-            prefill_s.append(0.0)
-            continue
         t0 = time.perf_counter()
         if session is None:
-            logits = prefill(model, ids, row, chunk, probe(row, 0))
+            logits = steps.prefill(row, ids)
         else:
-            session.chunk, session.row = chunk, row
-            logits = session.prefill(ids, marks)
+            session.chunk, session.row = steps.chunk, row
+            logits = session.prefill(ids, marks)[0]
+            steps.length[row], steps.last[row] = len(ids), ids[-1]
         prefill_s.append(time.perf_counter() - t0)
-        take([row], logits)
-        if bad and on_nonfinite == "raise":
-            break
+        take([row], logits.unsqueeze(0))
 
-    decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
-    decode_tokens = 0
-    moved0 = MOVED["bytes"]
-    active = [r for r in range(len(prompts)) if r < len(prefill_s) and not finished(r)]
-    while active and not (bad and on_nonfinite == "raise"):
+    decode_tokens, moved0 = 0, MOVED["bytes"]
+    active = [r for r in range(len(prompts)) if running(r)]
+    while active:
         t0 = time.perf_counter()
-        if decoder is None:  # eager: only the unfinished rows
-            tokens = torch.tensor([[results[r].tokens[-1]] for r in active], device=dev)
-            pos = torch.tensor([len(prompts[r]) + len(results[r].tokens) - 1 for r in active], device=dev)
-            probes = {i: p for i, r in enumerate(active) if (p := probe(r)) is not None}
-            logits = model(tokens, torch.tensor(active, device=dev), pos, fan_out(probes))  # one token per row
-        else:  # compiled: every row, static shapes; a finished row repeats its last step
-            tokens = torch.tensor([res.tokens[-1] if res.tokens else 0 for res in results], device=dev)
-            pos = torch.tensor([len(p) + len(res.tokens) - 1 for p, res in zip(prompts, results, strict=True)],
-                               device=dev).clamp(min=0)
-            probes = {r: p for r in active if (p := probe(r)) is not None}
-            logits = decoder(tokens, pos, fan_out(probes))[torch.tensor(active, device=dev)]
-        take(active, logits)
+        take(active, steps.decode(active, [results[r].tokens[-1] for r in active]))
         step_s.append(time.perf_counter() - t0)
         decode_tokens += len(active)
-        active = [r for r in active if not finished(r)]
-    if session is not None and bad:
+        active = [r for r in active if running(r)]
+    if session is not None and batch.bad:
         session.lose_live_state()
     elif session is not None:  # the row holds the prompt and every token fed back (all but the last one taken)
         session.fed(results[0].tokens[:-1])
+    batch.locate(steps)
+    finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None)
+    if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
+        for res in results:
+            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
+    return results
 
-    for row, (step, kind) in sorted(bad.items()):
-        where = locate_nonfinite(model, decoder, prompts[row], results[row].tokens[:step], row, chunk)
-        line = (f"prompt {row}: the logits of step {step} ({step_name(step)}) hold {kind}; {where}; no token was "
-                f"emitted from them")
-        if on_nonfinite == "raise":
-            raise NonFiniteError(line)
-        results[row].nonfinite = line
 
+@torch.inference_mode()
+def teacher_force(model: Transformer, prompts: list[list[int]], forced: list[list[int]],
+                  observe: Callable[[int, int, torch.Tensor], None], graph_mode: str = "eager",
+                  backend: str | None = None, stages: str = "whole",
+                  prefill_chunk: int | None = None) -> list[GenerationResult]:
+    """Teacher forcing (golden-check): row r runs len(forced[r]) steps, its prefill then a decode step per forced
+    token but the last, and is fed forced[r][t] after step t whatever it would choose; observe(row, step, logits
+    [V]) sees every step's logits. A row whose logits turn non-finite stops there (its `nonfinite` says where)."""
+    batch, steps = start_batch(model, prompts, max(len(p) + len(f) for p, f in zip(prompts, forced, strict=True)),
+                               prefill_chunk, graph_mode, backend, stages)
+    results = batch.results
+
+    def take(rows: list[int], logits: torch.Tensor) -> None:
+        for i in batch.take(rows, logits):
+            res = results[rows[i]]
+            observe(rows[i], len(res.tokens), logits[i])
+            res.tokens.append(forced[rows[i]][len(res.tokens)])
+
+    prefill_s, step_s = [], []
+    for row, ids in enumerate(prompts):
+        t0 = time.perf_counter()
+        if forced[row]:
+            take([row], steps.prefill(row, ids).unsqueeze(0))
+        prefill_s.append(time.perf_counter() - t0)
+    active = [r for r in range(len(prompts)) if r not in batch.bad and len(results[r].tokens) < len(forced[r])]
+    decode_tokens = 0
+    while active:
+        t0 = time.perf_counter()
+        take(active, steps.decode(active, [results[r].tokens[-1] for r in active]))
+        step_s.append(time.perf_counter() - t0)
+        decode_tokens += len(active)
+        active = [r for r in active if r not in batch.bad and len(results[r].tokens) < len(forced[r])]
+    batch.locate(steps)
+    return finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None)
+
+
+def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s: list[float], step_s: list[float],
+                 decode_tokens: int, compiled: bool = False) -> list[GenerationResult]:
+    """Each result's stats: prefill and decode speed, the first compiled step's compile time reported apart, peak
+    memory (every rank's: a collective, so every rank gets here in step), the hc kernels' calls."""
     compile_s = 0.0
-    if decoder is not None and step_s:  # the first compiled step also compiles: report that apart
+    if compiled and step_s:  # the first compiled step also compiles: report that apart
         typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
         compile_s = max(0.0, step_s[0] - typical)
     decode_s = sum(step_s) - compile_s
-
     rss = peak_rss_mb()
-    per_rank = gather_values([rss], model.opts.tp)  # a collective: every rank gets here in step
+    per_rank = gather_values([rss], model.opts.tp)
     for row, res in enumerate(results):
+        took = prefill_s[row] if row < len(prefill_s) else 0.0
         res.stats = {
-            "prefill_tok_s": len(prompts[row]) / prefill_s[row] if row < len(prefill_s) and prefill_s[row] > 0
-            else 0.0,
+            "prefill_tok_s": len(res.prompt_ids) / took if took > 0 else 0.0,
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
             "compile_s": compile_s,
             "peak_rss_mb": rss,
@@ -390,6 +421,4 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             "tp": model.opts.tp.world,
             "peak_rss_mb_per_rank": per_rank,
         }
-        if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
-            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
     return results

@@ -40,7 +40,7 @@ from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import qlinear, qlinear_gathered, qlinear_grouped, register_experts
+from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, register_experts
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
@@ -60,6 +60,7 @@ class RunOptions:
 
     quant_sim: bool = True
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
+    scaled_mm: ScaledMM | None = None  # MHCRUN_SCALED_MM=1: CUDA FP8 GEMMs through cuBLASLt
 
 
 class Linear(nn.Module):
@@ -78,7 +79,7 @@ class Linear(nn.Module):
         return self.w.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.w, self.act_quant and self.opts.quant_sim)
+        return qlinear(x, self.w, self.act_quant and self.opts.quant_sim, self.opts.scaled_mm)
 
 
 class Embedding(nn.Module):

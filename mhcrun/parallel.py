@@ -58,8 +58,6 @@ MOVED = {"bytes": 0}  # bytes this rank has put into all-reduces (its input), fo
 
 def check_divides(cfg, world: int) -> None:
     """--tp N must divide what it splits: one line naming which, before any worker starts."""
-    if world < 1:
-        raise InputError(f"--tp must be >= 1, got {world}")
     for what, n in (("attention heads", cfg.n_heads), ("o_groups", cfg.o_groups),
                     ("index heads", cfg.index_n_heads), ("routed experts", cfg.n_routed_experts),
                     ("the vocabulary", cfg.vocab_size)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,14 +23,13 @@ from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.ops import qgemv
+from mhcrun.ops.qlinear import ScaledMM
 from mhcrun.parallel import SINGLE, Shard
+from mhcrun.settings import DEVICES, Env, check_choice
 from mhcrun.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GRAPH_MODES = ("eager", "regions")
-STAGE_PLANS = ("whole", "split")
-DEVICES = ("cpu", "cuda", "neuron")
 
 
 @dataclass
@@ -46,6 +45,8 @@ class Runner:
     layers: int | None = None  # run the first N layers (then the head); None = all
     dequantize: bool = False  # fp32 copies of FP8/FP4 weights instead of keeping them quantised
     tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
+    env: Env = field(default_factory=Env)  # the environment, as the command read it
+    warned_chat_tokens: bool = False  # said once: its tokenizer lacks the chat format's tokens
     mtp: bool = False  # load and build the first MTP layer too (speculative decoding, `mhcrun.speculate`)
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
@@ -86,6 +87,7 @@ class Runner:
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
+        self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
@@ -127,12 +129,6 @@ def resolve_model_path(model: str | None) -> Path:
     return p
 
 
-def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise InputError(f"unknown {what} {value!r} (choose from: {', '.join(choices)})")
-    return value
-
-
 def check_device(device: str) -> None:
     """A device that cannot be used here is a one-line error, before anything loads."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -152,7 +148,7 @@ def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE,
-                mtp: bool = False) -> Runner:
+                env: Env | None = None, mtp: bool = False) -> Runner:
     """Check everything that can be checked before loading: options, config, index, shard headers (with `mtp`,
     the MTP layer's too)."""
     check_choice("--dtype", dtype, tuple(DTYPES))
@@ -166,12 +162,12 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
     plan = plan_checkpoint(path, layers, tp, mtp)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, mtp)
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, env or Env(), mtp=mtp)
 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
                 progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp)
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp=mtp)
     runner.load(progress)
     return runner

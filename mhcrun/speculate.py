@@ -29,38 +29,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mhcrun.errors import InputError, NonFiniteError
+from mhcrun.errors import InputError
 from mhcrun.generate import (
     GenerationResult,
-    SamplingOptions,
-    check_prompts,
+    finish_stats,
     make_decoder,
     nonfinite_rows,
-    peak_rss_mb,
     record_step,
     sampling_probs,
+    step_name,
 )
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.parallel import gather_values
+from mhcrun.parallel import MOVED
+from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions
 from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
-
-MAX_DRAFT_TOKENS = 8  # and K + 1 <= the sliding window (a span's ring slots must not wrap onto each other)
 
 
 def draft_limit(model: Transformer) -> int:
     """The largest K --draft-tokens takes for this model."""
     return min(MAX_DRAFT_TOKENS, model.cfg.window_size - 1)
-
-
-def check_draft_k(k: int, prompt_cache: bool = False) -> None:
-    """What can be checked of --draft-tokens before loading: K in 1 .. MAX_DRAFT_TOKENS (the model's window may
-    lower the limit, `draft_limit`), not with a prompt cache."""
-    if not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {k}")
-    if prompt_cache:
-        raise InputError("--draft-tokens does not run with --prompt-cache")
 
 
 def check_draft_tokens(model: Transformer, k: int) -> None:
@@ -208,12 +197,9 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     results, with stats["speculative"] (`DraftStats.as_dict`). graph_mode "regions": the verify runs the
     compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly."""
     sampling = sampling or SamplingOptions()
-    cfg, dev = model.cfg, model.device
+    dev = model.device
     check_draft_tokens(model, k)
-    check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
-    chunk = prefill_chunk or default_prefill_chunk(cfg)
-    if chunk < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
+    chunk = prefill_chunk or default_prefill_chunk(model.cfg)
     results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     stats = DraftStats(k)
     gen = torch.Generator(device=dev).manual_seed(sampling.seed)
@@ -223,17 +209,22 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 
     def finished(row: int) -> bool:
         toks = results[row].tokens
-        return len(toks) >= max_new_tokens or (not ignore_eos and bool(toks) and toks[-1] == eos_id)
+        return (results[row].nonfinite is not None or len(toks) >= max_new_tokens
+                or (not ignore_eos and bool(toks) and toks[-1] == eos_id))
 
     def emit(row: int, tokens: list[int], logits: torch.Tensor, step: int) -> None:
-        """Take tokens (logits [len, V], each token's distribution) until the row finishes."""
-        for _, kind in nonfinite_rows(logits):
-            raise NonFiniteError(f"prompt {row}: the logits of {step_name(step)} hold {kind} (with --draft-tokens "
-                                 f"{k}); no token was emitted from them")
-        for token, lg in zip(tokens, logits, strict=True):
+        """Take tokens (logits [len, V], each token's distribution) until the row finishes; logits that are not
+        finite end the row before a token is taken from them (its result's `nonfinite`, `raise_nonfinite`)."""
+        res = results[row]
+        for i, (token, lg) in enumerate(zip(tokens, logits, strict=True)):
             if finished(row):
                 return
-            res = results[row]
+            bad = nonfinite_rows(lg.unsqueeze(0))
+            if bad:
+                res.nonfinite = (f"prompt {row}: the logits of step {step + i} ({step_name(step + i)}) hold "
+                                 f"{bad[0][1]} (with --draft-tokens {k}: not located); no token was emitted from "
+                                 f"them")
+                return
             res.tokens.append(token)
             if record_topk:
                 pairs, margin = record_step(lg, record_topk)
@@ -251,14 +242,14 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             continue
         logits, p = prefill_row(model, ids, row, chunk)
         prefill_s.append(time.perf_counter() - t0)
-        first = sample_one(logits, sampling, gen)
+        first = 0 if nonfinite_rows(logits) else sample_one(logits, sampling, gen)  # emit ends such a row
         emit(row, [first], logits, 0)
         p.tokens.append(first)
         pending.append(p)
 
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
-    decode_tokens = 0
+    decode_tokens, moved0 = 0, MOVED["bytes"]
     active = [r for r in range(len(pending)) if not finished(r)]
     while active:
         t0 = time.perf_counter()
@@ -272,7 +263,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         logits, streams = verify(model, decoder, chunk_ids, rows, n, max_seq)
         accepted = []
         for i, r in enumerate(active):
-            if sampling.temperature > 0:
+            if sampling.temperature > 0 and not nonfinite_rows(logits[i]):
                 a, nxt = accept_drafts(normalised_probs(logits[i], sampling), q[i], drafts[i], gen)
             else:
                 a, nxt = accept_greedy(logits[i], drafts[i])
@@ -290,24 +281,11 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         decode_tokens += sum(len(results[r].tokens) - before[i] for i, r in enumerate(active))
         active = [r for r in active if not finished(r)]
 
-    compile_s = 0.0
-    if decoder is not None and step_s:  # the first compiled step also compiles: report that apart
-        typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
-        compile_s = max(0.0, step_s[0] - typical)
-    decode_s = sum(step_s) - compile_s
-    rss = peak_rss_mb()
-    per_rank = gather_values([rss], model.opts.tp)
-    for row, res in enumerate(results):
-        res.stats = {
-            "prefill_tok_s": len(prompts[row]) / prefill_s[row] if prefill_s[row] > 0 else 0.0,
-            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
-            "compile_s": compile_s,
-            "peak_rss_mb": rss,
-            "kernels": hc_ops.kernel_stats(),
-            "tp": model.opts.tp.world,
-            "peak_rss_mb_per_rank": per_rank,
-            "speculative": stats.as_dict(),
-        }
+    finish_stats(model, results, prefill_s, step_s, decode_tokens, decoder is not None)
+    for res in results:
+        res.stats["speculative"] = stats.as_dict()
+        if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
+            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
     return results
 
 
@@ -316,10 +294,6 @@ def normalised_probs(logits: torch.Tensor, sampling: SamplingOptions) -> torch.T
     acceptance rule need both normalised."""
     p = sampling_probs(logits, sampling)
     return p / p.sum(dim=-1, keepdim=True)
-
-
-def step_name(step: int) -> str:
-    return "prefill" if step == 0 else f"decode step {step}"
 
 
 def sample_one(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Generator) -> int:

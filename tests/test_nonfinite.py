@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mhcrun.cli import app
 from mhcrun.config import config_from_hf
 from mhcrun.errors import NonFiniteError
-from mhcrun.generate import generate
+from mhcrun.generate import generate, raise_nonfinite
 from mhcrun.model import build_model
 from mhcrun.runner import DEFAULT_MODEL
 from mhcrun.tiny import init_tensors, tiny_config_raw
@@ -34,7 +34,7 @@ def test_nan_weight_stops_generate_at_the_first_step(graph_mode):
     with torch.no_grad():
         model.layers[1].attn.wq_a.weight[3, 5] = float("nan")
     with pytest.raises(NonFiniteError, match=r"prompt 0: the logits of step 0 \(prefill\) hold NaN"):
-        generate(model, [[0, 5, 9]], 4, eos_id=1, graph_mode=graph_mode, backend="aot_eager")
+        raise_nonfinite(generate(model, [[0, 5, 9]], 4, eos_id=1, graph_mode=graph_mode, backend="aot_eager"))
 
 
 def test_inf_appearing_in_decode_names_the_decode_step_and_the_row():
@@ -47,7 +47,7 @@ def test_inf_appearing_in_decode_names_the_decode_step_and_the_row():
             head.copy_(torch.full_like(head, float("inf")))
 
     with pytest.raises(NonFiniteError, match=r"prompt 0: the logits of step 1 \(decode step 1\)"):
-        generate(model, [[0, 5, 9], [0, 7]], 3, eos_id=1, ignore_eos=True, on_token=poison)
+        raise_nonfinite(generate(model, [[0, 5, 9], [0, 7]], 3, eos_id=1, ignore_eos=True, on_token=poison))
     head.copy_(original)
 
 
@@ -221,7 +221,7 @@ def test_a_compiled_region_that_turns_non_finite_is_named(monkeypatch):
 
     monkeypatch.setattr(runner.RegionDecoder, "run", poisoned)
     with pytest.raises(NonFiniteError) as e:
-        generate(make_model(), [[0, 5, 9]], 4, eos_id=1, graph_mode="regions", backend="aot_eager")
+        raise_nonfinite(generate(make_model(), [[0, 5, 9]], 4, eos_id=1, graph_mode="regions", backend="aot_eager"))
     assert str(e.value).startswith("prompt 0: the logits of step 1 (decode step 1) hold NaN; "
                                    "layer 2 moe:routed produced NaN from finite inputs;"), str(e.value)
 

@@ -524,7 +524,7 @@ def test_scaled_mm_not_tried_on_cpu(monkeypatch):
 
     monkeypatch.setattr(ql, "_scaled_mm_call", boom)
     w, s = fp8_weight(128, 256, 128, gen(19))
-    qlinear(torch.randn(2, 256), qw(w, s, 128), True)
+    qlinear(torch.randn(2, 256), qw(w, s, 128), True, ql.ScaledMM())
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
@@ -540,16 +540,15 @@ def test_cuda_scaled_mm_fp8(monkeypatch, m, dtype):
     w, s = fp8_weight(384, 512, 128, g)
     w_ref = reference_weight(w, s, "fp8", 128).cuda()
     x = torch.randn(m, 512, generator=g).to(dtype).cuda()
-    ql._SCALED_MM_BROKEN = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        y = ql._scaled_mm_fp8(x, qw(w.cuda(), s.cuda(), 128))
+        y = ql._scaled_mm_fp8(x, qw(w.cuda(), s.cuda(), 128), ql.ScaledMM())
     assert y is not None, "the _scaled_mm path was not taken"
     ref = reference_qlinear(x, w_ref, True)
     # Hopper's FP8 MMA keeps fewer accumulator bits inside each 128-wide K block than fp32 does: a looser bound
     assert_gemm_close(y, ref, x, w_ref, True, rel=2.0**-9)
-    monkeypatch.setattr(ql, "SCALED_MM", True)
-    assert_gemm_close(qlinear(x, qw(w.cuda(), s.cuda(), 128), True), ref, x, w_ref, True, rel=2.0**-9)
+    assert_gemm_close(qlinear(x, qw(w.cuda(), s.cuda(), 128), True, ql.ScaledMM()), ref, x, w_ref, True,
+                      rel=2.0**-9)
 
 
 @cuda

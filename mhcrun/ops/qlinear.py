@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -505,7 +504,7 @@ def matmul(xf: Tensor, w: QWeight, groups: int = 1) -> Tensor:
     return _cpu_gemm(xf.reshape(-1, groups, n_in), w, groups).reshape(*xf.shape[:-1], r)
 
 
-def qlinear(x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
+def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM | None = None) -> Tensor:
     """y [..., out] = x [..., in] @ W^T in x.dtype (W: module docstring, `QWeight`).
 
     act_quant: x is first rounded to FP8 in blocks of 128 along `in` with power-of-two scales
@@ -521,8 +520,8 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False) -> Tensor:
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], w.out_features)
     if act_quant:
-        if w.fmt == "fp8" and x.is_cuda and SCALED_MM and not torch.compiler.is_compiling():
-            y = _scaled_mm_fp8(x, w)
+        if w.fmt == "fp8" and x.is_cuda and scaled_mm and scaled_mm.working and not torch.compiler.is_compiling():
+            y = _scaled_mm_fp8(x, w, scaled_mm)
             if y is not None:
                 return y
         x = _act_quant(x)
@@ -560,11 +559,15 @@ def qlinear_grouped(x: Tensor, w: QWeight, groups: int) -> Tensor:
 
 # ---------------------------------------------------------------- CUDA: FP8 x FP8 with DeepSeek block scales
 
-_SCALED_MM_BROKEN = False
-# Off unless MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM accumulates in another order and precision than the
-# fp32 reference, and on an H200 the mid-size config's greedy tokens parted from the dequantised run's after
-# 10 tokens with it (identical without it). A speed option for those who accept that, not the default.
-SCALED_MM = os.environ.get("MHCRUN_SCALED_MM") == "1"
+@dataclass
+class ScaledMM:
+    """A run's use of cuBLASLt's FP8 GEMM (`_scaled_mm_fp8`; `qlinear`'s `scaled_mm`), off for the rest of the
+    run once it fails. Off unless MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM accumulates in another order and
+    precision than the fp32 reference, and on an H200 the mid-size config's greedy tokens parted from the
+    dequantised run's after 10 tokens with it (identical without it). A speed option for those who accept that,
+    not the default."""
+
+    working: bool = True
 
 
 def _scaled_mm_fits(x: Tensor, w: QWeight) -> bool:
@@ -605,7 +608,7 @@ def _scaled_mm_call(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: tor
     return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)  # older torch: recipes inferred from the shapes
 
 
-def _scaled_mm_fp8(x: Tensor, w: QWeight) -> Tensor | None:
+def _scaled_mm_fp8(x: Tensor, w: QWeight, state: ScaledMM) -> Tensor | None:
     """qlinear(x, w, act_quant=True) for an fp8 weight of block 128 on CUDA through cuBLASLt's FP8 GEMM with DeepSeek's
     block scales (torch._scaled_mm / F.scaled_mm, ScalingType.BlockWise1x128 for the activation and
     BlockWise128x128 for the weight; SM90 with cuBLASLt >= 12.9). None when it does not apply or fails (then a
@@ -622,8 +625,7 @@ def _scaled_mm_fp8(x: Tensor, w: QWeight) -> Tensor | None:
     benchmarks/bench_qgemm.py --cuda): |y - reference| <= 4e-5 * (|xq| @ |W|^T) on M = 1, 37, 4096; an
     unpadded M (not a multiple of 4) was refused by cuBLASLt. Not checked on other GPUs or torch versions.
     """
-    global _SCALED_MM_BROKEN
-    if _SCALED_MM_BROKEN or not _scaled_mm_fits(x, w):
+    if not state.working or not _scaled_mm_fits(x, w):
         return None
     try:
         x2 = x.reshape(-1, x.shape[-1])
@@ -631,7 +633,7 @@ def _scaled_mm_fp8(x: Tensor, w: QWeight) -> Tensor | None:
         y = _scaled_mm_call(a, sa, b, sb, x.dtype)[: x2.shape[0]]
         return y.reshape(*x.shape[:-1], w.out_features).to(x.dtype)
     except Exception as e:  # any failure falls back to the dequantising path
-        _SCALED_MM_BROKEN = True
+        state.working = False
         warnings.warn(f"qlinear: torch._scaled_mm FP8 block-scaled GEMM unavailable ({type(e).__name__}: {e}); "
                       "dequantising instead", RuntimeWarning, stacklevel=3)
         return None

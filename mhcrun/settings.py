@@ -1,0 +1,104 @@
+"""A run's settings, validated once where a command builds them, and the environment, read once at the entry point.
+
+`RunSettings` holds what a command was asked to do (new tokens, sampling, the decode path, the prefill chunk,
+`--tp`, the memory limit); building it checks every field and names the bad option in one line, so nothing
+downstream checks them again. `Env` holds the environment variables mhcrun reads, read by `Env.read()` in the
+command (the entry point) and passed down; nothing else in the package reads `os.environ` for a setting.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhcrun.errors import InputError
+
+GRAPH_MODES = ("eager", "regions")
+STAGE_PLANS = ("whole", "split")
+DEVICES = ("cpu", "cuda", "neuron")
+NKI_SIM_MODES = {"0": None, "1": "exact", "device": "device"}  # MHCRUN_NKI_SIM -> the simulator's numerics
+MAX_DRAFT_TOKENS = 8  # --draft-tokens' limit (a model's sliding window may lower it: `speculate.draft_limit`)
+
+
+def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InputError(f"unknown {what} {value!r} (choose from: {', '.join(choices)})")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # also false for nan
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass(frozen=True)
+class Env:
+    """The environment variables mhcrun reads (defaults: as if none were set)."""
+
+    graph_mode: str | None = None  # MHCRUN_GRAPH_MODE: --graph-mode's default
+    hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference
+    nki_sim: str | None = None  # MHCRUN_NKI_SIM: 1|exact or device runs the NKI kernels in the simulator
+    cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off, avx2|avx512 caps the instruction set, else the best
+    scaled_mm: bool = False  # MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM on cuda
+    kernel_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "mhcrun" / "kernels")
+    cxx: str = "g++"  # CXX: the compiler of the C++ kernels
+
+    @staticmethod
+    def read(environ: Mapping[str, str] = os.environ) -> Env:
+        """The settings of `environ`; a value mhcrun cannot take is one line naming the variable."""
+        sim = environ.get("MHCRUN_NKI_SIM", "0")
+        if sim not in NKI_SIM_MODES:
+            raise InputError(f"MHCRUN_NKI_SIM must be one of {', '.join(NKI_SIM_MODES)}, got {sim!r}")
+        cache = environ.get("MHCRUN_KERNEL_CACHE")
+        if not cache:
+            cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
+        return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
+                   nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
+                   scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
+                   cxx=environ.get("CXX", "g++"))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run was asked for, every field checked once here."""
+
+    max_new_tokens: int = 32
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    graph_mode: str = "eager"
+    stages: str = "whole"
+    prefill_chunk: int | None = None
+    tp: int = 1
+    memory_limit: int | None = None
+    min_new_tokens: int = 0  # the least --max-new-tokens the command takes
+    draft_tokens: int = 0  # speculative decoding: K drafts per step from the MTP layer (0: off)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < self.min_new_tokens:
+            raise InputError(f"--max-new-tokens must be >= {self.min_new_tokens}, got {self.max_new_tokens}")
+        check_choice("--graph-mode", self.graph_mode, GRAPH_MODES)
+        check_choice("--stages", self.stages, STAGE_PLANS)
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.tp < 1:
+            raise InputError(f"--tp must be >= 1, got {self.tp}")
+        if self.draft_tokens and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+
+
+def default_graph_mode(device: str, env: Env) -> str:
+    """--graph-mode's default: MHCRUN_GRAPH_MODE, else regions on an accelerator (launch-bound decode) and eager
+    on a CPU (a short run there never earns back the compile)."""
+    return env.graph_mode or ("eager" if device == "cpu" else "regions")
