@@ -306,9 +306,9 @@ def generate(
     check_weights: bool = CheckWeightsOpt,
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
-    draft_tokens: int = typer.Option(0, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
-                                     "with the checkpoint's MTP layer, verified by the model in one step (1 to 8; "
-                                     "0: off).", rich_help_panel=SAMPLING),
+    draft_tokens: int = typer.Option(None, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
+                                     "(1 to 8) with the checkpoint's MTP layer, verified by the model in one step.",
+                                     rich_help_panel=SAMPLING),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -324,12 +324,13 @@ def generate(
                              max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp,
                              draft_tokens=draft_tokens)
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
-        if draft_tokens and prompt_cache is not None:
+        if draft_tokens is not None and prompt_cache is not None:
             raise InputError("--draft-tokens does not run with --prompt-cache")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env, mtp=draft_tokens > 0)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env,
+                             mtp=draft_tokens is not None)
         if messages is not None:
             from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
@@ -386,7 +387,7 @@ def generate(
                                                    st.sampling, ignore_eos,
                                                    on_token=on_token, graph_mode=mode, stages=plan,
                                                    prefill_chunk=chunk, session=session,
-                                                   draft_tokens=draft_tokens))
+                                                   draft_tokens=draft_tokens or 0))
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)

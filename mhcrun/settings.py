@@ -83,7 +83,7 @@ class RunSettings:
     tp: int = 1
     memory_limit: int | None = None
     min_new_tokens: int = 0  # the least --max-new-tokens the command takes
-    draft_tokens: int = 0  # speculative decoding: K drafts per step from the MTP layer (0: off)
+    draft_tokens: int | None = None  # speculative decoding: K drafts per step from the MTP layer (None: off)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < self.min_new_tokens:
@@ -94,7 +94,7 @@ class RunSettings:
             raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.tp < 1:
             raise InputError(f"--tp must be >= 1, got {self.tp}")
-        if self.draft_tokens and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
 
 
