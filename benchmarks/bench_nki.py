@@ -2,6 +2,7 @@
 
     python benchmarks/bench_nki.py                # T = 1, 4, 16 (decode rows) and 1024 (prefill); a few minutes
     python benchmarks/bench_nki.py --tokens 1 4   # only these T
+    python benchmarks/bench_nki.py --model-only   # only the model path: the bundled tiny model, counted and timed
 
 Each kernel runs once in the simulator on V4-Flash's shapes (d = 4096, n = 4, fn 24 x 16,384, bf16
 activations); the simulator counts its DMA transfers and engine instructions and mhcrun.nki.sim.costmodel turns
@@ -11,11 +12,17 @@ the bytes the kernels move at one core's share of HBM bandwidth; the fn floor is
 bf16 = fp32 size).
 An estimate from documented figures, not a measurement: see the cost model's docstring for what it rests on and
 the sensitivity table for the constants no document gives.
+
+The model path: the bundled tiny model generates with the hc steps in the simulator (MHCRUN_NKI_SIM=1) and on
+the torch path (MHCRUN_NKI_HC=0); stats.kernels gives the launches per layer and forward (every hc kernel but
+the expand and the head, over layers x forwards, a forward being one hc_head), and the run its CPU wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,17 +104,68 @@ def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:
             layer_nolaunch, layer_us, token_ms, floor, fn_floor, e)
 
 
+MODEL_PROMPT = [0, 5, 6, 7, 11, 13, 17, 19]
+MODEL_PATHS = {"nki-sim": {"MHCRUN_NKI_HC": "1", "MHCRUN_NKI_SIM": "1"},
+               "torch": {"MHCRUN_NKI_HC": "0", "MHCRUN_NKI_SIM": "0"}}
+
+
+def model_launches(kernels: dict[str, dict[str, int]], backend: str, layers: int) -> tuple[float, int]:
+    """stats.kernels of a run -> (hc launches per layer and forward, forwards): every kernel but the expand and
+    the head (one of each a forward) on `backend`, over layers x forwards."""
+    forwards = kernels["hc_head"][backend]
+    per_site = sum(v[backend] for name, v in kernels.items() if name not in ("hc_expand", "hc_head", "rmsnorm",
+                                                                              "swiglu"))
+    return per_site / (layers * forwards), forwards
+
+
+def model_path(new_tokens: int, repeats: int) -> None:
+    """The bundled tiny model's generate on each hc path: hc calls per layer (stats.kernels; on a kernel path one
+    launch each) and the best wall time of `repeats` runs, the paths taking turns."""
+    from mhcrun.generate import generate
+    from mhcrun.runner import load_runner
+
+    runner = load_runner(None)
+    layers = len(runner.model.layers)
+    print(f"\nmodel path: bundled tiny model ({layers} layers), prompt of {len(MODEL_PROMPT)} tokens + {new_tokens} "
+          f"decoded, eager, CPU, best of {repeats}")
+    best: dict[str, tuple[float, object]] = {}
+    for _ in range(repeats):
+        for path, env in MODEL_PATHS.items():
+            os.environ.update(env)
+            t0 = time.perf_counter()
+            res = generate(runner.model, [MODEL_PROMPT], new_tokens, runner.config.eos_token_id, ignore_eos=True)[0]
+            wall = time.perf_counter() - t0
+            if path not in best or wall < best[path][0]:
+                best[path] = (wall, res)
+    print(f"{'hc path':<8} {'hc calls/layer':>14} {'forwards':>8} {'wall s':>7} {'decode tok/s':>12}  kernels run")
+    for path, (wall, res) in best.items():
+        kernels = res.stats["kernels"]
+        per_layer, forwards = model_launches(kernels, path, layers)
+        ran = ", ".join(f"{name} {v[path]}" for name, v in kernels.items() if v[path])
+        print(f"{path:<8} {per_layer:>14g} {forwards:>8} {wall:>7.2f} {res.stats['decode_tok_s']:>12.2f}  {ran}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 1024])
+    ap.add_argument("--model-only", action="store_true", help="only the model path's launches and wall time")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens the model path decodes")
+    ap.add_argument("--repeats", type=int, default=3, help="model path runs per hc path (the best is kept)")
     args = ap.parse_args()
+    if not args.model_only:
+        kernel_level(args.tokens)
+    model_path(args.new_tokens, args.repeats)
+
+
+def kernel_level(tokens: list[int]) -> None:
+    """The kernels at V4-Flash's shapes, each variant at each T, and the sensitivity to undocumented constants."""
     k = load_kernel_module(KERNEL_SOURCE)
     g = torch.Generator().manual_seed(0)
     print("per layer = 2 mHC sites; per token = 43 layers / T rows; times in us unless marked; estimates")
     print(f"{'kernels':<8} {'T':>5} {'launch':>6} {'DMAs':>6} {'<2KiB':>6} {'MiB':>7} {'layer(no launch)':>16} "
           f"{'layer':>9} {'token ms':>9} {'floor':>8} {'fn floor':>8}  busiest engine")
     steps = {}
-    for t in args.tokens:
+    for t in tokens:
         a = inputs(t, g)
         for name, build in VARIANTS.items():
             step = build(k, a)

@@ -457,13 +457,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.norm_eps)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
 
     def mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC mixes of a site ("attn" or "ffn"), the collapse and the sublayer's norm -> (h, post, comb)."""
+        """The mHC pre step of a site ("attn" or "ffn") as one kernel (`hc_ops.hc_pre`): the mixes with Sinkhorn,
+        the collapse and the sublayer's norm. x [b, s, n, d] -> (h [b, s, d], post [b, s, n], comb [b, s, n, n]).
+        The norm's epsilon is the mixes' (both `cfg.norm_eps`)."""
         c = self.cfg
-        pre, post, comb = hc_ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
-                                          getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"),
-                                          c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
         norm = self.attn_norm if site == "attn" else self.ffn_norm
-        return norm(hc_ops.hc_collapse(x, pre)), post, comb
+        return hc_ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site], getattr(self, f"hc_{site}_scale"),
+                             getattr(self, f"hc_{site}_base"), norm.weight, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
+                             c.norm_eps)
 
     def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                   static: bool = False) -> torch.Tensor:
@@ -673,12 +674,12 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
         else:
             module.register_parameter(leaf, nn.Parameter(run_tensor(spec, t, quantized, dtype, device),
                                                          requires_grad=False))
-    # the NKI mixes kernels take fn as bf16 hi + lo, split once here (fp32 accuracy from bf16 matmuls)
+    # the NKI mixes kernels take fn as bf16 hi + lo (lo in the GEMM's dtype for these activations), split once here
     for block in [*model.layers, *model.mtp]:
-        block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn")) for site in ("attn", "ffn")}
-    model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn)
+        block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn"), dtype) for site in ("attn", "ffn")}
+    model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn, dtype)
     for layer in model.mtp:
-        layer.fn_split["head"] = hc_ops.split_hi_lo(layer.hc_head_fn)
+        layer.fn_split["head"] = hc_ops.split_hi_lo(layer.hc_head_fn, dtype)
     return model.eval()
 
 

@@ -210,6 +210,59 @@ def test_split_hi_lo(case):
     assert err.max() < (fn - hi.float()).abs().max() / 100
 
 
+def test_split_hi_lo_for_fp32_activations_is_exact(case):
+    """With fp32 activations lo stays fp32 and hi + lo is fn itself (a bf16 lo leaves up to 2^-18 |fn|)."""
+    fn = case["fn"]
+    hi, lo = ops.split_hi_lo(fn, torch.float32)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.float32
+    assert torch.equal(hi, fn.to(torch.bfloat16))
+    assert torch.equal(hi.float() + lo, fn)
+    assert not torch.equal(hi.float() + ops.split_hi_lo(fn)[1].float(), fn)
+
+
+def test_mixes_with_the_fp32_split_match_torch_as_closely_as_fp32_does(case, monkeypatch):
+    """The simulator's mixes over fp32 activations with the fp32 lo are as close to float64 as torch's fp32 ones
+    (seeds 0-4: 1.4e-7 to 2.0e-7 of the largest value; torch 1.4e-7 to 2.9e-7); with a bf16 lo 1.6e-6 to 2.5e-6."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    c = case
+    x = c["x"]
+    xf = x.flatten(2).double()  # the float64 reference
+    mixes = (xf @ c["fn"].double().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)
+    want = ref.hc_split_sinkhorn(mixes, c["scale"].double(), c["base"].double(), N, ITERS, EPS)
+
+    def worst(hi, lo):
+        got = ops.hc_mixes(x, c["fn"], hi, lo, c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+        return max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
+
+    exact, bf16_lo = worst(*ops.split_hi_lo(c["fn"], torch.float32)), worst(c["hi"], c["lo"])
+    assert ops.kernel_stats()["hc_mixes"]["nki-sim"] == 2
+    assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
+
+
+@pytest.mark.parametrize("t", [2, 40], ids=["hidden-layout", "tokens-layout"])
+def test_pre_step_with_the_fp32_split_is_as_close_to_float64_as_torch(t, monkeypatch):
+    """hc_pre over fp32 activations with the fp32 lo, in both layouts: y, post and comb within 5e-7 of float64
+    (seeds 0-2: up to 2.3e-7; torch's own up to 3.4e-7), where a bf16 lo leaves up to 2.3e-6."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, t, N, D, generator=g)
+    fn = torch.randn((2 + N) * N, N * D, generator=g) * (N * D) ** -0.5
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + N) * N, generator=g) * 0.5
+    w = torch.randn(D, generator=g)
+    xf = x.flatten(2).double()
+    mixes = (xf @ fn.double().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)
+    pre, post, comb = ref.hc_split_sinkhorn(mixes, scale.double(), base.double(), N, ITERS, EPS)
+    want = (ref_rms_norm(ref.hc_collapse(x.double(), pre), w.double(), NORM_EPS), post, comb)
+
+    def worst(hi, lo):
+        got = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
+        return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
+
+    exact, bf16_lo = worst(*ops.split_hi_lo(fn, torch.float32)), worst(*ops.split_hi_lo(fn))
+    assert ops.kernel_stats()["hc_pre"]["nki-sim"] == 2
+    assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
+
+
 def test_kernel_stats_is_a_snapshot():
     snap = ops.kernel_stats()
     assert set(snap) == set(ops.KERNEL_NAMES) and all(set(v) == set(ops.BACKENDS) for v in snap.values())
@@ -295,6 +348,25 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         assert torch.equal(a, c)
 
 
+def test_site_ops_run_under_inductor(case, monkeypatch):
+    """The model's two site ops, hc_pre then hc_post, compiled by inductor (the CPU regions' backend): the custom
+    ops run once each, in the simulator, and give the eager call's values."""
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+
+    def site(x, y, fn, hi, lo, scale, base, w):
+        h, post, comb = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
+        return ops.hc_post(h + y, x, post, comb)
+
+    args = [case[k] for k in ("x", "y", "fn", "hi", "lo", "scale", "base", "w")]
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(site, backend="inductor", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert_counts("nki-sim", times=1, kernels=("hc_pre", "hc_post"))
+    assert torch.equal(got, site(*args))
+
+
 def test_mixes_supported_matches_the_kernels():
     from mhcrun.nki.sim import load_kernel_module
 
@@ -338,3 +410,45 @@ def test_tp_on_neuron_joins_torchneuron_s_neuron_backend(monkeypatch):
     assert calls == [("neuron", 1)]
     src = Path(parallel.__file__).read_text()
     assert "torch_xla" not in src and '"xla"' not in src
+
+
+# ------------------------------------------------------------------------------------------ the model's regions
+
+
+def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half(monkeypatch):
+    """The model's compiled region graphs (MHCRUN_NKI_SIM=1) call the fused kernels as custom-op nodes: every layer
+    half's graph one mhcrun::hc_pre and one mhcrun::hc_post, the head's one mhcrun::hc_head, none of the unfused
+    site kernels; the step counts them as it runs them."""
+    from mhcrun.config import config_from_hf
+    from mhcrun.model import build_model
+    from mhcrun.regions.runner import RegionDecoder
+    from mhcrun.tiny import init_tensors, tiny_config_raw
+
+    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+    cfg = config_from_hf(dict(tiny_config_raw(), compress_ratios=[0, 4, 16], num_hidden_layers=3))
+    model = build_model(cfg, init_tensors(cfg, 0), set())
+    model.setup_caches(1, 8)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dec = RegionDecoder(model, "regions", capture)
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            dec(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    finally:
+        torch._dynamo.reset()
+    assert [s.region for s in dec.stats] == ["attn:window", "moe:hash", "attn:csa", "moe:routed", "attn:hca", "head"]
+    site_ops = ("hc_pre", "hc_post", "hc_head", "hc_mixes", "hc_collapse", "hc_post_pre")
+    for stats, gm in zip(dec.stats, graphs, strict=True):
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        calls = {k: sum(t in (getattr(torch.ops.mhcrun, k), getattr(torch.ops.mhcrun, k).default) for t in targets)
+                 for k in site_ops}
+        want = {"hc_head": 1} if stats.region == "head" else {"hc_pre": 1, "hc_post": 1}
+        assert calls == {k: want.get(k, 0) for k in site_ops}, (stats.region, calls)
+    counts = ops.kernel_stats()
+    assert counts["hc_pre"]["nki-sim"] == counts["hc_post"]["nki-sim"] == 2 * len(model.layers)
+    assert counts["hc_head"]["nki-sim"] == 1

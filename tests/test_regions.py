@@ -23,6 +23,7 @@ from mhcrun.config import config_from_hf
 from mhcrun.errors import InputError
 from mhcrun.generate import generate
 from mhcrun.model import Cache, RMSNorm, build_model
+from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
 from mhcrun.regions import runner as regions_runner
 from mhcrun.regions.runner import RegionDecoder
@@ -260,6 +261,24 @@ def test_aot_eager_regions_equal_uncompiled_stages(whole3):
         for i, (fed, want) in enumerate(zip(whole3["fed"], whole3["logits"], strict=True)):
             worst = (dec(fed, pos + i) - want).abs().max().item()
             assert worst < 1e-4, f"step {i}: compiled regions differ from the stages by {worst}"
+
+
+def test_compiled_regions_count_the_hc_kernels_the_eager_step_counts(whole3):
+    """stats.kernels of a compiled step (whose torch-path hc steps cannot count themselves inside a graph) equal the
+    same step's uncompiled: per layer two hc_pre and two hc_post launches, one hc_head, no unfused kernel."""
+    model, pos, fed = whole3["model"], whole3["pos"], whole3["fed"][0]
+    counts = {}
+    for label, dec in (("eager", RegionDecoder(model, "eager", None)), ("regions", whole3["dec"])):
+        restore(model, whole3["start"])
+        hc_ops.reset_kernel_stats()
+        with torch.inference_mode():
+            dec(fed, pos)
+        counts[label] = hc_ops.kernel_stats()
+    restore(model, whole3["start"])
+    eager, n = counts["eager"], len(model.layers)
+    assert counts["regions"] == eager
+    assert eager["hc_pre"]["torch"] == eager["hc_post"]["torch"] == 2 * n and eager["hc_head"]["torch"] == 1
+    assert all(sum(eager[k].values()) == 0 for k in ("hc_mixes", "hc_collapse", "hc_post_pre")), eager
 
 
 def test_graph_count_does_not_grow_with_layers(whole3):

@@ -14,7 +14,9 @@ import nki.isa as nisa
 #
 # Layout: every kernel works on 2-D HBM tensors with tokens on the rows; token rows go onto the partition axis
 # in tiles of 128 (plus one partial tile), features lie along the free axis in chunks. Activations are bf16 or
-# fp32 (tiles take the input's dtype), coefficients fp32, all engine math fp32.
+# fp32 (tiles take the input's dtype), coefficients fp32, all engine math fp32. The mixes GEMM multiplies by fn as
+# bf16 hi + lo (mhcrun.nki.ops.split_hi_lo): on bf16 operands for bf16 x, on fp32 ones for fp32 x, where lo comes in
+# fp32 and hi + lo is fn exactly.
 #
 # The three imports above stay exactly as the NKI docs write them (nki, nki.language, nki.isa):
 # ruff: noqa: I001
@@ -226,7 +228,8 @@ def _gemm_dtype(x):
 
 
 def _hc_mixes(x, fn_hi, fn_lo, scale, base, norm_eps):
-    """x [T, n*d]; fn_hi / fn_lo [mix, n*d] bf16; scale [3]; base [mix] -> pre [T, n], post [T, n], comb [T, n*n]."""
+    """x [T, n*d]; fn_hi [mix, n*d] bf16, fn_lo bf16 (fp32 with fp32 x); scale [3]; base [mix] ->
+    pre [T, n], post [T, n], comb [T, n*n]."""
     t, k = x.shape
     n = HC_MULT
     assert k % K_TILE == 0, "hc_mixes: n*d must be a multiple of 128"
@@ -361,7 +364,7 @@ def _head_tile(x, fn_hi_t, fn_lo_t, scale, base, out, t0, tp, norm_eps):
 
 
 def _hc_head(x, fn_hi, fn_lo, scale, base, norm_eps):
-    """x [T, n*d]; fn_hi / fn_lo [n, n*d] bf16; scale [1]; base [n] -> [T, d] in x's dtype."""
+    """x [T, n*d]; fn_hi [n, n*d] bf16, fn_lo bf16 (fp32 with fp32 x); scale [1]; base [n] -> [T, d] in x's dtype."""
     t, k = x.shape
     assert k % K_TILE == 0, "hc_head: n*d must be a multiple of 128"
     assert fn_hi.shape[0] == HC_MULT and fn_lo.shape[0] == HC_MULT, "hc_head: fn must have n rows"
@@ -617,7 +620,7 @@ def _token_pre_tile(x, fn_hi_t, fn_lo_t, scale, base, w, y, post, comb, t0, tp, 
 
 
 def _hc_pre(x, fn_hi, fn_lo, scale, base, w, norm_eps, layout):
-    """x [T, n*d]; fn_hi / fn_lo [mix, n*d] bf16; scale [3]; base [mix]; w [d] fp32 ->
+    """x [T, n*d]; fn_hi [mix, n*d] bf16, fn_lo bf16 (fp32 with fp32 x); scale [3]; base [mix]; w [d] fp32 ->
     y [T, d] (x's dtype) = rms_norm(collapse(x, pre), w), post [T, n], comb [T, n*n] (fp32).
     ``layout``: "hidden" (hidden on partitions, T <= DECODE_MAX_T), "tokens", or "auto" (by T)."""
     t, k = x.shape

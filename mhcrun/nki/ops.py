@@ -153,11 +153,16 @@ def _sim_kernel(name: str):
     return getattr(sim_kernels(KERNEL_SOURCE, sim_mode() or "exact"), name)
 
 
-def split_hi_lo(fn: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 ``fn`` as bf16 ``hi`` plus bf16 ``lo = fn - hi`` (|error| ~ 2^-17 |fn|); done once, eagerly, at load."""
+def split_hi_lo(fn: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """fp32 ``fn`` as bf16 ``hi`` plus ``lo = fn - hi``, for the mixes GEMM over activations of ``act_dtype``; done
+    once, eagerly, at load. bf16 activations: the GEMM runs on bf16 operands and lo is rounded to bf16
+    (|fn - hi - lo| <= 2^-18 |fn|). fp32 activations: the GEMM runs on fp32 operands and lo stays fp32, so
+    hi + lo == fn exactly (a value minus its rounding is representable) and the mixes are the fp32 GEMM's up to
+    the summation order (a bf16 lo made them ~10x less accurate than torch's fp32 GEMM)."""
     fn = fn.detach().float()
     hi = fn.to(torch.bfloat16)
-    return hi, (fn - hi.float()).to(torch.bfloat16)
+    lo = fn - hi.float()
+    return hi, lo if act_dtype == torch.float32 else lo.to(torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------ what the kernels cover
@@ -176,14 +181,16 @@ def _expand_ok(e: Tensor, n: int) -> bool:
 
 
 def _gemm_ok(x: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, mix: int) -> bool:
-    """x [..., n, d] and the split fn [mix, n*d] in the layout the mixes GEMM of the kernels takes."""
+    """x [..., n, d] and the split fn [mix, n*d] in the layout the mixes GEMM of the kernels takes (`split_hi_lo`:
+    hi bf16, lo bf16 or, with fp32 activations, fp32)."""
     if x.dim() < 2 or x.shape[-2] != HC_MULT or x.numel() == 0 or not _act(x):
         return False
     k = HC_MULT * x.shape[-1]
+    lo_dtypes = (torch.bfloat16, torch.float32) if x.dtype == torch.float32 else (torch.bfloat16,)
     return (
         k % 128 == 0
         and tuple(fn_hi.shape) == (mix, k) and tuple(fn_lo.shape) == (mix, k)
-        and fn_hi.dtype == torch.bfloat16 and fn_lo.dtype == torch.bfloat16
+        and fn_hi.dtype == torch.bfloat16 and fn_lo.dtype in lo_dtypes
         and _fp32(scale, base) and base.numel() == mix
     )  # fmt: skip
 

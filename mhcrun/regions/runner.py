@@ -6,8 +6,8 @@ Region kinds: `attn:window`, `attn:csa`, `attn:hca` (by compress ratio), `moe:ha
 function with the layer's module as an argument: the module's tensors (weights and state buffers) are graph
 inputs, never constants, so the 43 layers of V4-Flash compile the same handful of graphs that 4 layers do. A
 group whose compile fails runs eagerly (the same code, uncompiled), with a warning naming it; the tokens do not
-change. With the "split" stage plan each layer half compiles as three graphs: the mHC mixes and collapse, the
-sublayer, the mHC post.
+change. With the "split" stage plan each layer half compiles as three graphs: the mHC pre step (`Block.mix`: mixes,
+collapse and the sublayer's norm), the sublayer, the mHC post.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def is_compile_error(e: Exception) -> bool:
                           torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.UserError))
 
 
-# The "split" plan's three graphs of a layer half: the site's mixes + collapse + norm, the sublayer, the post.
+# The "split" plan's three graphs of a layer half: the site's pre step (mixes, collapse, norm), the sublayer, the post.
 def attn_core(block: Block, h: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
               static: bool) -> torch.Tensor:
     return Attention.forward(block.attn, h, rows, start, static)
@@ -225,8 +225,7 @@ class RegionDecoder:
         if self.backend is None or hc_ops.hc_backend(device_type) != "torch":
             return
         n = len(self.model.layers)
-        for kernel, calls in (("hc_expand", 0), ("hc_mixes", 2 * n), ("hc_collapse", 2 * n), ("hc_post", 2 * n),
-                              ("hc_head", 1)):
+        for kernel, calls in (("hc_pre", 2 * n), ("hc_post", 2 * n), ("hc_head", 1)):  # hc_expand runs eagerly
             hc_ops.record_calls(kernel, "torch", calls)
 
     def graph_count(self) -> int:
