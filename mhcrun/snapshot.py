@@ -12,6 +12,11 @@ copied when the row was at M. `take_snapshot` copies exactly those parts of a ro
 A snapshot's tensors are keyed by the state buffers' paths (`Transformer.state()`: `layers.1.attn.ring.fp8`,
 `layers.1.attn.compressor.cache.fp8`, ...), each one row's [n, ...], so a snapshot is as many bytes as the state
 it copies.
+
+Span snapshots (speculative decoding, `mhcrun.speculate`): `take_span` copies only what one chunk of a few tokens
+per row can change (its ring slots, the compressors' open groups, the entries it can close); `restore_span` puts
+it back, and `rewind_span` leaves the state after the chunk's first tokens only (the compressors having kept the
+chunk's kv and score, `keep_chunks`), without running them again.
 """
 
 from __future__ import annotations
