@@ -27,7 +27,15 @@ from mhcrun.fileio import check_out_dir, make_dirs, read_json, write_atomic
 from mhcrun.ops.qlinear import dequantize_reference
 from mhcrun.ops.qweight import QWeight
 from mhcrun.parallel import SINGLE, Shard, check_divides
-from mhcrun.weights import TensorSpec, block_size, scale_name, scale_shape, stored_format, tensor_specs
+from mhcrun.weights import (
+    TensorSpec,
+    block_size,
+    mtp_tensor_specs,
+    scale_name,
+    scale_shape,
+    stored_format,
+    tensor_specs,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -337,8 +345,10 @@ class CheckpointPlan:
     tp: Shard = SINGLE
 
 
-def plan_checkpoint(path: str | Path, n_layers: int | None = None, tp: Shard = SINGLE) -> CheckpointPlan:
-    """Validate a checkpoint directory from its config, index and shard headers alone."""
+def plan_checkpoint(path: str | Path, n_layers: int | None = None, tp: Shard = SINGLE,
+                    mtp: bool = False) -> CheckpointPlan:
+    """Validate a checkpoint directory from its config, index and shard headers alone. `mtp`: the first MTP
+    layer's tensors (`mtp.0.*`) as well, which must be V4's (`check_mtp`)."""
     root = Path(path)
     if not root.exists():
         raise _fail(f"{root}: checkpoint directory not found")
@@ -359,7 +369,10 @@ def plan_checkpoint(path: str | Path, n_layers: int | None = None, tp: Shard = S
 
     if tp.world > 1:
         check_divides(cfg, tp.world)
-    plans, bytes_by_dtype = _plan(cfg, tensor_specs(cfg, n_layers), weight_map, map_file, shards, tp)
+    specs = tensor_specs(cfg, n_layers)
+    if mtp:
+        specs += check_mtp(cfg, root, weight_map)
+    plans, bytes_by_dtype = _plan(cfg, specs, weight_map, map_file, shards, tp)
     known: set[str] = set()
     for spec in tensor_specs(cfg):
         known.add(spec.name)
@@ -369,9 +382,24 @@ def plan_checkpoint(path: str | Path, n_layers: int | None = None, tp: Shard = S
     return CheckpointPlan(root, cfg, plans, shards, bytes_by_dtype, unused, tp)
 
 
+def check_mtp(cfg: ModelConfig, root: Path, weight_map: dict[str, str]) -> list[TensorSpec]:
+    """The first MTP layer's tensor specs, after checking the checkpoint has one: the config's
+    num_nextn_predict_layers and its compress ratio, and `mtp.0.*` in the index (names and shapes are then
+    checked against the headers like every tensor's: another drafter under `mtp.*` fails there, by name)."""
+    if cfg.n_mtp_layers < 1:
+        raise _fail(f"{root}: no MTP layer to draft with (num_nextn_predict_layers is 0 in config.json)")
+    if len(cfg.compress_ratios) <= cfg.n_layers:
+        raise _fail(f"{root}: config.json's compress_ratios has no entry for the MTP layer (layer "
+                    f"{cfg.n_layers})")
+    if not any(n.startswith("mtp.0.") for n in weight_map):
+        raise _fail(f"{root}: no MTP layer to draft with (config.json says num_nextn_predict_layers "
+                    f"{cfg.n_mtp_layers}, but no mtp.0.* tensor is in the index)")
+    return [s for s in mtp_tensor_specs(cfg) if s.name.startswith("mtp.0.")]
+
+
 def load_checkpoint(path: str | Path, n_layers: int | None = None,
                     progress: Callable[[int, int], None] | None = None, dequantize: bool = False,
-                    tp: Shard = SINGLE) -> LoadedCheckpoint:
+                    tp: Shard = SINGLE, mtp: bool = False) -> LoadedCheckpoint:
     """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
 
     All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
@@ -382,7 +410,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     and every FP8/FP4 weight is dequantised to fp32 (the reference the quantised path is checked against).
     `progress(done_bytes, total_bytes)` is called after each tensor.
     """
-    plan = plan_checkpoint(path, n_layers, tp)
+    plan = plan_checkpoint(path, n_layers, tp, mtp)
     cfg = plan.config
     by_shard: dict[Path, list[_Plan]] = {}
     for p in plan.plans:

@@ -307,6 +307,9 @@ def generate(
     check_weights: bool = CheckWeightsOpt,
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
+    draft_tokens: int = typer.Option(None, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
+                                     "(1 to 8) with the checkpoint's MTP layer, verified by the model in one step.",
+                                     rich_help_panel=SAMPLING),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -319,12 +322,16 @@ def generate(
         from mhcrun.runner import open_runner
 
         st, env = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
-                             max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
+                             max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp,
+                             draft_tokens=draft_tokens)
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
+        if draft_tokens is not None and prompt_cache is not None:
+            raise InputError("--draft-tokens does not run with --prompt-cache")
         shard, code = start_tp(tp, model, device)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env,
+                             mtp=draft_tokens is not None)
         if messages is not None:
             from mhcrun.chat import check_replyable, encode_chat, read_messages, resolve_format
 
@@ -380,7 +387,8 @@ def generate(
             results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
                                                    st.sampling, ignore_eos,
                                                    on_token=on_token, graph_mode=mode, stages=plan,
-                                                   prefill_chunk=chunk, session=session))
+                                                   prefill_chunk=chunk, session=session,
+                                                   draft_tokens=draft_tokens or 0))
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)
@@ -410,11 +418,14 @@ def generate(
                 out.print(f"[bold]{name}[/]: ", end="")
                 out.print((text or "") + res.text if tok else " ".join(map(str, res.tokens)), markup=False)
         if not as_json:
+            from mhcrun.speculate import stats_note
+
             s = results[0].stats if results else {}
             err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
                       f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
                       f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
                       + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "")
+                      + (f" | {stats_note(s['speculative'])}" if "speculative" in s else "")
                       + (f" | prompt cache: {cache_note['reused_tokens']} tokens reused, "
                          f"{cache_note['prefilled_tokens']} prefilled" + (", saved" if cache_note["saved"] else "")
                          if cache_note else "") + "[/]", soft_wrap=True)

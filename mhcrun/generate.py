@@ -85,13 +85,19 @@ def sample(logits: torch.Tensor, opts: SamplingOptions, gen: torch.Generator) ->
     """logits [b, V] (fp32) -> token ids [b]: argmax when greedy, else temperature + top-p sampling."""
     if opts.temperature <= 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(sampling_probs(logits, opts), 1, generator=gen).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+    """logits [..., V] -> the distribution a token is drawn from: softmax at the temperature, cut to top-p
+    (unnormalised after the cut: multinomial normalises)."""
     probs = (logits / opts.temperature).softmax(dim=-1)
     if opts.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(dim=-1) - sorted_p > opts.top_p  # keep the smallest set reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return probs
 
 
 def record_step(logits: torch.Tensor, k: int) -> tuple[list[tuple[int, float]], float]:
@@ -282,7 +288,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
-             session: Session | None = None, marks: tuple[int, ...] = ()) -> list[GenerationResult]:
+             session: Session | None = None, marks: tuple[int, ...] = (),
+             draft_tokens: int = 0) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists, checked by `check_prompts`).
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`), then
@@ -291,7 +298,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     log-probs and margin. A row whose logits turn non-finite ends before a token is taken from them; its steps run
     again to find where the value first appeared, and its result's `nonfinite` says so (`raise_nonfinite`).
     With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
-    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs."""
+    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs.
+    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`; no session)."""
+    if draft_tokens:
+        from mhcrun.speculate import speculate
+
+        if session is not None:
+            raise InputError("--draft-tokens does not run with a session or --prompt-cache")
+        return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
+                         on_token, graph_mode, backend, stages, prefill_chunk)
     sampling = sampling or SamplingOptions()
     if max_new_tokens == 0:
         return finish_stats(model, [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts], [], [], 0)

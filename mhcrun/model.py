@@ -45,7 +45,7 @@ from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
-from mhcrun.weights import TensorSpec, dequantized_dtype, tensor_specs
+from mhcrun.weights import TensorSpec, dequantized_dtype, mtp_tensor_specs, tensor_specs
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
 # half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions run under the same names
@@ -151,6 +151,8 @@ class Compressor(nn.Module):
         self.cache = Cache()
         self.rope = Rope()
         self.n_entries = 0
+        self.keep_chunk = False  # a speculative verify: keep each chunk's kv, score to rewind the open group
+        self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def allocate(self, batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
                  fmt: CacheFormat) -> None:
@@ -169,6 +171,8 @@ class Compressor(nn.Module):
         pos = start.view(-1, 1) + torch.arange(s, device=x.device)
         kv = self.wkv(x.float())
         score = self.wgate(x.float()) + self.ape[pos % r]
+        if self.keep_chunk:  # `snapshot.rewind_span` rebuilds the state after a prefix of the chunk from them
+            self.chunk = (kv, score)
         fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
         kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
@@ -478,6 +482,31 @@ class Block(nn.Module):
         return self.post(self.ffn(h, token_ids, static), x, post, comb)
 
 
+class MTPBlock(Block):
+    """An MTP layer (`mtp.{k}.*`, DeepSeek's `MTPBlock`): a V4 block of layer id n_layers + k whose input at
+    position t is the main model's hc streams before the head at t and the embedding of the token at t + 1; its
+    own head collapse and norm, then the model's head, give logits for the token at t + 2. It keeps its own
+    state (`allocate`) like any layer; `mhcrun.speculate` drafts with it."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
+        super().__init__(layer_id, cfg, opts)
+        self.e_proj = Linear(opts)
+        self.h_proj = Linear(opts)
+        self.enorm = RMSNorm(cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.norm_eps)
+        self.norm = RMSNorm(cfg.norm_eps)  # and hc_head_{fn,base,scale} (split as fn_split["head"])
+
+    def forward(self, model: Transformer, streams: torch.Tensor, next_tokens: torch.Tensor, rows: torch.Tensor,
+                start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [b, s, n, d] (pre-head, at positions start [b] + [0, s)) and the tokens at the next positions
+        [b, s] -> (logits [b, vocab] of each row's last position: the token two ahead, its own output streams
+        [b, s, n, d]: what a further draft step takes as its streams)."""
+        e = self.enorm(model.embedding(next_tokens))
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        x = self.ffn_half(self.attn_half(x, rows, start), next_tokens)
+        return model.head_logits(x, owner=self), x
+
+
 def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
     """How the KV cache ("kv") and the indexer's key cache ("idx_kv") store an entry."""
     return {"kv": kv_format(cfg.head_dim, cfg.rope_head_dim, quant_sim, cfg.scale_fmt is not None),
@@ -509,6 +538,7 @@ class Transformer(nn.Module):
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
         self.norm = RMSNorm(cfg.norm_eps)
         self.head = Linear(self.opts)  # and hc_head_{fn,base,scale}
+        self.mtp = nn.ModuleList()  # the MTP layers, when built with them (`build_model(mtp=True)`)
         self.dtype = torch.float32
         self.max_batch = self.max_seq = 0
 
@@ -517,7 +547,7 @@ class Transformer(nn.Module):
         `max_batch` sequences of up to `max_seq` tokens, and the rope tables."""
         self.formats, self.cache_quant_sim = cache_formats(self.cfg, self.opts.quant_sim), self.opts.quant_sim
         self.rope = rope_tables(self.cfg, max_seq, self.device)
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             a = layer.attn
             a.allocate(max_batch, max_seq, self.dtype, self.device, self.formats,
                        self.rope["compressed" if a.ratio else "window"])
@@ -546,11 +576,14 @@ class Transformer(nn.Module):
                  "moe:hash" if b.ffn.gate.hash else "moe:routed") for b in self.layers]
 
     def forward(self, tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor | int = 0,
-                probe: Probe | None = None, static: bool = False, regions: Regions | None = None) -> torch.Tensor:
+                probe: Probe | None = None, static: bool = False, regions: Regions | None = None,
+                every: bool = False, streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [b, s] at positions start [b] (or an int for every row) + [0, s) of cache rows `rows` [b]
         -> logits [b, vocab] of each row's last token. A chunk at start 0 begins a new sequence in its row.
         `probe` sees every region's output (see `Probe`). `static`: the modules' fixed-shape path; `regions`
-        runs each region (the compiled regions give theirs, `mhcrun.regions`)."""
+        runs each region (the compiled regions give theirs, `mhcrun.regions`). `every`: logits [b, s, vocab] of
+        every position (a speculative verify step, `mhcrun.speculate`); `streams`: also the hc streams before
+        the head [b, s, n, d] (what an MTP layer drafts from) -> (logits, streams)."""
         if self.opts.quant_sim != self.cache_quant_sim:
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
         probe = probe or skip_probe
@@ -563,21 +596,24 @@ class Transformer(nn.Module):
             probe(f"layer {i} {akind}", x)
             x = run(mkind, Block.ffn_half, layer, x, tokens, static)
             probe(f"layer {i} {mkind}", x)
-        logits = run("head", Transformer.head_logits, self, x)
+        logits = run("head", Transformer.head_logits, self, x, every)
         probe("head", logits)
-        return logits
+        return (logits, x) if streams else logits
 
     def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> the mHC streams [b, s, n, d]: the embedding, expanded."""
         return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult, self.opts.hc_torch)
 
-    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position: V4's head collapse,
-        the final norm, the head."""
-        c = self.cfg
-        h = hc_ops.hc_head(x[:, -1:], self.hc_head_fn, *self.fn_split, self.hc_head_scale, self.hc_head_base,
+    def head_logits(self, x: torch.Tensor, every: bool = False, owner: nn.Module | None = None) -> torch.Tensor:
+        """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position (with `every`:
+        [b, s, vocab], every position): V4's head collapse, the final norm, the head. `owner`: whose head
+        collapse and final norm (an MTP layer's; the head itself is the model's)."""
+        c, o = self.cfg, owner or self
+        split = self.fn_split if owner is None else owner.fn_split["head"]
+        h = hc_ops.hc_head(x if every else x[:, -1:], o.hc_head_fn, *split, o.hc_head_scale, o.hc_head_base,
                            c.hc_eps, c.norm_eps, self.opts.hc_torch)
-        return self.logits(self.norm(h)[:, -1].float())
+        h = o.norm(h).float()
+        return self.logits(h if every else h[:, -1])
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> [b, s, d] in the activation dtype; under --tp each rank looks up its vocabulary rows
@@ -610,18 +646,23 @@ def skip_probe(name: str, t: torch.Tensor) -> None:
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], quantized: set[str],
                 dtype: torch.dtype = torch.float32, n_layers: int | None = None,
-                device: torch.device | str = "cpu", tp: Shard = SINGLE) -> Transformer:
+                device: torch.device | str = "cpu", tp: Shard = SINGLE, mtp: bool = False) -> Transformer:
     """Make a Transformer and place the checkpoint's tensors in it, each where its name says (the names, shapes
     and formats of `weights.tensor_specs`; under --tp this rank's share, as `load_checkpoint(tp=...)` gives it).
 
     A weight given as a QWeight stays quantised: its stored bytes (a view of the mapped shard on cpu) and its
     scale go into its Linear as they are. The vocabulary-sized tensors keep their stored dtype; every other
     tensor is copied, cast to its run-time dtype (`quantized` names those stored FP8/FP4 and dequantised).
+    `mtp`: the first MTP layer too (`mtp.0.*`, `weights.mtp_tensor_specs`), as `model.mtp[0]`.
     """
     model = Transformer(cfg, n_layers, tp)
     model.dtype = dtype
+    specs = tensor_specs(cfg, n_layers)
+    if mtp:
+        model.mtp.append(MTPBlock(cfg.n_layers, cfg, model.opts))
+        specs += [s for s in mtp_tensor_specs(cfg) if s.name.startswith("mtp.0.")]
     owned = tp.experts(cfg.n_routed_experts)
-    for spec in tensor_specs(cfg, n_layers):
+    for spec in specs:
         if spec.expert is not None and spec.expert not in owned:
             continue
         if spec.name not in tensors:
@@ -639,9 +680,11 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
             module.register_parameter(leaf, nn.Parameter(run_tensor(spec, t, quantized, dtype, device),
                                                          requires_grad=False))
     # the NKI mixes kernels take fn as bf16 hi + lo (lo in the GEMM's dtype for these activations), split once here
-    for block in model.layers:
+    for block in [*model.layers, *model.mtp]:
         block.fn_split = {site: hc_ops.split_hi_lo(getattr(block, f"hc_{site}_fn"), dtype) for site in ("attn", "ffn")}
     model.fn_split = hc_ops.split_hi_lo(model.hc_head_fn, dtype)
+    for layer in model.mtp:
+        layer.fn_split["head"] = hc_ops.split_hi_lo(layer.hc_head_fn, dtype)
     return model.eval()
 
 

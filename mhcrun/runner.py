@@ -47,6 +47,7 @@ class Runner:
     tp: Shard = SINGLE  # under --tp: this rank, which maps and runs its share only
     env: Env = field(default_factory=Env)  # the environment, as the command read it
     warned_chat_tokens: bool = False  # said once: its tokenizer lacks the chat format's tokens
+    mtp: bool = False  # load and build the first MTP layer too (speculative decoding, `mhcrun.speculate`)
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -81,10 +82,10 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp)
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
-                                 self.tp)
+                                 self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         self.model.opts.hc_torch = self.env.hc_torch
@@ -148,8 +149,9 @@ def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False, tp: Shard = SINGLE,
-                env: Env | None = None) -> Runner:
-    """Check everything that can be checked before loading: options, config, index, shard headers."""
+                env: Env | None = None, mtp: bool = False) -> Runner:
+    """Check everything that can be checked before loading: options, config, index, shard headers (with `mtp`,
+    the MTP layer's too)."""
     check_choice("--dtype", dtype, tuple(DTYPES))
     check_choice("--device", device, DEVICES)
     check_device(device)
@@ -158,15 +160,15 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
         from mhcrun.config import load_config
 
         check_layers(layers, load_config(path), path)
-    plan = plan_checkpoint(path, layers, tp)
+    plan = plan_checkpoint(path, layers, tp, mtp)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
-    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, env or Env())
+    return Runner(path, plan, tokenizer, dtype, quant_sim, device, layers, dequantize, tp, env or Env(), mtp=mtp)
 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
-                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp)
+                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp=mtp)
     runner.load(progress)
     return runner

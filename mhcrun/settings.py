@@ -20,6 +20,7 @@ GRAPH_MODES = ("eager", "regions")
 STAGE_PLANS = ("whole", "split")
 DEVICES = ("cpu", "cuda", "neuron")
 NKI_SIM_MODES = {"0": None, "1": "exact", "device": "device"}  # MHCRUN_NKI_SIM -> the simulator's numerics
+MAX_DRAFT_TOKENS = 8  # --draft-tokens' limit (a model's sliding window may lower it: `speculate.draft_limit`)
 
 
 def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
@@ -82,6 +83,7 @@ class RunSettings:
     tp: int = 1
     memory_limit: int | None = None
     min_new_tokens: int = 0  # the least --max-new-tokens the command takes
+    draft_tokens: int | None = None  # speculative decoding: K drafts per step from the MTP layer (None: off)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < self.min_new_tokens:
@@ -92,6 +94,8 @@ class RunSettings:
             raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.tp < 1:
             raise InputError(f"--tp must be >= 1, got {self.tp}")
+        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
 
 
 def default_graph_mode(device: str, env: Env) -> str:

@@ -12,6 +12,11 @@ copied when the row was at M. `take_snapshot` copies exactly those parts of a ro
 A snapshot's tensors are keyed by the state buffers' paths (`Transformer.state()`: `layers.1.attn.ring.fp8`,
 `layers.1.attn.compressor.cache.fp8`, ...), each one row's [n, ...], so a snapshot is as many bytes as the state
 it copies.
+
+Span snapshots (speculative decoding, `mhcrun.speculate`): `take_span` copies only what one chunk of a few tokens
+per row can change (its ring slots, the compressors' open groups, the entries it can close); `restore_span` puts
+it back, and `rewind_span` leaves the state after the chunk's first tokens only (the compressors having kept the
+chunk's kv and score, `keep_chunks`), without running them again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mhcrun.model import Compressor, Transformer
+from mhcrun.model import Attention, Compressor, Transformer
+from mhcrun.ops.compress import compress_chunk
 
 
 @dataclass
@@ -64,6 +70,119 @@ def restore_snapshot(model: Transformer, snap: Snapshot, row: int) -> None:
         src = snap.tensors[path]
         t[row].zero_()
         t[row, :src.size(0)] = src
+
+
+@dataclass
+class SpanSnapshot:
+    """What a chunk of `length` tokens per row at positions start [b] + [0, length) can change in cache rows
+    `rows` [b] of a module's state (a speculative verify step, `mhcrun.speculate`): per state buffer path (as in
+    `named_buffers`), the slots along dim 1 it copied (`index` [b, m], None: the whole row) and their values."""
+
+    rows: torch.Tensor
+    index: dict[str, torch.Tensor | None]
+    tensors: dict[str, torch.Tensor]
+
+
+def span_slots(module: nn.Module, start: torch.Tensor, length: int) -> dict[str, torch.Tensor | None]:
+    """Per state buffer of `module`, the slots [b, m] a chunk of `length` tokens at start [b] writes: the ring's
+    slots of those positions (length <= window), each compressor's open-group state whole (None) and the entries
+    the chunk can close (position // ratio for its positions: start // ratio + [0, length // ratio + 1), the
+    spare last slot past the end)."""
+    out: dict[str, torch.Tensor | None] = {}
+    steps = torch.arange(length, device=start.device)
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, Attention):
+            if length > m.window:
+                raise ValueError(f"a span of {length} tokens is longer than the window ring of {m.window}")
+            slots = (start.view(-1, 1) + steps) % m.window
+            out.update({f"{prefix}ring.{p}": slots for p in m.ring.parts()})
+        elif isinstance(m, Compressor):
+            out[f"{prefix}kv_state"] = out[f"{prefix}score_state"] = None
+            entries = start.view(-1, 1) // m.ratio + torch.arange(length // m.ratio + 1, device=start.device)
+            out.update({f"{prefix}cache.{p}": entries.clamp(max=m.n_entries) for p in m.cache.parts()})
+    return out
+
+
+def take_span(module: nn.Module, rows: torch.Tensor, start: torch.Tensor, length: int) -> SpanSnapshot:
+    """Copy what a chunk of `length` tokens at start [b] can change in cache rows `rows` [b] of `module`'s state
+    (`span_slots`): far fewer bytes than a whole row's `take_snapshot`. Raises when a buffer is not one of the
+    kinds it knows (every state buffer must be covered)."""
+    index = span_slots(module, start, length)
+    buffers = dict(module.named_buffers())
+    if set(buffers) != set(index):
+        raise ValueError(f"take_span: state buffers it does not know: {sorted(set(buffers) - set(index))}")
+    tensors = {p: (t[rows] if index[p] is None else t[rows.view(-1, 1), index[p]]).clone()
+               for p, t in buffers.items()}
+    return SpanSnapshot(rows, index, tensors)
+
+
+def restore_span(module: nn.Module, snap: SpanSnapshot, which: torch.Tensor | None = None) -> None:
+    """Write the span's copies back into their rows (`which` [b] bool: only those of `snap.rows`): the rows hold
+    the state they had before the chunk, as if it had never run."""
+    keep = slice(None) if which is None else which
+    rows = snap.rows[keep]
+    for p, t in module.named_buffers():
+        idx = snap.index[p]
+        if idx is None:
+            t[rows] = snap.tensors[p][keep]
+        else:
+            t[rows.view(-1, 1), idx[keep]] = snap.tensors[p][keep]
+
+
+def keep_chunks(module: nn.Module, keep: bool) -> None:
+    """Make `module`'s compressors keep (or stop keeping) each chunk's kv and score, for `rewind_span`."""
+    for m in module.modules():
+        if isinstance(m, Compressor):
+            m.keep_chunk, m.chunk = keep, None
+
+
+def keep_rows(module: nn.Module, rows: torch.Tensor) -> None:
+    """The chunks `module`'s compressors kept, cut to the batch entries `rows` [b] (a chunk run over every cache
+    row, whose span covers some of them)."""
+    for m in module.modules():
+        if isinstance(m, Compressor) and m.chunk is not None:
+            m.chunk = (m.chunk[0][rows], m.chunk[1][rows])
+
+
+def rewind_span(module: nn.Module, snap: SpanSnapshot, start: torch.Tensor, kept: torch.Tensor,
+                which: torch.Tensor) -> None:
+    """After a chunk at start [b] ran in the span's rows with its compressors keeping their chunk (`keep_chunks`):
+    make the rows in `which` [b] hold the state after only the chunk's first kept [b] tokens, without running
+    them again. The ring slots and the entries of the positions past the kept ones get their copies back; what
+    the kept tokens wrote stays (a position's kv and the groups it closes depend on nothing after it); each
+    compressor's open-group state is rebuilt from its copy and the kept tokens' kv and score
+    (`compress_chunk`, as the kept prefix alone would have left it)."""
+    rows = snap.rows
+    buffers = dict(module.named_buffers())
+    owners = {name: m for name, m in module.named_modules()}
+    for path, idx in snap.index.items():
+        if idx is None:
+            continue
+        owner = owners[path.rsplit(".", 2)[0]]
+        if isinstance(owner, Compressor):  # entry e is closed at position (e + 1) * ratio - 1
+            back = (idx + 1) * owner.ratio - 1 >= (start + kept).view(-1, 1)
+        else:  # ring slot of position start + j
+            back = torch.arange(idx.size(1), device=idx.device) >= kept.view(-1, 1)
+        back = back & which.view(-1, 1)
+        t = buffers[path]
+        now = t[rows.view(-1, 1), idx]
+        mask = back.view(*back.shape, *([1] * (now.dim() - 2)))
+        t[rows.view(-1, 1), idx] = torch.where(mask, snap.tensors[path], now)
+    for name, m in module.named_modules():
+        if not isinstance(m, Compressor) or not bool(which.any()):
+            continue
+        if m.chunk is None:
+            raise ValueError(f"rewind_span: compressor {name} kept no chunk (keep_chunks before the chunk)")
+        kv, score = m.chunk
+        prefix = f"{name}." if name else ""
+        for n in kept[which].unique().tolist():
+            sel = which & (kept == n)
+            r, fresh = rows[sel], (start[sel] == 0).view(-1, 1, 1)  # as Compressor.forward: a new sequence
+            kv_state = snap.tensors[f"{prefix}kv_state"][sel].masked_fill(fresh, 0.0)
+            score_state = snap.tensors[f"{prefix}score_state"][sel].masked_fill(fresh, float("-inf"))
+            state = compress_chunk(kv_state, score_state, kv[sel, :n], score[sel, :n], start[sel], m.ratio, m.overlap)
+            m.kv_state[r], m.score_state[r] = state[3], state[4]
 
 
 def check_row(model: Transformer, row: int) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from mhcrun.config import ModelConfig, config_from_hf
 from mhcrun.ops.quant import quantize_weight_fp4, quantize_weight_fp8
-from mhcrun.weights import scale_name, stored_format, tensor_specs
+from mhcrun.weights import mtp_tensor_specs, scale_name, stored_format, tensor_specs
 
 HEAD_GAIN = 4.0  # logit scale of the head; sets the greedy top-1/top-2 margins
 FP8_BLOCK = 32  # the tiny model's widths (64, 128) are below DeepSeek's 128, so its FP8 blocks are 32
@@ -63,11 +63,11 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Ge
 
 
 def init_tensors(cfg: ModelConfig, seed: int = 0, fp8: bool = False) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors for `cfg`: bf16 weights (fp32 for the tensors the release keeps in fp32);
-    with fp8, the FP8 linears / FP4 experts (plus scales) that `cfg` asks for."""
+    """All checkpoint tensors for `cfg` (its MTP layers' last): bf16 weights (fp32 for the tensors the release
+    keeps in fp32); with fp8, the FP8 linears / FP4 experts (plus scales) that `cfg` asks for."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for spec in tensor_specs(cfg):
+    for spec in tensor_specs(cfg) + mtp_tensor_specs(cfg):
         t = init_tensor(spec.name, spec.shape, cfg, g)
         fmt = stored_format(cfg, spec) if fp8 else spec.kind
         if fmt == "fp8":
@@ -98,12 +98,16 @@ def fp8_variant(raw: dict) -> dict:
     return raw
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool = False) -> Path:
-    """Write the tiny checkpoint (2 shards + index + tokenizer.json) to out_dir."""
+def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool = False, mtp: bool = False) -> Path:
+    """Write the tiny checkpoint (2 shards + index + tokenizer.json) to out_dir. `mtp`: with a random MTP layer
+    (`mtp.0.*`, a CSA layer: its compressor and indexer state are rolled back too), for speculative decoding."""
     from mhcrun.checkpoint import write_checkpoint
     from mhcrun.tokenizer import build_tiny_tokenizer
 
     raw = tiny_config_raw()
+    if mtp:
+        raw["num_nextn_predict_layers"] = 1
+        raw["compress_ratios"] = [*raw["compress_ratios"], 4]
     if fp8:
         raw = fp8_variant(raw)
     cfg = config_from_hf(raw)

@@ -121,7 +121,7 @@ def tensor_specs(cfg: ModelConfig, n_layers: int | None = None) -> list[TensorSp
 
 
 def mtp_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    """The MTP layers' tensors (`num_nextn_predict_layers`; not run by mhcrun, which loads none of them), as
+    """The MTP layers' tensors (`num_nextn_predict_layers`; loaded for speculative decoding only), as
     DeepSeek's reference lays them out (`MTPBlock` in `inference/model.py`): MTP layer k is a V4 block of layer
     id n_layers + k (its attention kind `compress_ratios[n_layers + k]`, routed MoE) named `mtp.{k}.*`, plus
     `e_proj` and `h_proj` (linears [d, d]: the next token's normed embedding and the normed hc streams), their
@@ -135,12 +135,12 @@ def mtp_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         specs += [
             TensorSpec(p + "e_proj.weight", (d, d), "linear"),
             TensorSpec(p + "h_proj.weight", (d, d), "linear"),
-            TensorSpec(p + "enorm.weight", (d,)),
-            TensorSpec(p + "hnorm.weight", (d,)),
-            TensorSpec(p + "norm.weight", (d,)),
-            TensorSpec(p + "hc_head_fn", (n, n * d)),
-            TensorSpec(p + "hc_head_base", (n,)),
-            TensorSpec(p + "hc_head_scale", (1,)),
+            TensorSpec(p + "enorm.weight", (d,), run="fp32"),
+            TensorSpec(p + "hnorm.weight", (d,), run="fp32"),
+            TensorSpec(p + "norm.weight", (d,), run="fp32"),
+            TensorSpec(p + "hc_head_fn", (n, n * d), run="fp32"),
+            TensorSpec(p + "hc_head_base", (n,), run="fp32"),
+            TensorSpec(p + "hc_head_scale", (1,), run="fp32"),
         ]
     return specs
 

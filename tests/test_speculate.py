@@ -1,0 +1,237 @@
+"""Speculative decoding with the MTP layer (`generate --draft-tokens K`, `mhcrun.speculate`): greedy tokens equal
+plain greedy decoding's on every path, the span rollback restores exactly what a chunk wrote, the sampling rule
+gives the target distribution, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mhcrun.cli import app
+from mhcrun.generate import SamplingOptions, generate
+from mhcrun.runner import load_runner
+from mhcrun.snapshot import (
+    keep_chunks,
+    restore_snapshot,
+    restore_span,
+    rewind_span,
+    state_extents,
+    take_snapshot,
+    take_span,
+)
+from mhcrun.speculate import accept_drafts
+from mhcrun.tiny import make_tiny
+
+try:
+    CLI = CliRunner(mix_stderr=False)
+except TypeError:
+    CLI = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[0, 5, 9], list(range(3, 12)), list(range(20, 37))]  # rows at different positions
+
+
+@pytest.fixture(scope="module")
+def random_mtp(tmp_path_factory) -> Path:
+    """The random tiny model with a random MTP layer (a CSA layer): decisive margins, drafts mostly rejected."""
+    return make_tiny(tmp_path_factory.mktemp("mtp") / "tiny-mtp", mtp=True)
+
+
+def plain_and_drafted(model, k: int, n: int = 20, **kw) -> tuple[list, list]:
+    base = generate(model, PROMPTS, n, 1, ignore_eos=True)
+    return base, generate(model, PROMPTS, n, 1, ignore_eos=True, draft_tokens=k, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_drafts_equals_greedy_random_batch(random_mtp, k):
+    model = load_runner(str(random_mtp), mtp=True).model
+    base, got = plain_and_drafted(model, k)
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    spec = got[0].stats["speculative"]
+    assert spec["drafts_proposed"] == [spec["verify_steps"]] * k
+
+
+def test_greedy_with_drafts_equals_greedy_kept_quantised(tmp_path):
+    path = make_tiny(tmp_path / "fp8-mtp", fp8=True, mtp=True)
+    model = load_runner(str(path), mtp=True).model
+    base, got = plain_and_drafted(model, 2, n=12)
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+
+
+def test_greedy_with_drafts_equals_greedy_compiled_regions():
+    """The verify through the region graphs at a static chunk of K + 1 for every cache row (aot_eager: the
+    graphs without codegen), on the bundled model: drafts are accepted, so rows finish at different steps (a
+    finished row's verify results are dropped, its kept chunks cut out before the rewind)."""
+    model = load_runner(None, mtp=True).model
+    base, got = plain_and_drafted(model, 2, n=10, graph_mode="regions", backend="aot_eager")
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert got[0].stats["speculative"]["mean_accepted_length"] > 1.0
+
+
+def test_trained_model_drafts_are_accepted_and_tokens_equal_greedy():
+    """The bundled (trained) model: its MTP layer drafts tokens the model accepts (so it reads the pre-head
+    streams as it was trained to), and the tokens equal plain greedy decoding's."""
+    runner = load_runner(None, mtp=True)
+    prompts = [runner.tokenizer.encode(t) for t in ("The module defines", "Return the number of items in the")]
+    base = generate(runner.model, prompts, 40, 1, ignore_eos=True)
+    got = generate(runner.model, prompts, 40, 1, ignore_eos=True, draft_tokens=2)
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert got[0].stats["speculative"]["mean_accepted_length"] > 1.3
+
+
+def test_span_restore_puts_back_what_a_chunk_wrote(random_mtp):
+    """take_span / restore_span against the whole-row snapshot: after a chunk of K + 1 tokens and the span's
+    restore, every state buffer of the row (the MTP layer's included) holds what the full snapshot holds."""
+    model = load_runner(str(random_mtp), mtp=True).model
+    model.setup_caches(2, 64)
+    rows = torch.tensor([1])
+    for start in (13, 15, 16):  # the chunk closes no group / one CSA group / an HCA group too
+        ids = list(range(4, 4 + start))
+        model(torch.tensor([ids]), rows, 0)
+        model.mtp[0](model, torch.randn(1, start, 4, model.cfg.dim), torch.tensor([ids]), rows, torch.tensor([0]))
+        full = take_snapshot(model, 1, start)
+        span = take_span(model.layers, rows, torch.tensor([start]), 4)
+        mtp_span = take_span(model.mtp, rows, torch.tensor([start]), 4)
+        model(torch.tensor([[7, 8, 9, 10]]), rows, start)
+        model.mtp[0](model, torch.randn(1, 4, 4, model.cfg.dim), torch.tensor([[7, 8, 9, 10]]), rows,
+                     torch.tensor([start]))
+        restore_span(model.layers, span)
+        restore_span(model.mtp, mtp_span)
+        for path, t in model.state().items():
+            want = full.tensors[path]
+            assert torch.equal(t[1, :want.size(0)], want), (start, path)
+
+
+def test_rewind_equals_running_only_the_kept_tokens(random_mtp):
+    """rewind_span (the eager path's rollback, no rerun) against restoring the row and running only the kept
+    tokens: every state buffer within the kept extent equal, up to the last bits a chunk of other length moves
+    (quantisation simulation off, so that no FP8 rounding step can amplify them)."""
+    model = load_runner(str(random_mtp)).model
+    model.opts.quant_sim = False
+    model.setup_caches(2, 64)
+    rows, chunk = torch.tensor([0, 1]), torch.tensor([[7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+    for starts, kept in (((13, 14), (2, 4)), ((12, 30), (4, 1)), ((15, 3), (5, 3))):
+        for r, st in enumerate(starts):
+            model(torch.tensor([list(range(4, 4 + st))]), torch.tensor([r]), 0)
+        snaps = [take_snapshot(model, r, st) for r, st in enumerate(starts)]
+        start, keep = torch.tensor(starts), torch.tensor(kept)
+        span = take_span(model.layers, rows, start, 5)
+        keep_chunks(model.layers, True)
+        model(chunk, rows, start)
+        rewind_span(model.layers, span, start, keep, torch.tensor([True, True]))
+        keep_chunks(model.layers, False)
+        rewound = {p: t.clone() for p, t in model.state().items()}
+        for r, st in enumerate(starts):
+            restore_snapshot(model, snaps[r], r)
+            model(chunk[r:r + 1, :kept[r]], torch.tensor([r]), st)
+            extents = state_extents(model, st + kept[r])
+            for path, t in model.state().items():
+                n = extents.get(path, t.size(1))
+                a, b = rewound[path][r, :n], t[r, :n]
+                assert torch.allclose(a.nan_to_num(neginf=0.0), b.nan_to_num(neginf=0.0), atol=1e-5), (starts, path)
+                assert torch.equal(a.isneginf(), b.isneginf()), (starts, path)
+
+
+def test_speculative_sampling_gives_the_target_distribution():
+    """accept_drafts on fixed p and q: the first token it yields is distributed as p[0] (total variation within
+    sampling noise of 10,000 draws), and drafts are accepted at the rate sum min(p, q)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.6, 0.1, 0.1]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]], dtype=torch.float64)
+    n, counts, accepted = 10000, torch.zeros(5), 0
+    for _ in range(n):
+        draft = torch.multinomial(q[0], 1, generator=gen)
+        a, nxt = accept_drafts(p, q, draft, gen)
+        accepted += a
+        counts[int(draft) if a else nxt] += 1
+    assert (counts / n - p[0].float()).abs().sum() / 2 < 0.02
+    assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
+
+
+def test_sampling_with_drafts_runs_to_the_end(random_mtp):
+    model = load_runner(str(random_mtp), mtp=True).model
+    got = generate(model, PROMPTS, 10, 1, SamplingOptions(0.8, 0.9, 3), ignore_eos=True, draft_tokens=2)
+    assert [len(r.tokens) for r in got] == [10, 10, 10]
+
+
+def test_nonfinite_logits_end_the_row_with_its_line(random_mtp):
+    """A NaN in a weight: the row ends before a token is taken from non-finite logits, its result says so."""
+    model = load_runner(str(random_mtp), mtp=True).model
+    model.head.w.data[:] = float("nan")
+    got = generate(model, PROMPTS[:1], 6, 1, ignore_eos=True, draft_tokens=2)
+    assert got[0].tokens == [] and "hold NaN" in got[0].nonfinite and "step 0 (prefill)" in got[0].nonfinite
+
+
+def run_cli(*args: str):
+    return CLI.invoke(app, list(args))
+
+
+def test_cli_stats_report_drafts_in_line_and_json():
+    r = run_cli("generate", "-n", "12", "--draft-tokens", "2")
+    assert r.exit_code == 0 and "mean accepted length" in r.stderr and "drafts 2: accepted" in r.stderr
+    row = json.loads(run_cli("generate", "-n", "12", "--draft-tokens", "2", "--json").stdout)
+    spec = row["stats"]["speculative"]
+    assert len(spec["drafts_proposed"]) == len(spec["drafts_accepted"]) == 2 and row["stats"]["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("k", [-1, 0, 9])
+def test_cli_draft_tokens_out_of_range_is_one_line(k):
+    r = run_cli("generate", "-n", "4", "--draft-tokens", str(k))
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [f"error: --draft-tokens must be between 1 and 8, "
+                                                                   f"got {k}"]
+
+
+def test_cli_draft_tokens_without_an_mtp_layer_is_one_line(random_tiny):
+    r = run_cli("generate", "-m", str(random_tiny), "-n", "4", "--draft-tokens", "2")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no MTP layer" in r.stderr and "num_nextn_predict_layers is 0" in r.stderr
+
+
+def edit_mtp(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint `src` whose shard holding mtp.0.* is rewritten by edit(tensors) (and the index)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"]["mtp.0.e_proj.weight"]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard)
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard.name or n in tensors}
+    index["weight_map"].update({n: shard.name for n in tensors})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_cli_mtp_tensors_that_are_not_v4s_mtp_layer_are_named(random_mtp, tmp_path):
+    def wrong_shape(t):
+        t["mtp.0.e_proj.weight"] = t["mtp.0.e_proj.weight"][:, :32].contiguous()
+
+    def another_drafter(t):  # an EAGLE-style drafter under mtp.*: no e_proj
+        t["mtp.0.fc.weight"] = t.pop("mtp.0.e_proj.weight")
+
+    for name, edit, words in (("shape", wrong_shape, ["mtp.0.e_proj.weight", "shape [128, 32], expected [128, 128]"]),
+                              ("names", another_drafter, ["mtp.0.e_proj.weight", "missing"])):
+        path = edit_mtp(random_mtp, tmp_path / name, edit)
+        r = run_cli("generate", "-m", str(path), "-n", "4", "--draft-tokens", "1")
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_tp2_with_drafts_equals_one_rank_greedy():
+    def mhcrun(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mhcrun.cli", *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    one = json.loads(mhcrun("generate", "-n", "16", "--ignore-eos", "--json").stdout)
+    two = mhcrun("generate", "-n", "16", "--ignore-eos", "--json", "--tp", "2", "--draft-tokens", "2")
+    assert two.returncode == 0, two.stderr
+    row = json.loads(two.stdout.splitlines()[0])
+    assert row["tokens"] == one["tokens"] and row["stats"]["speculative"]["verify_steps"] > 0
