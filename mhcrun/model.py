@@ -164,9 +164,11 @@ class Compressor(nn.Module):
         self.n_entries = max_seq // r
         self.cache.allocate(fmt, (batch, self.n_entries + 1), dtype, device)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> None:
         """x [b, s, d] at positions start [b] + [0, s): every group the chunk closes is pooled, normed, rotated
-        at its first position and stored (in the cache's format) as compressed entry `position // ratio`."""
+        at its first position and stored (in the cache's format) as compressed entry `position // ratio`. Eager,
+        only the groups closed are finished (in decode most steps close none); with `static` every group of the
+        buffer is, an open one (no entry yet) into the spare last slot."""
         r, s = self.ratio, x.size(1)
         pos = start.view(-1, 1) + torch.arange(s, device=x.device)
         kv = self.wkv(x.float())
@@ -178,13 +180,20 @@ class Compressor(nn.Module):
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
         pooled, closed, entry, self.kv_state[rows], self.score_state[rows] = compress_chunk(
             kv_state, score_state, kv, score, start, r, self.overlap)
-        # [b, G]: every group of the buffer is written, an open one (no entry yet) to the spare last slot
-        slot = torch.where(closed, entry, self.n_entries)
-        cos, sin = self.rope.at(torch.where(closed, entry, 0) * r)
-        pooled = pooled.masked_fill(~closed.unsqueeze(-1), 0.0).to(x.dtype)
-        out = finish_entry(pooled, self.norm.weight, self.norm.eps,
+        if static:  # [b, G]
+            at, slot = rows.view(-1, 1), torch.where(closed, entry, self.n_entries)
+            first = torch.where(closed, entry, 0) * r
+            pooled = pooled.masked_fill(~closed.unsqueeze(-1), 0.0)
+        else:  # [n]: the closed groups only
+            if not bool(closed.any()):
+                return
+            bi, gi = closed.nonzero(as_tuple=True)
+            at, slot, pooled = rows[bi], entry[bi, gi], pooled[bi, gi]
+            first = slot * r
+        cos, sin = self.rope.at(first)
+        out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
                            lambda t: apply_rope_tail(t, cos, sin, self.rope_dim), self.rotate)
-        self.cache.store((rows.view(-1, 1), slot), kvcache.encode(self.cache.fmt, out))
+        self.cache.store((at, slot), kvcache.encode(self.cache.fmt, out))
 
 
 def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
@@ -222,7 +231,7 @@ class Indexer(nn.Module):
         entries the chunk's queries may see, or with `static` every entry slot in one slice."""
         b, s = x.shape[:2]
         q = self.queries(qr, cos, sin)
-        self.compressor(x, rows, start)
+        self.compressor(x, rows, start, static)
         w = self.weights_proj(x) * self.weight_scale
         closed = (start.view(-1, 1) + torch.arange(1, s + 1, device=x.device)) // 4  # [b, s]
         n = self.compressor.n_entries if static else int(closed.max())
@@ -310,7 +319,7 @@ class Attention(nn.Module):
         if self.ratio == 4:
             chosen, valid = self.indexer(x, qr, rows, start, cos, sin, static)
         if self.ratio:
-            self.compressor(x, rows, start)
+            self.compressor(x, rows, start, static)
         comp = comp_mask = None
         if self.ratio and self.ratio != 4:  # HCA: every closed entry
             n = self.compressor.n_entries if static else int((start + s).max()) // self.ratio
