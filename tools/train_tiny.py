@@ -29,8 +29,8 @@ What is not differentiable is handled as DeepSeek's training does:
   t (un-collapsed, [n, d] per token) and the embedding of token t+1, predict token t+2: e_proj(enorm(embed)) is
   added to h_proj(hnorm(streams)) on every stream, a V4 block runs (attention of kind `compress_ratios[n_layers]`,
   routed MoE), then the MTP layer's own head collapse and norm, and the shared head. Its loss is weighted by
-  `MTP_WEIGHT`. mhcrun loads the MTP tensors' names and shapes from `mhcrun.weights.mtp_tensor_specs` and does
-  not run them.
+  `MTP_WEIGHT`. The MTP tensors' names and shapes are `mhcrun.weights.mtp_tensor_specs`'; mhcrun runs the layer
+  to draft tokens (`generate --draft-tokens`, `mhcrun.speculate`).
 
 Deterministic from `--seed` for a given Python (its docstrings), torch version and thread count (`--threads`).
 Prints the held-out loss of the written (bf16) checkpoint beside a unigram baseline, and bits per byte.
@@ -414,7 +414,7 @@ def stored_tensors(P: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def load_params(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A written checkpoint's tensors as the training forward takes them (fp32, int64 tables), MTP included."""
-    from safetensors.torch import load_file  # mhcrun's loader skips mtp.*: read the shards as written
+    from safetensors.torch import load_file  # read the shards as written
 
     index = json.loads((path / "model.safetensors.index.json").read_text())
     out = {}
