@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mhcrun.errors import InputError, MhcrunError
+from mhcrun.settings import Env
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
 INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
@@ -87,13 +88,13 @@ TpOpt = typer.Option(1, "--tp", help="Run across N ranks of torch.distributed (g
                      rich_help_panel=PATH)
 
 
-def start_tp(tp: int, model: str | None, device: str):
+def start_tp(tp: int, model: str | None, device: str, env: Env):
     """--tp: in the user's process, check that N divides what it splits, start the N ranks and return
     (None, their exit code); in a rank (started so, or by torchrun) join the group and return (its shard, None).
     Only rank 0 prints."""
     from mhcrun.parallel import SINGLE, check_divides, env_shard, init_workers, launch
 
-    shard = env_shard()
+    shard = env_shard(env)
     if shard is None:
         if tp == 1:
             return SINGLE, None
@@ -111,10 +112,10 @@ def start_tp(tp: int, model: str | None, device: str):
             from mhcrun.runner import check_device
 
             check_device(device)  # the Neuron SDK must be there before any worker starts
-        return None, launch(tp, sys.argv[1:])
+        return None, launch(tp, sys.argv[1:], os.environ)
     if tp not in (1, shard.world):
         raise InputError(f"--tp {tp} but this process is one of WORLD_SIZE={shard.world} ranks")
-    init_workers(shard, device)
+    init_workers(shard, device, env.local_rank)
     if shard.rank:  # only rank 0 prints; an error line still goes out (say_error)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
         err.quiet = True
@@ -143,7 +144,8 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
             raise
         from mhcrun.parallel import ECHO, peer_lost
 
-        if peer_lost(e):  # another rank failed first: mhcrun's launcher shows that rank's line, not this echo
+        # another rank failed first: mhcrun's launcher shows that rank's line, not this echo
+        if peer_lost(e, os.environ.get("MHCRUN_TP_LAUNCHED") == "1"):
             raise typer.Exit(ECHO) from None
         say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         raise typer.Exit(3) from None
@@ -327,7 +329,7 @@ def generate(
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
         if draft_tokens is not None and prompt_cache is not None:
             raise InputError("--draft-tokens does not run with --prompt-cache")
-        shard, code = start_tp(tp, model, device)
+        shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env,
@@ -465,7 +467,7 @@ def golden_record(
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
-        shard, code = start_tp(tp, model, "cpu")
+        shard, code = start_tp(tp, model, "cpu", env)
         if code is not None:
             return code
         runner = open_runner(model, dtype, quant_sim, tp=shard, env=env)
@@ -542,7 +544,7 @@ def golden_check(
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
-        shard, code = start_tp(tp, model, device)
+        shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard,
@@ -552,9 +554,7 @@ def golden_check(
         entries = golden["prompts"]
         ids = [p["prompt_ids"] for p in entries]
         load_weights(runner, quiet=as_json)
-        from mhcrun.nki.ops import sim_mode
-
-        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized), sim_mode())
+        kind = path_kind(runner.dtype, s["dtype"], s["quant_sim"], bool(runner.ckpt.quantized), env.nki_sim)
         tol = logprob_tol if logprob_tol is not None else TOLERANCES[kind][0]
         eos = runner.tokenizer.eos_id if runner.tokenizer else runner.config.eos_token_id
         forced = [[] for _ in entries]  # per prompt, per step: (log-probs of the golden candidates, argmax)
@@ -682,7 +682,7 @@ def chat(
 
         env = run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
                            tp=tp)[1]
-        shard, code = start_tp(tp, model, device)
+        shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
@@ -831,7 +831,7 @@ def compile_regions(
         plan = st.stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
-        shard, code = start_tp(tp, model, device)
+        shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, "fp32", True, device, tp=shard, env=env)

@@ -17,8 +17,7 @@ import torch
 from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Probe, Transformer
-from mhcrun.nki import ops as hc_ops
-from mhcrun.parallel import MOVED, Shard, gather_text, gather_values
+from mhcrun.parallel import Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 from mhcrun.session import Session
 from mhcrun.settings import SamplingOptions
@@ -273,7 +272,7 @@ def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chun
                 backend: str | None, stages: str, session: Session | None = None) -> tuple[Batch, Stepper]:
     """Results and steps for a batch of prompts (already checked: `check_prompts`) on fresh caches of `max_seq`
     tokens a row, or on a session's."""
-    hc_ops.reset_kernel_stats()
+    model.opts.hc.reset()
     if session is None:
         model.setup_caches(len(prompts), max_seq)
     elif len(prompts) != 1 or max_seq > model.max_seq:
@@ -343,7 +342,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         take([row], logits.unsqueeze(0))
 
     step_s: list[float] = []
-    decode_tokens, moved0 = 0, MOVED["bytes"]
+    decode_tokens, moved0 = 0, model.opts.tp.traffic.bytes
     active = [r for r in range(len(prompts)) if running(r)]
     while active:
         t0 = time.perf_counter()
@@ -359,7 +358,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None)
     if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
         for res in results:
-            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
+            res.stats["collective_bytes_per_token"] = (model.opts.tp.traffic.bytes - moved0) / max(decode_tokens, 1)
     return results
 
 
@@ -417,7 +416,7 @@ def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s:
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
             "compile_s": compile_s,
             "peak_rss_mb": rss,
-            "kernels": hc_ops.kernel_stats(),  # calls per kernel and backend (torch, nki-sim, nki), whole batch
+            "kernels": model.opts.hc.stats(),  # calls per kernel and backend (torch, nki-sim, nki), whole batch
             "tp": model.opts.tp.world,
             "peak_rss_mb_per_rank": per_rank,
         }

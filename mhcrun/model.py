@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ class RunOptions:
     quant_sim: bool = True
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
     scaled_mm: ScaledMM | None = None  # MHCRUN_SCALED_MM=1: CUDA FP8 GEMMs through cuBLASLt
-    hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference (`mhcrun.nki.ops`)
+    hc: hc_ops.HcBackend = field(default_factory=hc_ops.HcBackend)  # the hc steps' backend and their counts
 
 
 class Linear(nn.Module):
@@ -474,11 +474,11 @@ class Block(nn.Module):
         norm = self.attn_norm if site == "attn" else self.ffn_norm
         return hc_ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site], getattr(self, f"hc_{site}_scale"),
                              getattr(self, f"hc_{site}_base"), norm.weight, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                             c.norm_eps, self.opts.hc_torch)
+                             c.norm_eps, self.opts.hc)
 
     def post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The mHC post step: the sublayer's output y [b, s, d] into the streams x [b, s, n, d]."""
-        return hc_ops.hc_post(y, x, post, comb, self.opts.hc_torch)
+        return hc_ops.hc_post(y, x, post, comb, self.opts.hc)
 
     def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                   static: bool = False) -> torch.Tensor:
@@ -611,7 +611,7 @@ class Transformer(nn.Module):
 
     def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> the mHC streams [b, s, n, d]: the embedding, expanded."""
-        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult, self.opts.hc_torch)
+        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult, self.opts.hc)
 
     def head_logits(self, x: torch.Tensor, every: bool = False, owner: nn.Module | None = None) -> torch.Tensor:
         """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position (with `every`:
@@ -620,7 +620,7 @@ class Transformer(nn.Module):
         c, o = self.cfg, owner or self
         split = self.fn_split if owner is None else owner.fn_split["head"]
         h = hc_ops.hc_head(x if every else x[:, -1:], o.hc_head_fn, *split, o.hc_head_scale, o.hc_head_base,
-                           c.hc_eps, c.norm_eps, self.opts.hc_torch)
+                           c.hc_eps, c.norm_eps, self.opts.hc)
         h = o.norm(h).float()
         return self.logits(h if every else h[:, -1])
 

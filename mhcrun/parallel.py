@@ -18,20 +18,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mhcrun.errors import InputError
+from mhcrun.settings import Env
+
+
+@dataclass
+class Traffic:
+    """What one rank has put into all-reduces outside compiled graphs (their fp32 inputs), for the per-token report."""
+
+    bytes: int = 0
 
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's place: rank `rank` of `world` (world 1: no parallelism)."""
+    """This process's place: rank `rank` of `world` (world 1: no parallelism), and its collectives' traffic."""
 
     rank: int = 0
     world: int = 1
+    traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)
 
     def part(self, n: int) -> slice:
         """Rank's contiguous share of n (n divisible by world, checked by `check_divides`)."""
@@ -52,8 +62,7 @@ class Shard:
         return t if t.is_contiguous() else t.contiguous()
 
 
-SINGLE = Shard()
-MOVED = {"bytes": 0}  # bytes this rank has put into all-reduces (its input), for the per-token report
+SINGLE = Shard()  # world 1 never reduces: its traffic stays 0
 
 
 def check_divides(cfg, world: int) -> None:
@@ -78,7 +87,7 @@ def all_reduce(t: torch.Tensor, shard: Shard) -> torch.Tensor:
 
         return funcol.all_reduce(t.float(), "sum", dist.group.WORLD).to(t.dtype)
     x = t.float().contiguous() if t.dtype != torch.float32 else t.contiguous().clone()
-    MOVED["bytes"] += x.numel() * x.element_size()
+    shard.traffic.bytes += x.numel() * x.element_size()
     dist.all_reduce(x)
     return x.to(t.dtype)
 
@@ -134,14 +143,15 @@ def broadcast_text(text: str | None, shard: Shard) -> str | None:
     return box[0]
 
 
-def env_shard() -> Shard | None:
-    """The shard torchrun (or mhcrun's launcher) set in the environment, or None outside a launch."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return Shard(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    return None
+def env_shard(env: Env) -> Shard | None:
+    """The shard torchrun (or mhcrun's launcher) set in the environment (RANK, WORLD_SIZE), or None outside a
+    launch."""
+    if env.rank is None or env.world is None:
+        return None
+    return Shard(env.rank, env.world)
 
 
-def init_workers(shard: Shard, device: str) -> None:
+def init_workers(shard: Shard, device: str, local_rank: int | None = None) -> None:
     """Join the process group (gloo on cpu, nccl on cuda, TorchNeuron's `neuron` backend on neuron: wired, not run on
     a device here); a peer that never comes ends this rank in 60 s."""
     import datetime
@@ -152,7 +162,7 @@ def init_workers(shard: Shard, device: str) -> None:
         return
     backend = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}[device]
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", shard.rank)))
+        torch.cuda.set_device(shard.rank if local_rank is None else local_rank)
     if device == "neuron":  # registers the neuron device and its process-group backend; imported on this path only
         import torch_neuronx  # noqa: F401
     dist.init_process_group(backend, rank=shard.rank, world_size=shard.world,
@@ -162,10 +172,10 @@ def init_workers(shard: Shard, device: str) -> None:
 ECHO = 4  # the exit code of a rank whose collective lost a peer (`peer_lost`)
 
 
-def peer_lost(e: BaseException) -> bool:
+def peer_lost(e: BaseException, launched: bool) -> bool:
     """Whether e is this rank's echo of another rank's failure (its collective lost the peer), in a rank that mhcrun's
-    launcher started: the launcher then reports the rank that failed first."""
-    if os.environ.get("MHCRUN_TP_LAUNCHED") != "1":
+    launcher started (`launched`): the launcher then reports the rank that failed first."""
+    if not launched:
         return False
     import torch.distributed as dist
 
@@ -190,12 +200,13 @@ def last_error_line(path: Path) -> str | None:
     return errors[-1] if errors else (lines[-1] if lines else None)
 
 
-def launch(world: int, argv: list[str]) -> int:
+def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
     """Run `mhcrun argv` as `world` ranks on this machine and wait. Rank 0's stdout and stderr are this
     process's; the other ranks' stdout is dropped and their stderr kept in a file. When a rank fails, every
     other rank is ended at once (no hang, no orphan) and the failing rank's error line is shown (rank 0's own,
-    or `error: rank K: ...`); the exit code is the failing rank's."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    or `error: rank K: ...`); the exit code is the failing rank's. The ranks get `environ` (the user's) and their
+    place in the launch."""
+    env = dict(environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                MHCRUN_TP_LAUNCHED="1")
     # the ranks share this machine's cores (torchrun sets 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))

@@ -22,6 +22,7 @@ from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
+from mhcrun.nki.ops import HcBackend
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import ScaledMM
 from mhcrun.parallel import SINGLE, Shard
@@ -88,7 +89,7 @@ class Runner:
                                  self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
-        self.model.opts.hc_torch = self.env.hc_torch
+        self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim)
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them

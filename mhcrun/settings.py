@@ -55,6 +55,10 @@ class Env:
     scaled_mm: bool = False  # MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM on cuda
     kernel_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "mhcrun" / "kernels")
     cxx: str = "g++"  # CXX: the compiler of the C++ kernels
+    rank: int | None = None  # RANK and WORLD_SIZE: this process is one rank of a launch (torchrun's or --tp's)
+    world: int | None = None
+    local_rank: int | None = None  # LOCAL_RANK: the rank's CUDA device
+    tp_launched: bool = False  # MHCRUN_TP_LAUNCHED=1: a rank that mhcrun's own launcher started
 
     @staticmethod
     def read(environ: Mapping[str, str] = os.environ) -> Env:
@@ -62,13 +66,25 @@ class Env:
         sim = environ.get("MHCRUN_NKI_SIM", "0")
         if sim not in NKI_SIM_MODES:
             raise InputError(f"MHCRUN_NKI_SIM must be one of {', '.join(NKI_SIM_MODES)}, got {sim!r}")
+        launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
         return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
                    nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
                    scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
-                   cxx=environ.get("CXX", "g++"))
+                   cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
+                   local_rank=launch["LOCAL_RANK"], tp_launched=environ.get("MHCRUN_TP_LAUNCHED") == "1")
+
+
+def _read_int(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"{name} must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True)

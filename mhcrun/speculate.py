@@ -41,8 +41,6 @@ from mhcrun.generate import (
 )
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
-from mhcrun.nki import ops as hc_ops
-from mhcrun.parallel import MOVED
 from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions
 from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
 
@@ -203,7 +201,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     results = [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts]
     stats = DraftStats(k)
     gen = torch.Generator(device=dev).manual_seed(sampling.seed)
-    hc_ops.reset_kernel_stats()
+    model.opts.hc.reset()
     max_seq = max(len(p) for p in prompts) + max_new_tokens + k  # a verify runs up to K past the last token
     model.setup_caches(len(prompts), max_seq)
 
@@ -249,7 +247,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
     step_s: list[float] = []
-    decode_tokens, moved0 = 0, MOVED["bytes"]
+    decode_tokens, moved0 = 0, model.opts.tp.traffic.bytes
     active = [r for r in range(len(pending)) if not finished(r)]
     while active:
         t0 = time.perf_counter()
@@ -285,7 +283,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     for res in results:
         res.stats["speculative"] = stats.as_dict()
         if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
-            res.stats["collective_bytes_per_token"] = (MOVED["bytes"] - moved0) / max(decode_tokens, 1)
+            res.stats["collective_bytes_per_token"] = (model.opts.tp.traffic.bytes - moved0) / max(decode_tokens, 1)
     return results
 
 

@@ -27,13 +27,10 @@ HC_OPS = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head")
 BLOCK = (*HC_OPS, "rmsnorm", "swiglu")  # the kernels of the compiled block below
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    monkeypatch.delenv("MHCRUN_NKI_HC", raising=False)
-    monkeypatch.delenv("MHCRUN_NKI_SIM", raising=False)
-    ops.reset_kernel_stats()
-    yield
-    ops.reset_kernel_stats()
+@pytest.fixture(name="sim")
+def sim_backend():
+    """A run's hc backend with the simulator on (MHCRUN_NKI_SIM=1)."""
+    return ops.HcBackend(sim="exact")
 
 
 @pytest.fixture
@@ -59,9 +56,9 @@ def case():
     return c
 
 
-def run_all(c, torch_only: bool = False):
-    """Every public op once, in a block's order; returns the outputs by op name."""
-    t = torch_only
+def run_all(c, hc: ops.HcBackend):
+    """Every public op once, in a block's order, on `hc`; returns the outputs by op name."""
+    t = hc
     pre, post, comb = ops.hc_mixes(c["x"], c["fn"], c["hi"], c["lo"], c["scale"], c["base"], N, ITERS, EPS, NORM_EPS,
                                    t)
     return {
@@ -105,8 +102,8 @@ def _flat(v):
     return list(v) if isinstance(v, tuple) else [v]
 
 
-def assert_counts(backend: str, times: int = 1, kernels=ops.KERNEL_NAMES):
-    stats = ops.kernel_stats()
+def assert_counts(hc: ops.HcBackend, backend: str, times: int = 1, kernels=ops.KERNEL_NAMES):
+    stats = hc.stats()
     for k in kernels:
         want = {b: (times if b == backend else 0) for b in ops.BACKENDS}
         assert stats[k] == want, f"{k}: {stats[k]} != {want}"
@@ -115,37 +112,49 @@ def assert_counts(backend: str, times: int = 1, kernels=ops.KERNEL_NAMES):
 # ------------------------------------------------------------------------------------------ backends
 
 
-def test_hc_backend_follows_the_simulator_env_and_the_runs_torch_switch(monkeypatch):
-    assert ops.hc_backend("cpu") == "torch" and ops.hc_backend("neuron") == "nki"
+def test_hc_backend_follows_the_simulator_setting_and_the_runs_torch_switch():
+    assert ops.HcBackend().path("cpu") == "torch" and ops.HcBackend().path("neuron") == "nki"
+    assert ops.HcBackend(sim="exact").path("cpu") == "nki-sim" and ops.HcBackend(sim="device").path("neuron") == "nki"
+    off = ops.HcBackend(torch_only=True, sim="exact")
+    assert off.path("cpu") == "torch" and off.path("neuron") == "torch"
+
+
+def test_the_environment_sets_the_backend_through_env_only(monkeypatch):
+    """MHCRUN_NKI_SIM and MHCRUN_NKI_HC reach the ops only through the command's `Env` (read once): a run built
+    from another environment is not switched by this process's variables."""
+    from mhcrun.settings import Env
+
+    env = Env.read({"MHCRUN_NKI_SIM": "device", "MHCRUN_NKI_HC": "1"})
+    assert (env.nki_sim, env.hc_torch) == ("device", False)
+    assert Env.read({"MHCRUN_NKI_HC": "0"}).hc_torch and Env.read({}).nki_sim is None
     monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
-    assert ops.hc_backend("cpu") == "nki-sim" and ops.hc_backend("neuron") == "nki"
-    assert ops.hc_backend("cpu", torch_only=True) == "torch" and ops.hc_backend("neuron", torch_only=True) == "torch"
+    assert ops.HcBackend().path("cpu") == "torch"  # the process's variable is not read below the entry point
 
 
 def test_torch_path_equals_reference_exactly(case):
-    got, want = run_all(case), reference_all(case)
+    hc = ops.HcBackend()
+    got, want = run_all(case, hc), reference_all(case)
     for k in want:
         for a, b in zip(_flat(got[k]), _flat(want[k]), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), k
-    assert_counts("torch")
+    assert_counts(hc, "torch")
 
 
-def test_hc_disabled_calls_reference_and_counts_torch(case, monkeypatch):
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
-    got, want = run_all(case, torch_only=True), reference_all(case)
+def test_hc_disabled_calls_reference_and_counts_torch(case):
+    hc = ops.HcBackend(torch_only=True, sim="exact")
+    got, want = run_all(case, hc), reference_all(case)
     for k in want:
         for a, b in zip(_flat(got[k]), _flat(want[k]), strict=True):
             assert torch.equal(a, b), k
-    assert_counts("torch")
+    assert_counts(hc, "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+def test_sim_path_close_to_reference_and_counted(case, sim, dtype):
     for k in ("e", "x", "y", "gate", "up"):
         case[k] = case[k].to(dtype)
-    got, want = run_all(case), reference_all(case)
-    assert_counts("nki-sim")
+    got, want = run_all(case, sim), reference_all(case)
+    assert_counts(sim, "nki-sim")
     for a, b in zip(got["hc_mixes"], want["hc_mixes"], strict=True):
         assert a.dtype == torch.float32 and a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
@@ -170,30 +179,28 @@ def test_sim_path_close_to_reference_and_counted(case, monkeypatch, dtype):
     torch.testing.assert_close(y2, want["hc_post_pre"][1], rtol=1e-5 if dtype == torch.float32 else 2**-5, atol=1e-4)
 
 
-def test_sim_path_without_precomputed_split(case, monkeypatch):
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+def test_sim_path_without_precomputed_split(case, sim):
     x, fn, scale, base = case["x"], case["fn"], case["scale"], case["base"]
-    got = ops.hc_mixes(x, fn, None, None, scale, base, N, ITERS, EPS, NORM_EPS)
-    want = ops.hc_mixes(x, fn, case["hi"], case["lo"], scale, base, N, ITERS, EPS, NORM_EPS)
+    got = ops.hc_mixes(x, fn, None, None, scale, base, N, ITERS, EPS, NORM_EPS, sim)
+    want = ops.hc_mixes(x, fn, case["hi"], case["lo"], scale, base, N, ITERS, EPS, NORM_EPS, sim)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
-    assert ops.kernel_stats()["hc_mixes"]["nki-sim"] == 2
+    assert sim.stats()["hc_mixes"]["nki-sim"] == 2
 
 
-def test_unsupported_constants_and_shapes_fall_back_to_torch(case, monkeypatch):
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+def test_unsupported_constants_and_shapes_fall_back_to_torch(case, sim):
     x, fn, hi, lo, scale, base = (case[k] for k in ("x", "fn", "hi", "lo", "scale", "base"))
     for iters, eps, norm_eps in ((10, EPS, NORM_EPS), (ITERS, 1e-5, NORM_EPS), (ITERS, EPS, 1e-5)):
-        got = ops.hc_mixes(x, fn, hi, lo, scale, base, N, iters, eps, norm_eps)
+        got = ops.hc_mixes(x, fn, hi, lo, scale, base, N, iters, eps, norm_eps, sim)
         want = ref.hc_mixes(x, fn, scale, base, N, iters, eps, norm_eps)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
     hf, hh, hl, hs, hb = (case[k] for k in ("head_fn", "head_hi", "head_lo", "head_scale", "head_base"))
-    assert torch.equal(ops.hc_head(x, hf, hh, hl, hs, hb, EPS, 1e-5), ref.hc_head(x, hf, hs, hb, EPS, 1e-5))
-    assert torch.equal(ops.hc_expand(case["e"], 2), ref.hc_expand(case["e"], 2))  # n != 4
+    assert torch.equal(ops.hc_head(x, hf, hh, hl, hs, hb, EPS, 1e-5, sim), ref.hc_head(x, hf, hs, hb, EPS, 1e-5))
+    assert torch.equal(ops.hc_expand(case["e"], 2, sim), ref.hc_expand(case["e"], 2))  # n != 4
     x16, pre = x.half(), torch.rand(B, S, N)
-    assert torch.equal(ops.hc_collapse(x16, pre), ref.hc_collapse(x16, pre))  # fp16 activations
-    stats = ops.kernel_stats()
+    assert torch.equal(ops.hc_collapse(x16, pre, sim), ref.hc_collapse(x16, pre))  # fp16 activations
+    stats = sim.stats()
     assert stats["hc_mixes"] == {"torch": 3, "nki-sim": 0, "nki": 0}
     assert stats["hc_head"] == {"torch": 1, "nki-sim": 0, "nki": 0}
     assert stats["hc_expand"] == {"torch": 1, "nki-sim": 0, "nki": 0}
@@ -220,10 +227,9 @@ def test_split_hi_lo_for_fp32_activations_is_exact(case):
     assert not torch.equal(hi.float() + ops.split_hi_lo(fn)[1].float(), fn)
 
 
-def test_mixes_with_the_fp32_split_match_torch_as_closely_as_fp32_does(case, monkeypatch):
+def test_mixes_with_the_fp32_split_match_torch_as_closely_as_fp32_does(case, sim):
     """The simulator's mixes over fp32 activations with the fp32 lo are as close to float64 as torch's fp32 ones
     (seeds 0-4: 1.4e-7 to 2.0e-7 of the largest value; torch 1.4e-7 to 2.9e-7); with a bf16 lo 1.6e-6 to 2.5e-6."""
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
     c = case
     x = c["x"]
     xf = x.flatten(2).double()  # the float64 reference
@@ -231,19 +237,18 @@ def test_mixes_with_the_fp32_split_match_torch_as_closely_as_fp32_does(case, mon
     want = ref.hc_split_sinkhorn(mixes, c["scale"].double(), c["base"].double(), N, ITERS, EPS)
 
     def worst(hi, lo):
-        got = ops.hc_mixes(x, c["fn"], hi, lo, c["scale"], c["base"], N, ITERS, EPS, NORM_EPS)
+        got = ops.hc_mixes(x, c["fn"], hi, lo, c["scale"], c["base"], N, ITERS, EPS, NORM_EPS, sim)
         return max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
 
     exact, bf16_lo = worst(*ops.split_hi_lo(c["fn"], torch.float32)), worst(c["hi"], c["lo"])
-    assert ops.kernel_stats()["hc_mixes"]["nki-sim"] == 2
+    assert sim.stats()["hc_mixes"]["nki-sim"] == 2
     assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
 
 
 @pytest.mark.parametrize("t", [2, 40], ids=["hidden-layout", "tokens-layout"])
-def test_pre_step_with_the_fp32_split_is_as_close_to_float64_as_torch(t, monkeypatch):
+def test_pre_step_with_the_fp32_split_is_as_close_to_float64_as_torch(t, sim):
     """hc_pre over fp32 activations with the fp32 lo, in both layouts: y, post and comb within 5e-7 of float64
     (seeds 0-2: up to 2.3e-7; torch's own up to 3.4e-7), where a bf16 lo leaves up to 2.3e-6."""
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, t, N, D, generator=g)
     fn = torch.randn((2 + N) * N, N * D, generator=g) * (N * D) ** -0.5
@@ -255,19 +260,24 @@ def test_pre_step_with_the_fp32_split_is_as_close_to_float64_as_torch(t, monkeyp
     want = (ref_rms_norm(ref.hc_collapse(x.double(), pre), w.double(), NORM_EPS), post, comb)
 
     def worst(hi, lo):
-        got = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
+        got = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS, sim)
         return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
 
     exact, bf16_lo = worst(*ops.split_hi_lo(fn, torch.float32)), worst(*ops.split_hi_lo(fn))
-    assert ops.kernel_stats()["hc_pre"]["nki-sim"] == 2
+    assert sim.stats()["hc_pre"]["nki-sim"] == 2
     assert exact < 5e-7 < bf16_lo, (exact, bf16_lo)
 
 
-def test_kernel_stats_is_a_snapshot():
-    snap = ops.kernel_stats()
+def test_kernel_stats_is_a_snapshot_of_one_runs_counts():
+    hc, other = ops.HcBackend(), ops.HcBackend()
+    snap = hc.stats()
     assert set(snap) == set(ops.KERNEL_NAMES) and all(set(v) == set(ops.BACKENDS) for v in snap.values())
     snap["hc_expand"]["torch"] = 99
-    assert ops.kernel_stats()["hc_expand"]["torch"] == 0
+    assert hc.stats()["hc_expand"]["torch"] == 0
+    ops.hc_expand(torch.ones(1, 1, 8), N, hc)
+    assert hc.stats()["hc_expand"]["torch"] == 1 and other.stats()["hc_expand"]["torch"] == 0
+    hc.reset()
+    assert hc.stats()["hc_expand"]["torch"] == 0
 
 
 # ------------------------------------------------------------------------------------------ op registration
@@ -290,16 +300,15 @@ def _op_samples(c):
 
 
 @pytest.mark.parametrize("sim_on", [False, True], ids=["torch", "nki-sim"])
-def test_opcheck(case, monkeypatch, sim_on):
-    if sim_on:
-        monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+def test_opcheck(case, sim_on):
+    hc = ops.HcBackend(sim="exact" if sim_on else None)
     for name, args in _op_samples(case).items():
-        torch.library.opcheck(getattr(torch.ops.mhcrun, name).default, args)
-    assert sum(v["nki-sim" if sim_on else "torch"] for v in ops.kernel_stats().values()) > 0
+        torch.library.opcheck(getattr(torch.ops.mhcrun, name).default, (*args, hc.sim or "", hc.calls))
+        getattr(torch.ops.mhcrun, name)(*args, hc.sim or "", hc.calls)  # counts into the run's `calls`
+    assert_counts(hc, "nki-sim" if sim_on else "torch")
 
 
-def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
+def test_ops_compile_fullgraph_as_single_nodes(case, sim):
     graphs = []
 
     def backend(gm, example_inputs):
@@ -307,12 +316,12 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         return gm.forward
 
     def block(e, x, y, fn, hi, lo, scale, base, hfn, hhi, hlo, hscale, hbase, w, gate, up):
-        x0 = ops.hc_expand(e, N)
-        pre, post, comb = ops.hc_mixes(x, fn, hi, lo, scale, base, N, ITERS, EPS, NORM_EPS)
-        h = ops.rms_norm(ops.hc_collapse(x, pre), w, NORM_EPS)
-        x1 = ops.hc_post(h + y, x, post, comb)
-        out = ops.hc_head(x1, hfn, hhi, hlo, hscale, hbase, EPS, NORM_EPS)
-        return x0, out, ops.swiglu(gate, up, 10.0)
+        x0 = ops.hc_expand(e, N, sim)
+        pre, post, comb = ops.hc_mixes(x, fn, hi, lo, scale, base, N, ITERS, EPS, NORM_EPS, sim)
+        h = ops.rms_norm(ops.hc_collapse(x, pre, sim), w, NORM_EPS, sim)
+        x1 = ops.hc_post(h + y, x, post, comb, sim)
+        out = ops.hc_head(x1, hfn, hhi, hlo, hscale, hbase, EPS, NORM_EPS, sim)
+        return x0, out, ops.swiglu(gate, up, 10.0, sim)
 
     keys = ("e", "x", "y", "fn", "hi", "lo", "scale", "base", "head_fn", "head_hi", "head_lo", "head_scale",
             "head_base", "w", "gate", "up")  # fmt: skip
@@ -330,32 +339,31 @@ def test_ops_compile_fullgraph_as_single_nodes(case, monkeypatch):
         packet = getattr(torch.ops.mhcrun, name)
         assert sum(t in (packet, packet.default) for t in targets) == 1, name
     # the custom ops count the graph's executions: twice each, on the simulator
-    assert_counts("nki-sim", times=2, kernels=BLOCK)
-    ops.reset_kernel_stats()
+    assert_counts(sim, "nki-sim", times=2, kernels=BLOCK)
+    sim.reset()
     eager = block(*args)
-    assert_counts("nki-sim", times=1, kernels=BLOCK)
+    assert_counts(sim, "nki-sim", times=1, kernels=BLOCK)
     for a, b, c in zip(first, second, eager, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     # through AOTAutograd too (the fake kernels trace the graph, the real ones run it)
-    ops.reset_kernel_stats()
+    sim.reset()
     torch._dynamo.reset()
     try:
         aot = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
     finally:
         torch._dynamo.reset()
-    assert_counts("nki-sim", times=1, kernels=BLOCK)
+    assert_counts(sim, "nki-sim", times=1, kernels=BLOCK)
     for a, c in zip(aot, eager, strict=True):
         assert torch.equal(a, c)
 
 
-def test_site_ops_run_under_inductor(case, monkeypatch):
+def test_site_ops_run_under_inductor(case, sim):
     """The model's two site ops, hc_pre then hc_post, compiled by inductor (the CPU regions' backend): the custom
     ops run once each, in the simulator, and give the eager call's values."""
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
 
     def site(x, y, fn, hi, lo, scale, base, w):
-        h, post, comb = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS)
-        return ops.hc_post(h + y, x, post, comb)
+        h, post, comb = ops.hc_pre(x, fn, hi, lo, scale, base, w, N, ITERS, EPS, NORM_EPS, sim)
+        return ops.hc_post(h + y, x, post, comb, sim)
 
     args = [case[k] for k in ("x", "y", "fn", "hi", "lo", "scale", "base", "w")]
     torch._dynamo.reset()
@@ -363,7 +371,7 @@ def test_site_ops_run_under_inductor(case, monkeypatch):
         got = torch.compile(site, backend="inductor", fullgraph=True)(*args)
     finally:
         torch._dynamo.reset()
-    assert_counts("nki-sim", times=1, kernels=("hc_pre", "hc_post"))
+    assert_counts(sim, "nki-sim", times=1, kernels=("hc_pre", "hc_post"))
     assert torch.equal(got, site(*args))
 
 
@@ -376,19 +384,18 @@ def test_mixes_supported_matches_the_kernels():
         assert ops.mixes_supported(*args) == kernels.mixes_supported(*args), args
 
 
-def test_head_on_a_strided_last_position(case, monkeypatch):
+def test_head_on_a_strided_last_position(case, sim):
     """The model calls hc_head on x[:, -1:], a non-contiguous view."""
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
     x = case["x"][:, -1:]
     assert not x.is_contiguous()
     hf, hh, hl, hs, hb = (case[k] for k in ("head_fn", "head_hi", "head_lo", "head_scale", "head_base"))
-    got = ops.hc_head(x, hf, hh, hl, hs, hb, EPS, NORM_EPS)
+    got = ops.hc_head(x, hf, hh, hl, hs, hb, EPS, NORM_EPS, sim)
     torch.testing.assert_close(got, ref.hc_head(x, hf, hs, hb, EPS, NORM_EPS), rtol=1e-5, atol=1e-5)
-    assert ops.kernel_stats()["hc_head"]["nki-sim"] == 1
+    assert sim.stats()["hc_head"]["nki-sim"] == 1
 
 
 def test_no_neuron_import_off_device(case):
-    run_all(case)
+    run_all(case, ops.HcBackend())
     assert "torch_neuronx" not in sys.modules
 
 
@@ -415,7 +422,7 @@ def test_tp_on_neuron_joins_torchneuron_s_neuron_backend(monkeypatch):
 # ------------------------------------------------------------------------------------------ the model's regions
 
 
-def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half(monkeypatch):
+def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half():
     """The model's compiled region graphs (MHCRUN_NKI_SIM=1) call the fused kernels as custom-op nodes: every layer
     half's graph one mhcrun::hc_pre and one mhcrun::hc_post, the head's one mhcrun::hc_head, none of the unfused
     site kernels; the step counts them as it runs them."""
@@ -424,9 +431,9 @@ def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half(monkeypa
     from mhcrun.regions.runner import RegionDecoder
     from mhcrun.tiny import init_tensors, tiny_config_raw
 
-    monkeypatch.setenv("MHCRUN_NKI_SIM", "1")
     cfg = config_from_hf(dict(tiny_config_raw(), compress_ratios=[0, 4, 16], num_hidden_layers=3))
     model = build_model(cfg, init_tensors(cfg, 0), set())
+    model.opts.hc = ops.HcBackend(sim="exact")
     model.setup_caches(1, 8)
     graphs = []
 
@@ -449,6 +456,6 @@ def test_compiled_regions_hold_one_pre_and_one_post_node_per_layer_half(monkeypa
                  for k in site_ops}
         want = {"hc_head": 1} if stats.region == "head" else {"hc_pre": 1, "hc_post": 1}
         assert calls == {k: want.get(k, 0) for k in site_ops}, (stats.region, calls)
-    counts = ops.kernel_stats()
+    counts = model.opts.hc.stats()
     assert counts["hc_pre"]["nki-sim"] == counts["hc_post"]["nki-sim"] == 2 * len(model.layers)
     assert counts["hc_head"]["nki-sim"] == 1

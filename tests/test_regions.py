@@ -23,7 +23,6 @@ from mhcrun.config import config_from_hf
 from mhcrun.errors import InputError
 from mhcrun.generate import generate
 from mhcrun.model import Cache, RMSNorm, build_model
-from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
 from mhcrun.regions import runner as regions_runner
 from mhcrun.regions.runner import RegionDecoder
@@ -270,10 +269,10 @@ def test_compiled_regions_count_the_hc_kernels_the_eager_step_counts(whole3):
     counts = {}
     for label, dec in (("eager", RegionDecoder(model, "eager", None)), ("regions", whole3["dec"])):
         restore(model, whole3["start"])
-        hc_ops.reset_kernel_stats()
+        model.opts.hc.reset()
         with torch.inference_mode():
             dec(fed, pos)
-        counts[label] = hc_ops.kernel_stats()
+        counts[label] = model.opts.hc.stats()
     restore(model, whole3["start"])
     eager, n = counts["eager"], len(model.layers)
     assert counts["regions"] == eager

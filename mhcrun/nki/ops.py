@@ -3,13 +3,14 @@
 Each step is a ``torch.library.custom_op`` (``mhcrun::hc_expand``, ``mhcrun::hc_mixes``, ``mhcrun::hc_collapse``,
 ``mhcrun::hc_post``, ``mhcrun::hc_head``, ``mhcrun::rmsnorm``, ``mhcrun::swiglu``, and ``mhcrun::hc_pre``: the
 fused pre step with the sublayer's RMSNorm) with a fake kernel, so it sits
-in a ``torch.compile`` graph as one node. The public functions below pick a backend per call:
+in a ``torch.compile`` graph as one node. The public functions below pick a backend per call, from the run's
+`HcBackend` (the model's `RunOptions.hc`, made from the environment the command read: `mhcrun.settings.Env`):
 
-- ``MHCRUN_NKI_HC=0`` (read by the command into `Env`, passed as the model's `RunOptions.hc_torch`, here
-  ``torch_only``): the torch reference functions (``mhcrun.ops``) are called directly, no custom op.
+- ``MHCRUN_NKI_HC=0`` (``torch_only``): the torch reference functions (``mhcrun.ops``) are called directly, no
+  custom op.
 - a tensor on a ``neuron`` device: the real kernel of ``mhcrun/nki/kernels.py`` through
   ``torch_neuronx.nki_hop.wrap_nki`` (imported only there).
-- ``MHCRUN_NKI_SIM=1``: the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator
+- ``MHCRUN_NKI_SIM=1`` (``sim``): the custom op, whose CPU implementation runs the kernel on mhcrun's NKI simulator
   (exact fp32 engine math); ``MHCRUN_NKI_SIM=device``: the same with the simulator's device-like numerics
   (Scalar-engine activations carry the target's bounded error, ``mhcrun.nki.sim.numerics``). The simulator
   first checks kernels.py against the NKI compiler's rules; a refused kernel stops the run (``KernelRefused``,
@@ -17,9 +18,9 @@ in a ``torch.compile`` graph as one node. The public functions below pick a back
 - otherwise (a CPU or CUDA tensor): the torch reference, as plain torch that a compiled region can fuse.
 
 Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)
-always take the torch reference. Environment variables are read at call time (inside a compiled graph: when
-the graph is traced for the backend choice, when it runs for the simulator switch). ``kernel_stats()`` counts
-real executions per kernel and backend: the custom ops count inside their implementation, so calls from
+always take the torch reference. The simulator's numerics are an argument of each custom op (fixed into a compiled
+graph when it is traced). ``HcBackend.stats()`` counts real executions per kernel and backend: the custom ops
+count inside their implementation into the backend's ``calls`` tensor (one of their arguments), so calls from
 compiled graphs are counted when the graph runs.
 """
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -88,67 +89,67 @@ def mixes_supported(hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: 
 
 # ------------------------------------------------------------------------------------------ stats, backend choice
 
-_STATS: dict[str, dict[str, int]] = {k: dict.fromkeys(BACKENDS, 0) for k in KERNEL_NAMES}
+def _tally(calls: Tensor, kernel: str, backend: str, n: int = 1) -> None:
+    calls[KERNEL_NAMES.index(kernel), BACKENDS.index(backend)] += n
 
 
-def _count(kernel: str, backend: str) -> None:
-    if torch.compiler.is_compiling():  # a traced count would be a guard on the counter: a recompile per call
-        return
-    _STATS[kernel][backend] += 1
+def _new_calls() -> Tensor:
+    return torch.zeros(len(KERNEL_NAMES), len(BACKENDS), dtype=torch.int64)
 
 
-def record_calls(kernel: str, backend: str, n: int) -> None:
-    """Count n executions that happened inside a compiled graph, where `_count` cannot (see RegionDecoder)."""
-    _STATS[kernel][backend] += n
+@dataclass(frozen=True)
+class HcBackend:
+    """A run's backend for the hc steps (the model's `RunOptions.hc`) and its count of their executions.
+
+    `torch_only` (MHCRUN_NKI_HC=0): always the torch reference. `sim` (MHCRUN_NKI_SIM: "exact" or "device", None
+    off): CPU calls run the kernels in the simulator with those numerics. `calls` [kernel, backend] counts
+    executions (KERNEL_NAMES x BACKENDS): eager calls here, the custom ops as they run (also inside compiled
+    graphs: `calls` is one of their arguments, which they update), and the regions' torch calls per step
+    (`count`)."""
+
+    torch_only: bool = False
+    sim: str | None = None
+    calls: Tensor = field(default_factory=_new_calls, compare=False, repr=False)
+
+    def path(self, device_type: str) -> str:
+        """The backend a kernel call on a tensor of ``device_type`` takes: "torch", "nki-sim" or "nki"."""
+        if self.torch_only:
+            return "torch"
+        if device_type == "neuron":
+            return "nki"
+        return "nki-sim" if self.sim else "torch"
+
+    def count(self, kernel: str, backend: str, n: int = 1) -> None:
+        """Count n executions outside a custom op (an eager call, or a compiled region's torch calls)."""
+        if torch.compiler.is_compiling():  # a traced count would be a guard on the counter: a recompile per call
+            return
+        _tally(self.calls, kernel, backend, n)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Executions per kernel ("hc_expand", ..., "swiglu") per backend ("torch", "nki-sim", "nki")."""
+        rows = self.calls.tolist()
+        return {k: dict(zip(BACKENDS, rows[i], strict=True)) for i, k in enumerate(KERNEL_NAMES)}
+
+    def reset(self) -> None:
+        self.calls.zero_()
 
 
-def kernel_stats() -> dict[str, dict[str, int]]:
-    """Executions per kernel ("hc_expand", ..., "swiglu") per backend ("torch", "nki-sim", "nki")."""
-    return {k: dict(v) for k, v in _STATS.items()}
+def _count(hc: HcBackend | None, kernel: str, backend: str) -> None:
+    if hc is not None:
+        hc.count(kernel, backend)
 
 
-def reset_kernel_stats() -> None:
-    for v in _STATS.values():
-        for b in v:
-            v[b] = 0
-
-
-SIM_MODES = {"1": "exact", "device": "device"}  # MHCRUN_NKI_SIM value -> simulator numerics
-
-
-def sim_mode() -> str | None:
-    """The simulator's numerics under MHCRUN_NKI_SIM ("exact" for 1, "device"), None when the simulator is off."""
-    return SIM_MODES.get(os.environ.get("MHCRUN_NKI_SIM", "0"))
-
-
-def _sim_enabled() -> bool:
-    return sim_mode() is not None
-
-
-def hc_backend(device_type: str, torch_only: bool = False) -> str:
-    """The backend a kernel call on a tensor of ``device_type`` takes now: "torch", "nki-sim" or "nki";
-    `torch_only` (a run's MHCRUN_NKI_HC=0, `RunOptions.hc_torch`): always the torch reference."""
-    if torch_only:
-        return "torch"
-    if device_type == "neuron":
-        return "nki"
-    return "nki-sim" if _sim_enabled() else "torch"
-
-
-_NEURON_CALLERS: dict = {}
-
-
+@functools.cache
 def _neuron_kernel(name: str):
     """The real kernel ``name`` of kernels.py wrapped for torch-neuronx (a higher-order op usable under compile)."""
-    if name not in _NEURON_CALLERS:
-        from torch_neuronx.nki_hop import wrap_nki
+    from torch_neuronx.nki_hop import wrap_nki
 
-        _NEURON_CALLERS[name] = wrap_nki(getattr(importlib.import_module("mhcrun.nki.kernels"), name))
-    return _NEURON_CALLERS[name]
+    return wrap_nki(getattr(importlib.import_module("mhcrun.nki.kernels"), name))
 
 
-def _sim_kernel(name: str):
-    return getattr(sim_kernels(KERNEL_SOURCE, sim_mode() or "exact"), name)
+def _sim_getter(sim: str) -> Callable[[str], Callable]:
+    """name -> the kernel of kernels.py in the simulator with numerics `sim` ("exact" or "device")."""
+    return lambda name: getattr(sim_kernels(KERNEL_SOURCE, sim), name)
 
 
 def split_hi_lo(fn: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
@@ -311,145 +312,145 @@ def _run_swiglu(get, gate: Tensor, up: Tensor, limit: float) -> Tensor:
 # ------------------------------------------------------------------------------------------ custom ops
 
 
-@torch.library.custom_op("mhcrun::hc_expand", mutates_args=())
-def _hc_expand_op(e: Tensor, n: int) -> Tensor:
-    if _sim_enabled() and _expand_ok(e, n):
-        _count("hc_expand", "nki-sim")
-        return _run_expand(_sim_kernel, e, n)
-    _count("hc_expand", "torch")
+@torch.library.custom_op("mhcrun::hc_expand", mutates_args=("calls",))
+def _hc_expand_op(e: Tensor, n: int, sim: str, calls: Tensor) -> Tensor:
+    if sim and _expand_ok(e, n):
+        _tally(calls, "hc_expand", "nki-sim")
+        return _run_expand(_sim_getter(sim), e, n)
+    _tally(calls, "hc_expand", "torch")
     return _ref.hc_expand(e, n).contiguous()
 
 
 @_hc_expand_op.register_fake
-def _(e: Tensor, n: int) -> Tensor:
+def _(e: Tensor, n: int, sim: str, calls: Tensor) -> Tensor:
     return e.new_empty((*e.shape[:-1], n, e.shape[-1]))
 
 
-@torch.library.custom_op("mhcrun::hc_mixes", mutates_args=())
+@torch.library.custom_op("mhcrun::hc_mixes", mutates_args=("calls",))
 def _hc_mixes_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
-                 eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    if _sim_enabled() and _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
-        _count("hc_mixes", "nki-sim")
-        return _run_mixes(_sim_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
-    _count("hc_mixes", "torch")
+                 eps: float, norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if sim and _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
+        _tally(calls, "hc_mixes", "nki-sim")
+        return _run_mixes(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, norm_eps)
+    _tally(calls, "hc_mixes", "torch")
     pre, post, comb = _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
     return pre.contiguous(), post.contiguous(), comb.contiguous()
 
 
 @_hc_mixes_op.register_fake
-def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
+def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps, sim, calls):
     lead = x.shape[:-2]
     f32 = torch.float32
     return x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n), dtype=f32), x.new_empty((*lead, n, n), dtype=f32)
 
 
-@torch.library.custom_op("mhcrun::hc_pre", mutates_args=())
+@torch.library.custom_op("mhcrun::hc_pre", mutates_args=("calls",))
 def _hc_pre_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, weight: Tensor, n: int,
-               iters: int, eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    if _sim_enabled() and _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
-        _count("hc_pre", "nki-sim")
-        return _run_pre(_sim_kernel, x, fn_hi, fn_lo, scale, base, weight, norm_eps)
-    _count("hc_pre", "torch")
+               iters: int, eps: float, norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if sim and _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+        _tally(calls, "hc_pre", "nki-sim")
+        return _run_pre(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _tally(calls, "hc_pre", "torch")
     y, post, comb = _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
     return y.contiguous(), post.contiguous(), comb.contiguous()
 
 
 @_hc_pre_op.register_fake
-def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, sim, calls):
     lead = x.shape[:-2]
     f32 = torch.float32
     return (x.new_empty((*lead, x.shape[-1])), x.new_empty((*lead, n), dtype=f32),
             x.new_empty((*lead, n, n), dtype=f32))  # fmt: skip
 
 
-@torch.library.custom_op("mhcrun::hc_post_pre", mutates_args=())
+@torch.library.custom_op("mhcrun::hc_post_pre", mutates_args=("calls",))
 def _hc_post_pre_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor,
                     scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
-                    norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _sim_enabled() and _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                    norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if sim and _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
                                        norm_eps):
-        _count("hc_post_pre", "nki-sim")
-        return _run_post_pre(_sim_kernel, y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps)
-    _count("hc_post_pre", "torch")
+        _tally(calls, "hc_post_pre", "nki-sim")
+        return _run_post_pre(_sim_getter(sim), y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps)
+    _tally(calls, "hc_post_pre", "torch")
     return tuple(t.contiguous() for t in _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps,
                                                        norm_eps))
 
 
 @_hc_post_pre_op.register_fake
-def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
+def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, sim, calls):
     f32 = torch.float32
     return (residual.new_empty(residual.shape, dtype=y.dtype), y.new_empty(y.shape),
             post.new_empty(post.shape, dtype=f32), comb.new_empty(comb.shape, dtype=f32))  # fmt: skip
 
 
-@torch.library.custom_op("mhcrun::hc_collapse", mutates_args=())
-def _hc_collapse_op(x: Tensor, pre: Tensor) -> Tensor:
-    if _sim_enabled() and _collapse_ok(x, pre):
-        _count("hc_collapse", "nki-sim")
-        return _run_collapse(_sim_kernel, x, pre)
-    _count("hc_collapse", "torch")
+@torch.library.custom_op("mhcrun::hc_collapse", mutates_args=("calls",))
+def _hc_collapse_op(x: Tensor, pre: Tensor, sim: str, calls: Tensor) -> Tensor:
+    if sim and _collapse_ok(x, pre):
+        _tally(calls, "hc_collapse", "nki-sim")
+        return _run_collapse(_sim_getter(sim), x, pre)
+    _tally(calls, "hc_collapse", "torch")
     return _ref.hc_collapse(x, pre).contiguous()
 
 
 @_hc_collapse_op.register_fake
-def _(x: Tensor, pre: Tensor) -> Tensor:
+def _(x: Tensor, pre: Tensor, sim: str, calls: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-2], x.shape[-1]))
 
 
-@torch.library.custom_op("mhcrun::hc_post", mutates_args=())
-def _hc_post_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    if _sim_enabled() and _post_ok(y, residual, post, comb):
-        _count("hc_post", "nki-sim")
-        return _run_post(_sim_kernel, y, residual, post, comb)
-    _count("hc_post", "torch")
+@torch.library.custom_op("mhcrun::hc_post", mutates_args=("calls",))
+def _hc_post_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, sim: str, calls: Tensor) -> Tensor:
+    if sim and _post_ok(y, residual, post, comb):
+        _tally(calls, "hc_post", "nki-sim")
+        return _run_post(_sim_getter(sim), y, residual, post, comb)
+    _tally(calls, "hc_post", "torch")
     return _ref.hc_post(y, residual, post, comb).contiguous()
 
 
 @_hc_post_op.register_fake
-def _(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def _(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, sim: str, calls: Tensor) -> Tensor:
     return residual.new_empty(residual.shape, dtype=y.dtype)
 
 
-@torch.library.custom_op("mhcrun::hc_head", mutates_args=())
+@torch.library.custom_op("mhcrun::hc_head", mutates_args=("calls",))
 def _hc_head_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, eps: float,
-                norm_eps: float) -> Tensor:
-    if _sim_enabled() and _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
-        _count("hc_head", "nki-sim")
-        return _run_head(_sim_kernel, x, fn_hi, fn_lo, scale, base, norm_eps)
-    _count("hc_head", "torch")
+                norm_eps: float, sim: str, calls: Tensor) -> Tensor:
+    if sim and _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
+        _tally(calls, "hc_head", "nki-sim")
+        return _run_head(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, norm_eps)
+    _tally(calls, "hc_head", "torch")
     return _ref.hc_head(x, fn, scale, base, eps, norm_eps).contiguous()
 
 
 @_hc_head_op.register_fake
-def _(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps):
+def _(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps, sim, calls):
     return x.new_empty((*x.shape[:-2], x.shape[-1]))
 
 
-@torch.library.custom_op("mhcrun::rmsnorm", mutates_args=())
-def _rmsnorm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if _sim_enabled() and _rmsnorm_ok(x, weight):
-        _count("rmsnorm", "nki-sim")
-        return _run_rmsnorm(_sim_kernel, x, weight, eps)
-    _count("rmsnorm", "torch")
+@torch.library.custom_op("mhcrun::rmsnorm", mutates_args=("calls",))
+def _rmsnorm_op(x: Tensor, weight: Tensor, eps: float, sim: str, calls: Tensor) -> Tensor:
+    if sim and _rmsnorm_ok(x, weight):
+        _tally(calls, "rmsnorm", "nki-sim")
+        return _run_rmsnorm(_sim_getter(sim), x, weight, eps)
+    _tally(calls, "rmsnorm", "torch")
     return _ref_rms_norm(x, weight, eps).contiguous()
 
 
 @_rmsnorm_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _(x: Tensor, weight: Tensor, eps: float, sim: str, calls: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("mhcrun::swiglu", mutates_args=())
-def _swiglu_op(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    if _sim_enabled() and _swiglu_ok(gate, up):
-        _count("swiglu", "nki-sim")
-        return _run_swiglu(_sim_kernel, gate, up, limit)
-    _count("swiglu", "torch")
+@torch.library.custom_op("mhcrun::swiglu", mutates_args=("calls",))
+def _swiglu_op(gate: Tensor, up: Tensor, limit: float, sim: str, calls: Tensor) -> Tensor:
+    if sim and _swiglu_ok(gate, up):
+        _tally(calls, "swiglu", "nki-sim")
+        return _run_swiglu(_sim_getter(sim), gate, up, limit)
+    _tally(calls, "swiglu", "torch")
     return _ref_swiglu(gate, up, limit).contiguous()
 
 
 @_swiglu_op.register_fake
-def _(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+def _(gate: Tensor, up: Tensor, limit: float, sim: str, calls: Tensor) -> Tensor:
     return gate.new_empty(gate.shape, dtype=torch.float32)
 
 
@@ -457,30 +458,30 @@ def _(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 
 def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: Callable[[], object],
-              op: Callable[[], object], torch_only: bool = False):
-    """One call of kernel `name` on tensors like `t`: the real kernel on a neuron device (when it covers the
-    shapes), the custom op with MHCRUN_NKI_SIM=1 (its CPU implementation runs the kernel in the simulator and
-    counts), else the torch reference: plain torch that a compiled region can fuse."""
-    path = hc_backend(t.device.type, torch_only)
-    if path == "nki-sim" and not torch.compiler.is_compiling():
-        sim_kernels(KERNEL_SOURCE, sim_mode())  # a refused kernel stops the run here, outside the custom op
-    if path == "nki" and ok():
-        _count(name, "nki")
-        return run(_neuron_kernel)
+              op: Callable[[str, Tensor], object], hc: HcBackend | None):
+    """One call of kernel `name` on tensors like `t` under `hc` (None: the torch reference, uncounted): the real
+    kernel on a neuron device (when it covers the shapes), the custom op in the simulator (its CPU implementation
+    runs the kernel and counts), else the torch reference: plain torch that a compiled region can fuse."""
+    path = "torch" if hc is None else hc.path(t.device.type)
     if path == "nki-sim":
-        return op()
-    _count(name, "torch")
+        if not torch.compiler.is_compiling():
+            sim_kernels(KERNEL_SOURCE, hc.sim)  # a refused kernel stops the run here, outside the custom op
+        return op(hc.sim, hc.calls)
+    if path == "nki" and ok():
+        hc.count(name, "nki")
+        return run(_neuron_kernel)
+    _count(hc, name, "torch")
     return ref()
 
 
-def hc_expand(e: Tensor, n: int, torch_only: bool = False) -> Tensor:
+def hc_expand(e: Tensor, n: int, hc: HcBackend | None = None) -> Tensor:
     """[b, s, d] -> [b, s, n, d]: n identical copies (mhcrun.ops.hc.hc_expand)."""
     return _dispatch("hc_expand", e, lambda: _expand_ok(e, n), lambda get: _run_expand(get, e, n),
-                     lambda: _ref.hc_expand(e, n), lambda: torch.ops.mhcrun.hc_expand(e, n), torch_only)
+                     lambda: _ref.hc_expand(e, n), lambda *b: torch.ops.mhcrun.hc_expand(e, n, *b), hc)
 
 
 def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor, n: int,
-             iters: int, eps: float, norm_eps: float, torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+             iters: int, eps: float, norm_eps: float, hc: HcBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x [b, s, n, d] -> pre [b, s, n], post [b, s, n], comb [b, s, n, n] (fp32), as mhcrun.ops.hc.hc_mixes.
 
     ``fn`` is the fp32 weight (torch path); ``fn_hi`` / ``fn_lo`` its ``split_hi_lo`` (kernel paths; split here
@@ -490,19 +491,19 @@ def hc_mixes(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, 
         return _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
 
     if not mixes_supported(n, iters, eps, norm_eps):
-        _count("hc_mixes", "torch")
+        _count(hc, "hc_mixes", "torch")
         return ref()
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_mixes", x, lambda: _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
                      lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
-                     lambda: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
-                     torch_only)
+                     lambda *b: torch.ops.mhcrun.hc_mixes(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps,
+                                                          *b), hc)
 
 
 def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
            weight: Tensor, n: int, iters: int, eps: float, norm_eps: float,
-           torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+           hc: HcBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The mHC pre step of a site and its sublayer's RMSNorm in one kernel: x [b, s, n, d] ->
     y [b, s, d] = rms_norm(hc_collapse(x, pre), weight, norm_eps), post [b, s, n], comb [b, s, n, n] (fp32).
     The same values as hc_mixes, hc_collapse and rms_norm one after the other (the layer's RMSNorm epsilon is
@@ -511,74 +512,74 @@ def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, sc
         return _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
 
     if not mixes_supported(n, iters, eps, norm_eps):
-        _count("hc_pre", "torch")
+        _count(hc, "hc_pre", "torch")
         return ref()
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_pre", x, lambda: _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps),
                      lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps), ref,
-                     lambda: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
-                                                     norm_eps), torch_only)
+                     lambda *b: torch.ops.mhcrun.hc_pre(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
+                                                     norm_eps, *b), hc)
 
 
 def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
                 fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
-                norm_eps: float, torch_only: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                norm_eps: float, hc: HcBackend | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A site's post step and the next site's pre step (``fn`` ... ``weight`` are the next site's): the new streams
     [b, s, n, d] and hc_pre's (y, post, comb) of them. One kernel for decode rows (b * s <= DECODE_MAX_T), where
     the streams stay on chip between the two; above, hc_post then hc_pre."""
     rows = y.numel() // max(y.shape[-1], 1)
     if rows > DECODE_MAX_T or not mixes_supported(n, iters, eps, norm_eps):
-        x_new = hc_post(y, residual, post, comb, torch_only)
-        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, torch_only))
+        x_new = hc_post(y, residual, post, comb, hc)
+        return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, hc))
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
     return _dispatch("hc_post_pre", y, lambda: _post_pre_ok(*args, n, iters, eps, norm_eps),
                      lambda get: _run_post_pre(get, *args, norm_eps),
                      lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
-                     lambda: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
-                                                          weight, n, iters, eps, norm_eps), torch_only)
+                     lambda *b: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
+                                                          weight, n, iters, eps, norm_eps, *b), hc)
 
 
-def hc_collapse(x: Tensor, pre: Tensor, torch_only: bool = False) -> Tensor:
+def hc_collapse(x: Tensor, pre: Tensor, hc: HcBackend | None = None) -> Tensor:
     """sum_m pre[m] * x[m] in fp32, in x's dtype: x [b, s, n, d], pre [b, s, n] -> [b, s, d]."""
     return _dispatch("hc_collapse", x, lambda: _collapse_ok(x, pre), lambda get: _run_collapse(get, x, pre),
-                     lambda: _ref.hc_collapse(x, pre), lambda: torch.ops.mhcrun.hc_collapse(x, pre), torch_only)
+                     lambda: _ref.hc_collapse(x, pre), lambda *b: torch.ops.mhcrun.hc_collapse(x, pre, *b), hc)
 
 
-def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, torch_only: bool = False) -> Tensor:
+def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, hc: HcBackend | None = None) -> Tensor:
     """X'[o] = post[o] * y + sum_i comb[i, o] * R[i]: y [b, s, d], residual [b, s, n, d] -> [b, s, n, d]."""
     return _dispatch("hc_post", y, lambda: _post_ok(y, residual, post, comb),
                      lambda get: _run_post(get, y, residual, post, comb),
                      lambda: _ref.hc_post(y, residual, post, comb),
-                     lambda: torch.ops.mhcrun.hc_post(y, residual, post, comb), torch_only)
+                     lambda *b: torch.ops.mhcrun.hc_post(y, residual, post, comb, *b), hc)
 
 
 def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,
-            eps: float, norm_eps: float, torch_only: bool = False) -> Tensor:
+            eps: float, norm_eps: float, hc: HcBackend | None = None) -> Tensor:
     """V4's final collapse (mhcrun.ops.hc.hc_head): x [b, s, n, d] -> [b, s, d]."""
     def ref():
         return _ref.hc_head(x, fn, scale, base, eps, norm_eps)
 
     if not mixes_supported(HC_MULT, SINKHORN_ITERS, eps, norm_eps):
-        _count("hc_head", "torch")
+        _count(hc, "hc_head", "torch")
         return ref()
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_head", x, lambda: _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps),
                      lambda get: _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
-                     lambda: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps), torch_only)
+                     lambda *b: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps, *b), hc)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, torch_only: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, hc: HcBackend | None = None) -> Tensor:
     """RMSNorm in fp32, cast back to x's dtype (mhcrun.ops.norm.rms_norm)."""
     return _dispatch("rmsnorm", x, lambda: _rmsnorm_ok(x, weight), lambda get: _run_rmsnorm(get, x, weight, eps),
-                     lambda: _ref_rms_norm(x, weight, eps), lambda: torch.ops.mhcrun.rmsnorm(x, weight, eps),
-                     torch_only)
+                     lambda: _ref_rms_norm(x, weight, eps), lambda *b: torch.ops.mhcrun.rmsnorm(x, weight, eps, *b),
+                     hc)
 
 
-def swiglu(gate: Tensor, up: Tensor, limit: float, torch_only: bool = False) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, limit: float, hc: HcBackend | None = None) -> Tensor:
     """silu(min(g, L)) * clamp(u, -L, L) in fp32 (mhcrun.ops.moe.swiglu)."""
     return _dispatch("swiglu", gate, lambda: _swiglu_ok(gate, up), lambda get: _run_swiglu(get, gate, up, limit),
-                     lambda: _ref_swiglu(gate, up, limit), lambda: torch.ops.mhcrun.swiglu(gate, up, limit), torch_only)
+                     lambda: _ref_swiglu(gate, up, limit), lambda *b: torch.ops.mhcrun.swiglu(gate, up, limit, *b), hc)

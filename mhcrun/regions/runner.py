@@ -22,7 +22,6 @@ import torch
 
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, MoE, Probe, Transformer
-from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import qgemv
 from mhcrun.ops.quant import hadamard
 
@@ -222,11 +221,12 @@ class RegionDecoder:
     def count_torch_hc_calls(self, device_type: str) -> None:
         """hc steps on the torch path inside compiled graphs are not counted as they run (a counter in a
         graph would recompile it): count this step's here. The custom ops (simulator) count themselves."""
-        if self.backend is None or hc_ops.hc_backend(device_type, self.model.opts.hc_torch) != "torch":
+        hc = self.model.opts.hc
+        if self.backend is None or hc.path(device_type) != "torch":
             return
         n = len(self.model.layers)
         for kernel, calls in (("hc_pre", 2 * n), ("hc_post", 2 * n), ("hc_head", 1)):  # hc_expand runs eagerly
-            hc_ops.record_calls(kernel, "torch", calls)
+            hc.count(kernel, "torch", calls)
 
     def graph_count(self) -> int:
         return sum(s.graphs for s in self.stats)
