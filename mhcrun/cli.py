@@ -188,7 +188,7 @@ def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
 
     t0 = time.perf_counter()
     with bytes_progress(f"checking {runner.path.name}", quiet) as progress:
-        bad = check_weights(runner.plan, progress)
+        bad = check_weights(runner.plan, runner.scan, progress)
     return bad, sum(runner.plan.bytes_by_dtype.values()), time.perf_counter() - t0
 
 
@@ -733,9 +733,9 @@ def info(
         from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        st = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)[0]
+        st, env = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)
         chunk = st.prefill_chunk
-        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp))
+        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
         if batch < 1 or not 1 <= tokens <= longest:

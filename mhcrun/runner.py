@@ -24,6 +24,7 @@ from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.ops import qgemv
 from mhcrun.ops.qlinear import ScaledMM
+from mhcrun.ops.scan import open_scan
 from mhcrun.parallel import SINGLE, Shard
 from mhcrun.settings import DEVICES, Env, check_choice
 from mhcrun.tokenizer import Tokenizer
@@ -60,6 +61,11 @@ class Runner:
         return self.layers or self.config.n_layers
 
     @functools.cached_property
+    def scan(self) -> ctypes.CDLL | None:
+        """scan.cpp's library for checking the weights (`mhcrun.ops.scan`), opened on first use; None: torch's."""
+        return open_scan(self.env)
+
+    @functools.cached_property
     def identity(self) -> dict:
         """What a golden file records to name the model it was made with (hashed once, on first use)."""
         name = "tiny" if self.path.resolve() == DEFAULT_MODEL.resolve() else self.path.name
@@ -82,7 +88,7 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp)
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp, self.mtp)
@@ -168,7 +174,8 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
-                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp=mtp)
+                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False,
+                env: Env | None = None) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, env, mtp)
     runner.load(progress)
     return runner

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mhcrun.ops import native
 from mhcrun.ops.qweight import QWeight
+from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
@@ -50,7 +51,8 @@ def _chosen_isa() -> int:
 
 def build(cache: Path | None = None) -> Path:
     """Compile qgemv.cpp (once per source, compiler and flags) and return the shared library's path."""
-    return native.build(SOURCE, cache)
+    env = Env.read()
+    return native.build(SOURCE, cache or env.kernel_cache, env.cxx)
 
 
 def _load() -> ctypes.CDLL | None:
