@@ -399,8 +399,7 @@ def generate(
             results[0].stats["prompt_cache"] = cache_note
         kernel = None
         if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
-            from mhcrun.ops import qgemv
-            kernel = qgemv.status()
+            kernel = runner.model.opts.cpu.status()
             for res in results:
                 res.stats["cpu_gemv_kernel"] = kernel
         for name, text, res in zip(names, texts, results, strict=True):

@@ -22,7 +22,7 @@ from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
-from mhcrun.ops import qgemv
+from mhcrun.ops.qgemv import KERNEL_OFF, open_cpu_kernel
 from mhcrun.ops.qlinear import ScaledMM
 from mhcrun.ops.scan import open_scan
 from mhcrun.parallel import SINGLE, Shard
@@ -95,11 +95,12 @@ class Runner:
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         self.model.opts.hc_torch = self.env.hc_torch
+        # the fused GEMV kernel, on a CPU: built (first run only) and loaded now, not inside prefill
+        self.model.opts.cpu = open_cpu_kernel(self.env) if self.device == "cpu" else KERNEL_OFF
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
-            qgemv.available()  # build (first run only) or load the fused GEMV kernel now, not inside prefill
         return self.model
 
 

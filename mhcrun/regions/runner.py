@@ -23,7 +23,6 @@ import torch
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops import qgemv
 from mhcrun.ops.quant import hadamard
 
 
@@ -168,8 +167,6 @@ class RegionDecoder:
     def __init__(self, model: Transformer, mode: str = "regions", backend: str | None = "inductor",
                  stages: str = "whole", cuda_graphs: bool = False):
         self.model, self.mode, self.stages = model, mode, stages
-        if model.device.type == "cpu":
-            qgemv.available()  # build/load the fused GEMV kernel now: graphs decide on it while tracing
         hadamard(torch.zeros(1, model.cfg.index_head_dim, device=model.device))  # fill its cache now
         for block in model.layers:
             block.ffn.gather_experts()
