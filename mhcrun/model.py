@@ -40,8 +40,8 @@ from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel
-from mhcrun.ops.qlinear import ExpertSet, ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, register_experts
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet, expert_set
+from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
@@ -403,17 +403,18 @@ class MoE(nn.Module):
 
     def gather_experts(self) -> None:
         """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): where
-        the run's fused CPU kernel takes them, it reads kept-quantised experts where they are (a handle to the set,
-        `qlinear.register_experts`); else they are stacked [E, out, in] (a copy) and each expert keeps a view of
-        the stack, so their bytes are not held twice."""
+        the run's fused CPU kernel takes every one of them, it reads kept-quantised experts where they are (their
+        addresses, `qgemv.expert_set`; the experts' Linears keep the bytes alive); else they are stacked
+        [E, out, in] (a copy) and each expert keeps a view of the stack, so their bytes are not held twice."""
         if self.gathered:
             return
         experts = [self.experts[e] for e in self.owned]
         for name in ("w1", "w2", "w3"):
             lins = [getattr(e, name) for e in experts]
             first = lins[0].w
-            if first.fmt != "float" and self.opts.cpu.takes(first, 1):
-                self.gathered[name] = register_experts(self, [m.w for m in lins])
+            in_place = expert_set([m.w for m in lins]) if self.opts.cpu.on else None
+            if in_place is not None:
+                self.gathered[name] = in_place
                 continue
             data = torch.stack([m.w.data for m in lins])
             scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])

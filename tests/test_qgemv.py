@@ -9,7 +9,6 @@ and qlinear gives the reference's values; NaN codes come out as NaN rows, as the
 
 from __future__ import annotations
 
-import gc
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -21,9 +20,8 @@ from conftest import cpu_kernel
 from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, qw, reference_weight, weight_of
 
 from mhcrun.ops import native, qgemv
-from mhcrun.ops.qgemv import CpuKernel, open_cpu_kernel
-from mhcrun.ops.qlinear import _EXPERT_SETS as EXPERT_SETS
-from mhcrun.ops.qlinear import dequantize, qlinear, register_experts
+from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
+from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
 from mhcrun.ops.qweight import QWeight
 from mhcrun.settings import Env
@@ -248,18 +246,27 @@ def test_build_failure_is_one_line(tmp_path):
 
 @needs_kernel
 def test_kernels_decline_when_subnormals_are_flushed():
+    """The GEMV and the rounding decline (their callers take torch's path); the expert-set op, which holds no
+    tensors to fall back on, says why it cannot run."""
     kernel = cpu_kernel()
     g = gen(1100)
     w, s = fp8_weight(64, 64, 32, g)
     x = torch.randn(1, 1, 64, generator=g)
+    wq = qw(w, s, 32)
+    experts = expert_set([wq])
+    args = (experts.ptrs, torch.zeros(1, 1, dtype=torch.int64), experts.fmt, experts.kind, experts.block, 64,
+            kernel.library, kernel.isa)
     if not torch.set_flush_denormal(True):
         pytest.skip("no flush-denormal mode on this CPU")
     try:
-        assert kernel.qgemv(x, qw(w, s, 32), 1) is None
+        assert kernel.qgemv(x, wq, 1) is None
         assert kernel.act_quant_fp8(x, 128) is None
+        with pytest.raises(RuntimeError, match="flushes subnormals"):
+            torch.ops.mhcrun.qgemv_expert_set(x, *args)
     finally:
         torch.set_flush_denormal(False)
-    assert kernel.qgemv(x, qw(w, s, 32), 1) is not None
+    assert kernel.qgemv(x, wq, 1) is not None
+    assert torch.equal(torch.ops.mhcrun.qgemv_expert_set(x, *args)[:, 0], kernel.qgemv(x, wq, 1)[:, 0])
 
 
 # ---------------------------------------------------------------- activation quantisation
@@ -340,34 +347,39 @@ def test_generate_reports_the_kernel(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
-    """mhcrun::qgemv_expert_set: a registered set of expert weights, each row of x through its own experts
-    (repeats, one x per row or one per expert slot, more rows of one expert than a kernel call takes); the set
-    is dropped with its owner."""
+    """mhcrun::qgemv_expert_set: a set of expert weights by their addresses (no copy), each row of x through its
+    own experts (repeats, one x per row or one per expert slot, more rows of one expert than a kernel call
+    takes)."""
     g = gen(1400)
     experts = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g) for _ in range(5)]
     refs = [reference_weight(w, s, fmt, 32) for w, s in experts]
-
-    class Layer:
-        pass
-
-    owner = Layer()
-    experts_set = register_experts(owner, [qw(w, s, 32) for w, s in experts])
-    handle = experts_set.handle
-    assert experts_set.out_features == 64
+    weights = [qw(w, s, 32) for w, s in experts]  # kept alive here, as a layer keeps its experts
+    found = expert_set(weights)
+    assert found.out_features == 64 and found.ptrs.shape == (5, 2)
+    assert found.ptrs[:, 0].tolist() == [w.data.data_ptr() for w in weights]  # read where they lie
+    assert found.ptrs[:, 1].tolist() == [w.scale.data_ptr() for w in weights]
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):
             x = torch.randn(idx.shape[0], slots, 96, generator=g)
-            y = torch.ops.mhcrun.qgemv_expert_set(x, handle, idx, 64, isa.library, isa.isa)
+            y = torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, idx, found.fmt, found.kind, found.block, 64,
+                                                  isa.library, isa.isa)
             assert y.shape == (*idx.shape, 64)
             for b, row in enumerate(idx.tolist()):
                 for j, e in enumerate(row):
                     xr = x[b, j if slots > 1 else 0][None]
                     assert_gemm_close(y[b, j][None], F.linear(xr, refs[e]), xr, refs[e])
-    assert int(handle) in EXPERT_SETS
-    del owner
-    gc.collect()
-    assert int(handle) not in EXPERT_SETS
+
+
+def test_expert_set_only_of_weights_the_kernel_takes_alike():
+    """A set is made only where the kernel takes every expert in one layout; else None (the layer stacks them)."""
+    g = gen(1450)
+    (w, s), (w2, s2) = fp8_weight(64, 96, 32, g), fp8_weight(64, 96, 32, g)
+    assert expert_set([qw(w, s, 32), qw(w2, s2, 32)]) is not None
+    assert expert_set([qw(w, s, 32), qw(w2, torch.full((2, 3), 2.0**125), 32)]) is None  # scales could overflow
+    assert expert_set([qw(w, s, 32), qw(w2, s2.float(), 32)]) is None  # e8m0 beside fp32 scales
+    assert expert_set([qw(w, s, 32), qw(*fp8_weight(64, 64, 32, g), 32)]) is None  # another shape
+    assert expert_set([qw(torch.randn(64, 96).to(torch.bfloat16))]) is None  # bf16 experts stay stacked
 
 
 @needs_kernel

@@ -13,6 +13,9 @@ it, else AVX2 (MHCRUN_CPU_KERNEL=avx2 in the run's `Env` picks AVX2 on an AVX-51
 Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kernel is off (`CpuKernel.on` is
 False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
 (a model built without a runner) the kernel is `KERNEL_OFF`.
+
+Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
+scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
 """
 
 from __future__ import annotations
@@ -163,3 +166,33 @@ def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
         return w.scale.contiguous(), 1
     return w.scale.view(torch.uint8).contiguous(), 0
 
+
+# ---------------------------------------------------------------- routed experts read in place
+
+
+@dataclass(frozen=True)
+class ExpertSet:
+    """One weight (w1, w2 or w3) of each of a layer's routed experts where it lies, for
+    `mhcrun::qgemv_expert_set`: the addresses of each expert's bytes and scales, and the layout they share. It
+    holds no reference to the weights: the layer that holds them keeps them alive."""
+
+    ptrs: Tensor  # [E, 2] int64: each expert's data_ptr() and its scales' data_ptr()
+    fmt: int  # FORMATS: fp8 or fp4
+    kind: int  # the scales: 0 e8m0 bytes, 1 fp32
+    block: int
+    out_features: int
+
+
+def expert_set(weights: list[QWeight]) -> ExpertSet | None:
+    """The set of these experts' weights, in expert order, or None unless the kernel takes every one where it lies:
+    fp8 / fp4 of one shape, dtype and block, contiguous scales of one dtype."""
+    first = weights[0]
+    if first.fmt == "float" or not all(_same_layout(w, first) for w in weights):
+        return None
+    ptrs = torch.tensor([[w.data.data_ptr(), w.scale.data_ptr()] for w in weights], dtype=torch.int64)
+    return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features)
+
+
+def _same_layout(w: QWeight, first: QWeight) -> bool:
+    return (w.kernel and w.data.shape == first.data.shape and w.data.dtype == first.data.dtype
+            and w.block == first.block and w.scale.dtype == first.scale.dtype and w.scale.is_contiguous())

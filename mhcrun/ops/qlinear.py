@@ -17,13 +17,13 @@ stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32 c
 For fp8 with few rows of x, a chunk inside one block row leaves its values unscaled and x takes the per-column
 scales instead (exact for power-of-two scales, see `_RowDecoder.x_fold_ok`). Under `torch.compile`
 (`torch.compiler.is_compiling()`) on CPU, a decode GEMV takes the kernel as an opaque custom op (`mhcrun::qgemv`;
-routed experts `mhcrun::qgemv_expert_set`) where it applies, the kernel fixed into the graph as plain arguments;
-else (at most FUSED_MAX_ROWS rows of x) it is written as a reduction with the dequantisation inside it
-(`gemv_fused`), which inductor turns into one loop that reads each weight byte once; anything else dequantises the
-whole weight with plain tensor ops (`dequantize`) and multiplies once. No Python loops or data-dependent control
-flow in graphs. On CUDA the whole-tensor path is used, except fp8 with activation quantisation when the run asks
-for it (MHCRUN_SCALED_MM=1: `scaled_mm`), which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
-(`_scaled_mm_fp8`).
+routed experts `mhcrun::qgemv_expert_set`, reading them in place through their addresses, a `qgemv.ExpertSet`)
+where it applies, the kernel fixed into the graph as plain arguments; else (at most FUSED_MAX_ROWS rows of x) it
+is written as a reduction with the dequantisation inside it (`gemv_fused`), which inductor turns into one loop
+that reads each weight byte once; anything else dequantises the whole weight with plain tensor ops (`dequantize`)
+and multiplies once. No Python loops or data-dependent control flow in graphs. On CUDA the whole-tensor path is
+used, except fp8 with activation quantisation when the run asks for it (MHCRUN_SCALED_MM=1: `scaled_mm`), which
+takes cuBLASLt's FP8 GEMM with DeepSeek's block scales (`_scaled_mm_fp8`).
 
 Decoders (`decode`, and the chunk kernels under it):
 - e4m3: the byte as int8 -> int32 (sign-extends), << 20, & 0x87F00000 is the fp32 whose value is the e4m3
@@ -44,17 +44,15 @@ would zero them): `_denormals_ok` checks this and falls back to the reference de
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel
+from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
 from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, scale_tiles, scale_to_float, unpack_fp4
 from mhcrun.ops.qweight import QWeight
@@ -400,51 +398,36 @@ def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, l
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
-# Routed experts that compiled graphs read in place: a graph input holds a set's handle (an int64 scalar) instead
-# of the experts' weights stacked into one tensor, which would copy them. handle -> the weights.
-_EXPERT_SETS: dict[int, list[QWeight]] = {}
-_next_set = itertools.count()
-
-
-@dataclass(frozen=True)
-class ExpertSet:
-    """One weight (w1, w2 or w3) of each of a layer's routed experts, read in place by `qgemv_expert_set`."""
-
-    handle: Tensor
-    out_features: int
-
-
-def register_experts(owner: object, weights: list[QWeight]) -> ExpertSet:
-    """A set for `mhcrun::qgemv_expert_set` of one weight of each of a layer's experts, in expert order; the
-    entry goes when `owner` (the layer) does."""
-    h = next(_next_set)
-    _EXPERT_SETS[h] = list(weights)
-    weakref.finalize(owner, _EXPERT_SETS.pop, h, None)
-    return ExpertSet(torch.tensor(h, dtype=torch.int64), weights[0].out_features)
-
-
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
-def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, out_features: int, library: str, isa: int) -> Tensor:
+def qgemv_expert_set(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
+                     library: str, isa: int) -> Tensor:
     """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
-    y[b, j] = x[b, j or 0] through expert idx[b, j] of the set `handle` (`register_experts`), by the kernel
-    (library, isa). The rows of one expert go through one call of the fused kernel (at most MAX_ROWS at a time)."""
+    y[b, j] = x[b, j or 0] through expert idx[b, j] of an `ExpertSet` (ptrs [E, 2]: each expert's data and scale
+    addresses; fmt, kind, block, out_features: their layout), by the kernel (library, isa). The rows of one
+    expert go through one call of the kernel (at most MAX_ROWS at a time)."""
     cpu = CpuKernel(library, isa)
-    weights = _EXPERT_SETS[int(handle)]
+    addresses = ptrs.tolist()
     y = torch.empty(*idx.shape, out_features, dtype=torch.float32)
     rows: dict[int, list[tuple[int, int]]] = {}
     for b, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
             rows.setdefault(e, []).append((b, j))
     for e, pairs in rows.items():
+        data, scale = addresses[e]
         for a in range(0, len(pairs), MAX_ROWS):
             bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + MAX_ROWS], strict=True))
-            xe = x[bs, js if x.shape[1] > 1 else 0].float()  # [n, in]
-            y[bs, js] = _cpu_gemm(xe[:, None], weights[e], 1, cpu)[:, 0]
+            xe = x[bs, js if x.shape[1] > 1 else 0]  # [n, in]
+            ye = cpu.gemv_at(fmt, data, scale, kind, xe[:, None], out_features, block)
+            if ye is None:
+                raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or a thread "
+                                   "flushes subnormals: torch.set_flush_denormal(True))")
+            y[bs, js] = ye
     return y
 
 
 @qgemv_expert_set.register_fake
-def _(x: Tensor, handle: Tensor, idx: Tensor, out_features: int, library: str, isa: int) -> Tensor:
+def _(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int, library: str,
+      isa: int) -> Tensor:
     return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
@@ -452,12 +435,14 @@ def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: 
                      cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     """Each token through its k routed experts' weights, on fixed shapes: x [T, k or 1, in], idx [T, k] ->
     y [T, k, out] in x.dtype (fp32 math), w the experts' weights stacked [E, out, in'] (their scales [E, ...]) or
-    an `ExpertSet` read in place by `cpu`. act_quant as `qlinear`'s."""
+    an `ExpertSet` read in place by `cpu` (which must be on). act_quant as `qlinear`'s."""
     if act_quant:
         x = _act_quant(x, cpu)
     xf = x.float()
     if isinstance(w, ExpertSet):
-        return qgemv_expert_set(xf, w.handle, idx, w.out_features, cpu.library, cpu.isa).to(x.dtype)
+        y = torch.ops.mhcrun.qgemv_expert_set(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features,
+                                              cpu.library, cpu.isa)
+        return y.to(x.dtype)
     ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
     if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
         return gemv_fused(xf.unsqueeze(-2), ew).to(x.dtype)
