@@ -26,6 +26,7 @@ from bench_quantized import memcpy_bandwidth, read_bandwidth  # noqa: E402
 from mhcrun.checkpoint import stored_tensors  # noqa: E402
 from mhcrun.generate import generate, nonfinite_rows  # noqa: E402
 from mhcrun.runner import load_runner, open_runner  # noqa: E402
+from mhcrun.settings import Env  # noqa: E402
 from mhcrun.weightcheck import check_weights  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
 
-    runner = open_runner(args.model, layers=args.layers)
+    runner = open_runner(args.model, layers=args.layers, env=Env.read())
     nbytes = sum(runner.plan.bytes_by_dtype.values())
 
     def plain_read() -> None:  # every stored byte through a max-reduction, the scan's floor
@@ -56,7 +57,7 @@ def main() -> None:
                 t.reshape(-1).view(torch.uint8).max()
 
     plain_read()  # page the shards in
-    scan_s = best_of(lambda: check_weights(runner.plan), args.repeats)
+    scan_s = best_of(lambda: check_weights(runner.plan, runner.scan), args.repeats)
     read_s = best_of(plain_read, args.repeats)
     memcpy = memcpy_bandwidth()
     read = read_bandwidth()
@@ -66,7 +67,7 @@ def main() -> None:
     print(f"check-weights / memcpy: {nbytes / scan_s / memcpy:.2f}; / plain read of the same bytes: "
           f"{read_s / scan_s:.2f}")
 
-    loaded = load_runner(args.model, layers=args.layers)
+    loaded = load_runner(args.model, layers=args.layers, env=Env.read())
     prompts = [[0, 5, 6, 7 + i] for i in range(args.batch)]
     res = generate(loaded.model, prompts, args.steps, eos_id=-1, ignore_eos=True)
     step_s = args.batch / res[0].stats["decode_tok_s"]  # one decode step of the whole batch

@@ -7,24 +7,24 @@
 
 Prints G elements/s of each decoder (reference: quant.dequantize_fp8 / dequantize_fp4 and the bare
 `w.float()` cast), and for qlinear with x [1, in] (decode: the fused kernel, mhcrun/ops/qgemv.cpp) and
-[37, in] (prefill) the effective GB/s of quantised weight bytes read, with the torch chunk decoders
-(MHCRUN_CPU_KERNEL=0) beside it, and memcpy bandwidth (`b.copy_(a)` of 256 MB, bytes copied per second).
+[37, in] (prefill) the effective GB/s of quantised weight bytes read, with the torch chunk decoders (the kernel
+off, as with MHCRUN_CPU_KERNEL=0) beside it, and memcpy bandwidth (`b.copy_(a)` of 256 MB, bytes copied per second).
 Each number is the best of several repeats: these machines are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from mhcrun.ops import qlinear as ql
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, open_cpu_kernel
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8, fp8_simulate, quantize_weight_fp4, quantize_weight_fp8
 from mhcrun.ops.qweight import QWeight
+from mhcrun.settings import Env
 
 
 def best_time(fn, repeats: int = 5, min_s: float = 0.2, sync=lambda: None) -> float:
@@ -59,7 +59,7 @@ def memcpy_gbs() -> float:
     return a.numel() * 4 / best_time(lambda: b.copy_(a), repeats=3) / 1e9
 
 
-def bench_decoders() -> None:
+def bench_decoders(cpu: CpuKernel) -> None:
     print("decoders, G elements/s (weight 4096 x 4096 fp8 / 4096 x 4096 fp4)")
     q8, s8 = weights(4096, 4096, "fp8")
     q4, s4 = weights(4096, 4096, "fp4")
@@ -69,16 +69,16 @@ def bench_decoders() -> None:
     rows = [
         ("fp8 w.float()", lambda: q8.float()),
         ("fp8 reference dequantize_fp8", lambda: dequantize_fp8(q8, s8, 128)),
-        ("fp8 fast decode_fp8", lambda: ql.decode(w8, out=out)),
+        ("fp8 fast decode_fp8", lambda: ql.decode(w8, out=out, cpu=cpu)),
         ("fp4 reference dequantize_fp4", lambda: dequantize_fp4(q4, s4, 32)),
-        ("fp4 fast decode_fp4", lambda: ql.decode(w4, out=out)),
+        ("fp4 fast decode_fp4", lambda: ql.decode(w4, out=out, cpu=cpu)),
     ]
     for name, fn in rows:
         print(f"  {name:32s} {n / best_time(fn, repeats=3) / 1e9:7.2f}")
     # in-cache rate of the chunk kernels alone (one chunk, decoded over and over)
     r = ql._chunk_rows(4096, 4096, 128)
-    d8 = ql._RowDecoder(w8, r)
-    d4 = ql._RowDecoder(w4, r)
+    d8 = ql._RowDecoder(w8, r, cpu)
+    d4 = ql._RowDecoder(w4, r, cpu)
     buf = torch.empty(r, 4096)
     for name, dec in (("fp8 chunk kernel (in cache)", d8), ("fp4 chunk kernel (in cache)", d4)):
         print(f"  {name:32s} {r * 4096 / best_time(lambda d=dec: d.rows(0, r, buf)) / 1e9:7.2f}")
@@ -88,17 +88,16 @@ def dequantize_ref(q, s, fmt):
     return dequantize_fp8(q, s, 128) if fmt == "fp8" else dequantize_fp4(q, s, 32)
 
 
-def gemm_case(fmt: str, out_f: int, in_f: int, m: int) -> None:
+def gemm_case(fmt: str, out_f: int, in_f: int, m: int, cpu: CpuKernel) -> None:
     q, s = weights(out_f, in_f, fmt)
     qbytes = q.numel() * q.element_size()
     ref_w = dequantize_ref(q, s, fmt)
     block = 128 if fmt == "fp8" else 32
     x = torch.randn(m, in_f)
     w = QWeight(q, s, block).checked()
-    t_q = best_time(lambda: ql.qlinear(x, w))
-    t_a = best_time(lambda: ql.qlinear(x, w, True))
-    with torch_decoders():
-        t_t = best_time(lambda: ql.qlinear(x, w))
+    t_q = best_time(lambda: ql.qlinear(x, w, cpu=cpu))
+    t_a = best_time(lambda: ql.qlinear(x, w, True, cpu=cpu))
+    t_t = best_time(lambda: ql.qlinear(x, w, cpu=KERNEL_OFF))
     t_f = best_time(lambda: F.linear(x, ref_w))
     t_r = best_time(lambda: F.linear(x, dequantize_ref(q, s, fmt)), repeats=2)
     print(f"  {fmt} [{out_f} x {in_f}] x [{m}, {in_f}]: qlinear {t_q * 1e3:7.2f} ms "
@@ -108,33 +107,18 @@ def gemm_case(fmt: str, out_f: int, in_f: int, m: int) -> None:
           f"{t_f * 1e3:.2f} ms = {ref_w.numel() * 4 / t_f / 1e9:.1f} GB/s of fp32")
 
 
-@contextlib.contextmanager
-def torch_decoders():
-    """qlinear without the fused CPU kernel (mhcrun.ops.qgemv): the torch chunk decoders."""
-    saved = os.environ.get("MHCRUN_CPU_KERNEL")
-    os.environ["MHCRUN_CPU_KERNEL"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["MHCRUN_CPU_KERNEL"]
-        else:
-            os.environ["MHCRUN_CPU_KERNEL"] = saved
-
-
-def bench_gemv(chunk_sweep: bool) -> None:
+def bench_gemv(chunk_sweep: bool, cpu: CpuKernel) -> None:
     bw = memcpy_gbs()
     print(f"memcpy b.copy_(a) 256 MB: {bw:.1f} GB/s (bytes copied per second)")
     cases = [("fp8", 4096, 4096), ("fp4", 2048, 4096)]
     for fmt, out_f, in_f in cases:
         for m in (1, 37):
-            gemm_case(fmt, out_f, in_f, m)
+            gemm_case(fmt, out_f, in_f, m, cpu)
     head = torch.randn(8192, 4096).to(torch.bfloat16)
     x = torch.randn(1, 4096)
     wh = QWeight(head).checked()
-    t = best_time(lambda: ql.qlinear(x, wh))
-    with torch_decoders():
-        t_c = best_time(lambda: ql.qlinear(x, wh))
+    t = best_time(lambda: ql.qlinear(x, wh, cpu=cpu))
+    t_c = best_time(lambda: ql.qlinear(x, wh, cpu=KERNEL_OFF))
     t_f = best_time(lambda: F.linear(x, head.float()))
     print(f"  bf16 [8192 x 4096] x fp32 [1, 4096]: qlinear {t * 1e3:.2f} ms = {head.numel() * 2 / t / 1e9:.2f} "
           f"GB/s of bf16; chunked {t_c * 1e3:.2f} ms; F.linear(x, w.float()) {t_f * 1e3:.2f} ms")
@@ -148,8 +132,7 @@ def bench_gemv(chunk_sweep: bool) -> None:
                 q, s = weights(out_f, in_f, fmt)
                 x = torch.randn(1, in_f)
                 w = QWeight(q, s, 128 if fmt == "fp8" else 32).checked()
-                with torch_decoders():
-                    t = best_time(lambda x=x, w=w: ql.qlinear(x, w))
+                t = best_time(lambda x=x, w=w: ql.qlinear(x, w, cpu=KERNEL_OFF))
                 res.append(f"{fmt} {q.numel() * q.element_size() / t / 1e9:6.2f}")
             print(f"  {cb >> 10:5d} KiB: " + ", ".join(res))
         ql.CHUNK_BYTES = saved
@@ -221,24 +204,24 @@ def bench_cuda() -> None:
                   f"max |y - ref| / (|xq| @ |w|^T) = {err:.2e}")
 
 
-def bench_compiled() -> None:
+def bench_compiled(cpu: CpuKernel) -> None:
     """qlinear inside torch.compile (inductor): the fused decode GEMV (x [1, in]) vs whole-tensor dequantisation
     (x [16, in], above FUSED_MAX_ROWS), against eager."""
     print("torch.compile(qlinear) with inductor, x [1, in]; e8m0 scales passed as uint8 bytes")
     for fmt, out_f, in_f in (("fp8", 4096, 4096), ("fp4", 2048, 4096)):
-        compiled_case(fmt, out_f, in_f)
+        compiled_case(fmt, out_f, in_f, cpu)
 
 
-def compiled_case(fmt: str, out_f: int, in_f: int) -> None:
+def compiled_case(fmt: str, out_f: int, in_f: int, cpu: CpuKernel) -> None:
     q, s = weights(out_f, in_f, fmt)
     s = s.view(torch.uint8)  # inductor cannot take float8_e8m0fnu graph inputs
     block = 128 if fmt == "fp8" else 32
     x = torch.randn(1, in_f)
     w = QWeight(q, s, block).checked()
-    res = [f"eager {best_time(lambda: ql.qlinear(x, w)) * 1e3:.2f} ms"]
+    res = [f"eager {best_time(lambda: ql.qlinear(x, w, cpu=cpu)) * 1e3:.2f} ms"]
     for name, xs in (("fused GEMV", x), ("whole dequantise (16 rows)", torch.randn(16, in_f))):
         torch._dynamo.reset()
-        f = torch.compile(lambda x, d, s: ql.qlinear(x, QWeight(d, s, w.block, w.kernel)), fullgraph=True)
+        f = torch.compile(lambda x, d, s: ql.qlinear(x, QWeight(d, s, w.block, w.kernel), cpu=cpu), fullgraph=True)
         t0 = time.perf_counter()
         f(xs, q, s)
         t_c = time.perf_counter() - t0
@@ -256,11 +239,13 @@ def main() -> None:
     if args.cuda:
         bench_cuda()
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CHUNK_BYTES {ql.CHUNK_BYTES}")
-    bench_decoders()
-    bench_gemv(args.chunks)
+    cpu = open_cpu_kernel(Env.read())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CHUNK_BYTES {ql.CHUNK_BYTES}, "
+          f"CPU kernel {cpu.status()}")
+    bench_decoders(cpu)
+    bench_gemv(args.chunks, cpu)
     if args.compiled:
-        bench_compiled()
+        bench_compiled(cpu)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ power of two), so two correct GEMMs that only sum in another order can give visi
 few layers on, and eventually another greedy token. This script decodes one prompt four ways on the same
 checkpoint, in one process:
 - kept quantised, decode GEMVs through the fused kernel (mhcrun/ops/qgemv.cpp, the CPU default);
-- kept quantised through the torch chunk decoders (MHCRUN_CPU_KERNEL=0), whose F.linear calls sum like the
+- kept quantised through the torch chunk decoders (the kernel off), whose F.linear calls sum like the
   dequantised model's;
 - dequantised to fp32 at load, fp32 GEMMs by torch (the --dequantize reference);
 - dequantised, every fp32 GEMM summed in float64 and rounded once (the exactly rounded product: no summation
@@ -21,7 +21,6 @@ tokens' log-probs over the steps before the first disagreement.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 from mhcrun.checkpoint import load_checkpoint
 from mhcrun.generate import generate
 from mhcrun.model import build_model
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, open_cpu_kernel
+from mhcrun.settings import Env
 from mhcrun.synthetic import make_synthetic
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -47,10 +48,10 @@ def linear_f64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
 LINEAR = F.linear
 
 
-def decode(path: Path, layers: int | None, tokens: int, dequantize: bool, kernel: bool, f64: bool):
-    os.environ["MHCRUN_CPU_KERNEL"] = "1" if kernel else "0"
+def decode(path: Path, layers: int | None, tokens: int, dequantize: bool, cpu: CpuKernel, f64: bool):
     ck = load_checkpoint(path, layers, dequantize=dequantize)
     model = build_model(ck.config, ck.tensors, ck.quantized, n_layers=layers)
+    model.opts.cpu = cpu
     F.linear = linear_f64 if f64 else LINEAR
     try:
         return generate(model, [PROMPT], tokens, eos_id=-1, ignore_eos=True, record_topk=1)[0]
@@ -71,13 +72,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=24)
     args = ap.parse_args()
+    kernel = open_cpu_kernel(Env.read())
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_synthetic(CONFIGS / "v4-mid.json", Path(tmp) / "mid", args.layers or 4)
         runs = {
-            "kept, fused kernel": decode(path, args.layers, args.tokens, False, True, False),
-            "kept, torch decoders": decode(path, args.layers, args.tokens, False, False, False),
-            "dequantised, fp32 GEMMs": decode(path, args.layers, args.tokens, True, False, False),
-            "dequantised, exactly rounded GEMMs": decode(path, args.layers, args.tokens, True, False, True),
+            f"kept, fused kernel ({kernel.status()})": decode(path, args.layers, args.tokens, False, kernel, False),
+            "kept, torch decoders": decode(path, args.layers, args.tokens, False, KERNEL_OFF, False),
+            "dequantised, fp32 GEMMs": decode(path, args.layers, args.tokens, True, KERNEL_OFF, False),
+            "dequantised, exactly rounded GEMMs": decode(path, args.layers, args.tokens, True, KERNEL_OFF, True),
         }
     names = list(runs)
     print(f"{path.name if args.model else 'mid-size (configs/v4-mid.json)'}: greedy decode of {args.tokens} tokens "

@@ -9,6 +9,7 @@ mapping (see `load_checkpoint`). Every problem is a one-line `CheckpointError` n
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -325,9 +326,9 @@ def _check_index(t: torch.Tensor, plan: _Plan, cfg: ModelConfig) -> torch.Tensor
     return t
 
 
-def _checked(w: QWeight, what: str) -> QWeight:
+def _checked(w: QWeight, what: str, scan: ctypes.CDLL | None) -> QWeight:
     try:
-        return w.checked(what)
+        return w.checked(what, scan)
     except ValueError as e:
         raise _fail(str(e)) from None
 
@@ -399,7 +400,7 @@ def check_mtp(cfg: ModelConfig, root: Path, weight_map: dict[str, str]) -> list[
 
 def load_checkpoint(path: str | Path, n_layers: int | None = None,
                     progress: Callable[[int, int], None] | None = None, dequantize: bool = False,
-                    tp: Shard = SINGLE, mtp: bool = False) -> LoadedCheckpoint:
+                    tp: Shard = SINGLE, mtp: bool = False, scan: ctypes.CDLL | None = None) -> LoadedCheckpoint:
     """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
 
     All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
@@ -408,7 +409,8 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     bf16/fp32; nothing is copied but `tid2eid` (int64, range-checked). Under --tp (`tp`) each is this rank's
     share (`Shard.take`, `QWeight.share`: a scale with its weight). With `dequantize`, every float tensor is fp32
     and every FP8/FP4 weight is dequantised to fp32 (the reference the quantised path is checked against).
-    `progress(done_bytes, total_bytes)` is called after each tensor.
+    `progress(done_bytes, total_bytes)` is called after each tensor. `scan`: scan.cpp's library, which checks the
+    quantised weights' scales (`QWeight.checked`; without it, torch's reference does).
     """
     plan = plan_checkpoint(path, n_layers, tp, mtp)
     cfg = plan.config
@@ -436,7 +438,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
                 scale = view(p.scale_shard, scale_name(name))
                 done += p.scale_shard.entries[scale_name(name)].nbytes
                 w = _checked(QWeight(stored, scale, block_size(cfg, p.fmt)).share(p.spec.split, tp),
-                             f"{name} in {p.shard.path}")
+                             f"{name} in {p.shard.path}", scan)
                 tensors[name] = dequantize_reference(w) if dequantize else w
             else:
                 t = tp.take(stored, p.spec.split)

@@ -190,7 +190,7 @@ def scan_weights(runner, quiet: bool = False) -> tuple[list, int, float]:
 
     t0 = time.perf_counter()
     with bytes_progress(f"checking {runner.path.name}", quiet) as progress:
-        bad = check_weights(runner.plan, progress)
+        bad = check_weights(runner.plan, runner.scan, progress)
     return bad, sum(runner.plan.bytes_by_dtype.values()), time.perf_counter() - t0
 
 
@@ -401,8 +401,7 @@ def generate(
             results[0].stats["prompt_cache"] = cache_note
         kernel = None
         if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
-            from mhcrun.ops import qgemv
-            kernel = qgemv.status()
+            kernel = runner.model.opts.cpu.status()
             for res in results:
                 res.stats["cpu_gemv_kernel"] = kernel
         for name, text, res in zip(names, texts, results, strict=True):
@@ -733,9 +732,9 @@ def info(
         from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        st = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)[0]
+        st, env = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)
         chunk = st.prefill_chunk
-        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp))
+        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
         if batch < 1 or not 1 <= tokens <= longest:

@@ -33,14 +33,15 @@ from torch import nn
 
 from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops import kvcache, qgemv
+from mhcrun.ops import kvcache
 from mhcrun.ops.attention import closed_mask, query_bytes, query_slices, sparse_attn, window_mask
 from mhcrun.ops.compress import compress_chunk
 from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, register_experts
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet, expert_set
+from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
@@ -62,6 +63,7 @@ class RunOptions:
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
     scaled_mm: ScaledMM | None = None  # MHCRUN_SCALED_MM=1: CUDA FP8 GEMMs through cuBLASLt
     hc: hc_ops.HcBackend = field(default_factory=hc_ops.HcBackend)  # the hc steps' backend and their counts
+    cpu: CpuKernel = KERNEL_OFF  # the fused CPU GEMV kernel the run opened (off: the torch path)
 
 
 class Linear(nn.Module):
@@ -80,7 +82,7 @@ class Linear(nn.Module):
         return self.w.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.w, self.act_quant and self.opts.quant_sim, self.opts.scaled_mm)
+        return qlinear(x, self.w, self.act_quant and self.opts.quant_sim, self.opts.scaled_mm, self.opts.cpu)
 
 
 class Embedding(nn.Module):
@@ -300,7 +302,7 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = apply_rope_tail(o, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
-        o = qlinear_grouped(o, self.wo_a.w, self.n_groups)  # [b, s, G, o_lora_rank]
+        o = qlinear_grouped(o, self.wo_a.w, self.n_groups, self.opts.cpu)  # [b, s, G, o_lora_rank]
         return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> torch.Tensor:
@@ -397,21 +399,22 @@ class MoE(nn.Module):
             Expert(cfg.swiglu_limit, opts) if e in self.owned else nn.Identity() for e in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.swiglu_limit, opts)
         self.limit = cfg.swiglu_limit
-        self.gathered: dict[str, QWeight | torch.Tensor] = {}  # made by gather_experts for the static path
+        self.gathered: dict[str, QWeight | ExpertSet] = {}  # made by gather_experts for the static path
 
     def gather_experts(self) -> None:
-        """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): a
-        CPU with the fused kernel reads kept-quantised experts where they are (a handle to the set,
-        `qlinear.register_experts`); else they are stacked [E, out, in] (a copy) and each expert keeps a view of
-        the stack, so their bytes are not held twice."""
+        """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): where
+        the run's fused CPU kernel takes every one of them, it reads kept-quantised experts where they are (their
+        addresses, `qgemv.expert_set`; the experts' Linears keep the bytes alive); else they are stacked
+        [E, out, in] (a copy) and each expert keeps a view of the stack, so their bytes are not held twice."""
         if self.gathered:
             return
         experts = [self.experts[e] for e in self.owned]
         for name in ("w1", "w2", "w3"):
             lins = [getattr(e, name) for e in experts]
             first = lins[0].w
-            if first.fmt != "float" and qgemv.takes(first, 1):
-                self.gathered[name] = register_experts(self, [m.w for m in lins])
+            in_place = expert_set([m.w for m in lins]) if self.opts.cpu.on else None
+            if in_place is not None:
+                self.gathered[name] = in_place
                 continue
             data = torch.stack([m.w.data for m in lins])
             scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
@@ -438,7 +441,8 @@ class MoE(nn.Module):
         act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
 
         def gathered(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-            return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act_quant)
+            return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act_quant,
+                                     cpu=self.opts.cpu)
 
         y = swiglu_expert(gathered("w1"), gathered("w2"), gathered("w3"), self.limit, x.unsqueeze(1),
                           weights.unsqueeze(-1))  # [T, k, d]

@@ -23,8 +23,9 @@ from mhcrun.errors import InputError
 from mhcrun.memory import MemoryPlan, plan_memory
 from mhcrun.model import Transformer, build_model
 from mhcrun.nki.ops import HcBackend
-from mhcrun.ops import qgemv
+from mhcrun.ops.qgemv import KERNEL_OFF, open_cpu_kernel
 from mhcrun.ops.qlinear import ScaledMM
+from mhcrun.ops.scan import open_scan
 from mhcrun.parallel import SINGLE, Shard
 from mhcrun.settings import DEVICES, Env, check_choice
 from mhcrun.tokenizer import Tokenizer
@@ -61,6 +62,11 @@ class Runner:
         return self.layers or self.config.n_layers
 
     @functools.cached_property
+    def scan(self) -> ctypes.CDLL | None:
+        """scan.cpp's library for checking the weights (`mhcrun.ops.scan`), opened on first use; None: torch's."""
+        return open_scan(self.env)
+
+    @functools.cached_property
     def identity(self) -> dict:
         """What a golden file records to name the model it was made with (hashed once, on first use)."""
         name = "tiny" if self.path.resolve() == DEFAULT_MODEL.resolve() else self.path.name
@@ -83,18 +89,19 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp)
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim)
+        # the fused GEMV kernel, on a CPU: built (first run only) and loaded now, not inside prefill
+        self.model.opts.cpu = open_cpu_kernel(self.env) if self.device == "cpu" else KERNEL_OFF
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
-            qgemv.available()  # build (first run only) or load the fused GEMV kernel now, not inside prefill
         return self.model
 
 
@@ -169,7 +176,8 @@ def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, 
 
 def load_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",
                 layers: int | None = None, dequantize: bool = False,
-                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False) -> Runner:
-    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, mtp=mtp)
+                progress: Callable[[int, int], None] | None = None, tp: Shard = SINGLE, mtp: bool = False,
+                env: Env | None = None) -> Runner:
+    runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp, env, mtp)
     runner.load(progress)
     return runner

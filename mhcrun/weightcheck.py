@@ -7,6 +7,7 @@ load. Each byte is read once (`mhcrun.ops.scan`), straight from the mapped shard
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,13 +43,15 @@ def shown_value(v: torch.Tensor) -> str:
     return str(float(v.float()))
 
 
-def check_weights(plan: CheckpointPlan, progress: Callable[[int, int], None] | None = None) -> list[BadTensor]:
-    """Every bad tensor with its first bad index; progress(done_bytes, total_bytes) after each tensor."""
+def check_weights(plan: CheckpointPlan, scan: ctypes.CDLL | None,
+                  progress: Callable[[int, int], None] | None = None) -> list[BadTensor]:
+    """Every bad tensor with its first bad index, scanned by `scan` (scan.cpp's library, `open_scan`; None: the
+    torch reference); progress(done_bytes, total_bytes) after each tensor."""
     total = sum(plan.bytes_by_dtype.values())
     done, bad = 0, []
     for name, role, fmt, t in stored_tensors(plan):
         if role in ("float", "codes", "scale"):
-            i = first_bad(t, role, fmt)
+            i = first_bad(t, role, fmt, lib=scan)
             if i >= 0:
                 bad.append(BadTensor(name, unravel(i, tuple(t.shape)), f"{what_is_bad(t, role, fmt)} "
                                                                        f"({shown_value(t.reshape(-1)[i])})"))

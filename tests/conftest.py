@@ -1,15 +1,18 @@
-"""Fixtures shared by the tests: a seed per test, which CPU GEMV path qlinear takes, and the random tiny model."""
+"""Fixtures shared by the tests: a seed per test, the CPU kernel a test's GEMVs take, and the random tiny model."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from mhcrun.ops import qgemv
+from mhcrun.ops.qgemv import CpuKernel, open_cpu_kernel
+from mhcrun.settings import Env
 
 
 @pytest.fixture(autouse=True)
@@ -31,46 +34,44 @@ def random_tiny(tmp_path_factory) -> Path:
 KERNEL_ISAS = ["avx512", "avx2"]
 
 
-def use_isa(isa: str, monkeypatch) -> None:
-    """Route the fused kernel through `isa` (skipping where this CPU lacks it)."""
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", isa)
-    if qgemv.status() != isa:
-        pytest.skip(f"CPU kernel {isa}: {qgemv.status()}")
+@functools.cache
+def cpu_kernel(setting: str = "1") -> CpuKernel:
+    """The fused kernel as a run opens it with MHCRUN_CPU_KERNEL=`setting` (the rest of the environment as this
+    session's): built and loaded once per session."""
+    return open_cpu_kernel(replace(Env.read(), cpu_kernel=setting))
+
+
+def kernel_in(isa: str) -> CpuKernel:
+    """The fused kernel running `isa` (skipping where this CPU lacks it)."""
+    kernel = cpu_kernel(isa)
+    if kernel.status() != isa:
+        pytest.skip(f"CPU kernel {isa}: {kernel.status()}")
+    return kernel
+
+
+def path_kernel(path: str) -> CpuKernel:
+    """The kernel of a test path: the fused kernel in an instruction set, or off ("torch")."""
+    return cpu_kernel("0") if path == "torch" else kernel_in(path)
 
 
 @pytest.fixture(params=KERNEL_ISAS + ["torch"])
-def gemv_path(request, monkeypatch) -> str:
+def gemv_path(request) -> CpuKernel:
     """Runs a test three times: decode GEMVs through the fused C++ kernel in AVX-512 and in AVX2, then through
-    the torch chunk decoders."""
-    if request.param == "torch":
-        monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
-    else:
-        use_isa(request.param, monkeypatch)
-    return request.param
+    the torch chunk decoders (the kernel the test passes on)."""
+    return path_kernel(request.param)
 
 
 @pytest.fixture(params=KERNEL_ISAS)
-def isa(request, monkeypatch) -> str:
+def isa(request) -> CpuKernel:
     """The fused kernel in each instruction set this CPU has."""
-    use_isa(request.param, monkeypatch)
-    return request.param
-
-
-@pytest.fixture
-def torch_gemv(monkeypatch) -> None:
-    """The torch chunk decoders only (tests of their chunking and scale folding)."""
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+    return kernel_in(request.param)
 
 
 @pytest.fixture(params=KERNEL_ISAS + ["torch"])
-def decoder(request, monkeypatch) -> str:
-    """Runs a test three times: chunks decoded by the C++ pass (`qgemv.decode_rows`: AVX-512, and plain C++ where
-    the kernel runs AVX2), then by the torch chunk decoders."""
-    if request.param == "torch":
-        monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
-    else:
-        use_isa(request.param, monkeypatch)
-    return request.param
+def decoder(request) -> CpuKernel:
+    """Runs a test three times: chunks decoded by the C++ pass (`CpuKernel.decode_rows`: AVX-512, and plain C++
+    where the kernel runs AVX2), then by the torch chunk decoders (the kernel the test passes on)."""
+    return path_kernel(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -175,8 +175,15 @@ def test_clean_checkpoints_pass_the_weights_check(fp8_tiny):
 
 
 def test_scan_kernel_equals_the_torch_reference():
-    from mhcrun.ops import scan
+    import shutil
 
+    from mhcrun.ops import scan
+    from mhcrun.settings import Env
+
+    env = Env.read()
+    lib = scan.open_scan(env)
+    assert lib is not None or shutil.which(env.cxx) is None  # a broken build must not hide
+    assert scan.open_scan(Env.read({"MHCRUN_CPU_KERNEL": "0"})) is None  # the torch reference only
     g = torch.Generator().manual_seed(0)
     cases = []
     for n in (1, 7, 65535, 65536, 65537, 200_003):
@@ -199,7 +206,8 @@ def test_scan_kernel_equals_the_torch_reference():
             s[n // 3] = top + 1
             cases.append((s.clone().view(torch.float8_e8m0fnu), "scale", fmt))
     for t, role, fmt in cases:
-        assert scan.first_bad(t, role, fmt) == scan.first_bad_reference(t, role, fmt), (t.dtype, t.numel(), role)
+        got = scan.first_bad(t, role, fmt, lib=lib)
+        assert got == scan.first_bad_reference(t, role, fmt), (t.dtype, t.numel(), role)
     assert scan.e8m0_top("fp8") == 246 and scan.e8m0_top("fp4") == 252  # 448 * 2**119 and 6 * 2**125 are finite
     f = torch.tensor([1.0, 2.0 ** 120, float("nan")])
     assert scan.first_bad_reference(f, "scale", "fp8") == 1 and scan.first_bad_reference(f[:1], "scale", "fp8") == -1

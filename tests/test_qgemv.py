@@ -9,22 +9,24 @@ and qlinear gives the reference's values; NaN codes come out as NaN rows, as the
 
 from __future__ import annotations
 
-import gc
-import os
 import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_kernel
 from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, qw, reference_weight, weight_of
 
-from mhcrun.ops import qgemv
-from mhcrun.ops.qlinear import _EXPERT_SETS as EXPERT_SETS
-from mhcrun.ops.qlinear import dequantize, qlinear, register_experts
+from mhcrun.ops import native, qgemv
+from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
+from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
 from mhcrun.ops.qweight import QWeight
+from mhcrun.settings import Env
 
-needs_kernel = pytest.mark.skipif(not qgemv.available(), reason=f"CPU kernel {qgemv.status()}")
+needs_kernel = pytest.mark.skipif(not cpu_kernel().on, reason=f"CPU kernel {cpu_kernel().status()}")
 
 
 def cpu_flags() -> set[str]:
@@ -35,8 +37,8 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def run(x3: torch.Tensor, data, scale, fmt: str, block: int, groups: int = 1) -> torch.Tensor:
-    y = qgemv.qgemv(x3, qw(data, scale, block), groups)
+def run(kernel: CpuKernel, x3: torch.Tensor, data, scale, fmt: str, block: int, groups: int = 1) -> torch.Tensor:
+    y = kernel.qgemv(x3, qw(data, scale, block), groups)
     assert y is not None, "the kernel declined"
     return y
 
@@ -54,74 +56,88 @@ def test_kernel_builds_where_it_can():
     """On an AVX-512 CPU with a C++ compiler the kernel must be in use (a broken build must not hide)."""
     if not {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= cpu_flags():
         pytest.skip("CPU without AVX-512")
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if shutil.which(Env.read().cxx) is None:
         pytest.skip("no C++ compiler")
-    assert qgemv.available() and qgemv.status() == "avx512"
+    assert cpu_kernel().on and cpu_kernel().status() == "avx512"
 
 
-def test_kernel_isa_can_be_capped(monkeypatch):
-    if not qgemv.available():
-        pytest.skip(f"CPU kernel {qgemv.status()}")
-    best = qgemv.status()
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "avx2")
-    assert qgemv.status() == "avx2"
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "avx512")
-    assert qgemv.status() == best
+def test_kernel_isa_can_be_capped():
+    best = cpu_kernel()
+    if not best.on:
+        pytest.skip(f"CPU kernel {best.status()}")
+    assert cpu_kernel("avx2").status() == "avx2" and cpu_kernel("avx512").status() == best.status()
+    assert cpu_kernel("avx2").library == best.library  # one library, another instruction set
+
+
+def test_the_kernel_setting_is_read_only_through_env(monkeypatch):
+    """MHCRUN_CPU_KERNEL takes effect through the run's Env (read at the entry point) and the kernel opened from
+    it, never through os.environ below it: off, every GEMV takes the torch path; on, the environment saying
+    otherwise changes nothing."""
+    off = open_cpu_kernel(Env.read({"MHCRUN_CPU_KERNEL": "0"}))
+    assert off.status() == "off (MHCRUN_CPU_KERNEL=0)" and not off.on
+    w, s = fp8_weight(64, 64, 32, gen(1000))
+    x = torch.randn(1, 64, generator=gen(1001))
+    wq = qw(w, s, 32)
+    assert wq.kernel and off.qgemv(x[:, None], wq, 1) is None and off.act_quant_fp8(x, 128) is None
+    assert not off.decodes(wq) and not off.takes(wq, 1)
+    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
+    on = open_cpu_kernel(replace(Env.read(), cpu_kernel="1"))
+    assert on == cpu_kernel()
+    if on.on:
+        assert on.qgemv(x[:, None], wq, 1) is not None and on.status() in qgemv.ISAS
+    for ops_file in Path(qgemv.__file__).parent.glob("*.py"):
+        source = ops_file.read_text()
+        assert "os.environ" not in source and "getenv" not in source, ops_file.name
 
 
 @needs_kernel
 @pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 32), (100, 300, 24), (1, 128, 128),
                                          (130, 7, 32), (64, 1, 128), (256, 512, 128)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.usefixtures("isa")
-def test_fp8_against_reference(n, k, block, m):
+def test_fp8_against_reference(isa, n, k, block, m):
     g = gen(100 + m)
     w, s = fp8_weight(n, k, block, g, e8m0=bool(m % 2))
     w_ref = reference_weight(w, s, "fp8", block)
     x3 = torch.randn(m, 1, k, generator=g)
-    check_groups(run(x3, w, s, "fp8", block), x3, w_ref)
+    check_groups(run(isa, x3, w, s, "fp8", block), x3, w_ref)
 
 
 @needs_kernel
 @pytest.mark.parametrize("n, k, block", [(200, 320, 32), (33, 70, 32), (50, 128, 64), (17, 96, 8),
                                          (40, 144, 48), (5, 2, 32), (64, 4096, 32)])
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
-@pytest.mark.usefixtures("isa")
-def test_fp4_against_reference(n, k, block, m):
+def test_fp4_against_reference(isa, n, k, block, m):
     """Groups of 32 and 64 take the two-chunk loop; 8 and 48 inputs the general one; 70 ends mid-vector."""
     g = gen(200 + m)
     p, s = fp4_weight(n, k, g, e8m0=bool(m % 2), block=block)
     w_ref = dequantize(QWeight(p, s, block))
     x3 = torch.randn(m, 1, k, generator=g)
-    check_groups(run(x3, p, s, "fp4", block), x3, w_ref)
+    check_groups(run(isa, x3, p, s, "fp4", block), x3, w_ref)
 
 
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16)])
 @pytest.mark.parametrize("m", [1, 7])
-@pytest.mark.usefixtures("isa")
-def test_bf16_against_reference(n, k, m):
+def test_bf16_against_reference(isa, n, k, m):
     g = gen(300 + m)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x3 = torch.randn(m, 1, k, generator=g)
-    check_groups(run(x3, w, None, "float", 0), x3, w.float())
+    check_groups(run(isa, x3, w, None, "float", 0), x3, w.float())
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
-@pytest.mark.usefixtures("isa")
-def test_grouped_rows_take_their_group_of_x(fmt):
+def test_grouped_rows_take_their_group_of_x(isa, fmt):
     """wo_a: output rows in 4 groups of 48 (straddling 32-row fp8 tiles), each against its own x."""
     g = gen(400)
     data, scale = weight_of(fmt, 192, 96, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     x3 = torch.randn(5, 4, 96, generator=g)
-    check_groups(run(x3, data, scale, fmt, 32, 4), x3, w_ref)
+    check_groups(run(isa, x3, data, scale, fmt, 32, 4), x3, w_ref)
 
 
 @needs_kernel
-@pytest.mark.usefixtures("isa")
-def test_fp4_non_power_of_two_scales_round_like_the_reference():
+def test_fp4_non_power_of_two_scales_round_like_the_reference(isa):
     """fp32 scales that are not powers of two: the kernel scales the e2m1 table (one rounding, as the
     reference's dequantisation), so the products are the reference weight's."""
     g = gen(500)
@@ -129,24 +145,22 @@ def test_fp4_non_power_of_two_scales_round_like_the_reference():
     s = torch.rand(64, 8, generator=g) * 3 + 0.1
     w_ref = dequantize(QWeight(p, s, 32))
     x3 = torch.randn(2, 1, 256, generator=g)
-    check_groups(run(x3, p, s, "fp4", 32), x3, w_ref)
+    check_groups(run(isa, x3, p, s, "fp4", 32), x3, w_ref)
 
 
 @needs_kernel
-@pytest.mark.usefixtures("isa")
-def test_subnormal_scales_and_inputs():
+def test_subnormal_scales_and_inputs(isa):
     g = gen(600)
     w, _ = fp8_weight(64, 128, 32, g)
     s = float_to_e8m0(torch.full((2, 4), 2.0**-127))
     w_ref = reference_weight(w, s, "fp8", 32)
     x3 = torch.randn(3, 1, 128, generator=g) * 2.0**100
     x3[0, 0, :7] = 2.0**-140  # subnormal inputs
-    check_groups(run(x3, w, s, "fp8", 32), x3, w_ref)
+    check_groups(run(isa, x3, w, s, "fp8", 32), x3, w_ref)
 
 
 @needs_kernel
-@pytest.mark.usefixtures("isa")
-def test_same_result_on_any_thread_count():
+def test_same_result_on_any_thread_count(isa):
     """Each output row is one thread's sum in a fixed order: 1 and 2 threads agree bitwise."""
     g = gen(700)
     w, s = fp8_weight(512, 256, 128, g)
@@ -154,17 +168,16 @@ def test_same_result_on_any_thread_count():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run(x3, w, s, "fp8", 128)
+        one = run(isa, x3, w, s, "fp8", 128)
         torch.set_num_threads(2)
-        two = run(x3, w, s, "fp8", 128)
+        two = run(isa, x3, w, s, "fp8", 128)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
 
 
 @needs_kernel
-@pytest.mark.usefixtures("isa")
-def test_nan_codes_and_bad_scales_give_the_references_values():
+def test_nan_codes_and_bad_scales_give_the_references_values(isa):
     """NaN codes: the kernel writes their rows as NaN, as dequantise-then-matmul gives them. NaN (e8m0 0xFF) scales
     and scales whose products could overflow: the weight is not the kernel's (decided once, when it is made), and
     qlinear gives NaN / inf exactly where dequantise-then-matmul does."""
@@ -175,7 +188,7 @@ def test_nan_codes_and_bad_scales_give_the_references_values():
     bad_w[40, 63] = 0xFF
     bad_w = bad_w.view(torch.float8_e4m3fn)
     x = torch.randn(2, 64, generator=g)
-    y = run(x[:, None], bad_w, s, "fp8", 32)[:, 0]
+    y = run(isa, x[:, None], bad_w, s, "fp8", 32)[:, 0]
     w_ref = reference_weight(bad_w, s, "fp8", 32)
     assert torch.equal(torch.isnan(y), torch.isnan(F.linear(x, w_ref))) and int(torch.isnan(y).sum()) == 4
     keep = [c for c in range(64) if c not in (5, 40)]
@@ -185,68 +198,75 @@ def test_nan_codes_and_bad_scales_give_the_references_values():
     big = torch.full((2, 2), 2.0**125)
     for scale in (nan_s.view(torch.float8_e8m0fnu), nan_s, big, float_to_e8m0(big)):
         wq = qw(w, scale, 32)
-        assert not wq.kernel and qgemv.qgemv(x[:, None], wq, 1) is None
+        assert not wq.kernel and isa.qgemv(x[:, None], wq, 1) is None
         w_ref = reference_weight(w, scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale,
                                  "fp8", 32)
-        y, ref = qlinear(x, wq), F.linear(x, w_ref)
+        y, ref = qlinear(x, wq, cpu=isa), F.linear(x, w_ref)
         assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
     assert qw(w, torch.full((2, 2), 2.0**119), 32).kernel and not qw(w, torch.full((2, 2), 2.0**120), 32).kernel
 
 
 @needs_kernel
 def test_declines_what_it_does_not_cover():
+    kernel = cpu_kernel()
     g = gen(900)
     w, s = fp8_weight(64, 64, 32, g)
     x = torch.randn(1, 1, 64, generator=g)
-    assert qgemv.qgemv(torch.randn(qgemv.MAX_ROWS + 1, 1, 64), qw(w, s, 32), 1) is None
-    assert qgemv.qgemv(x, qw(w.t(), s, 32), 1) is None  # not contiguous
-    assert qgemv.qgemv(x, qw(torch.randn(8, 64).half(), None, 0), 1) is None
+    assert kernel.qgemv(torch.randn(qgemv.MAX_ROWS + 1, 1, 64), qw(w, s, 32), 1) is None
+    assert kernel.qgemv(x, qw(w.t(), s, 32), 1) is None  # not contiguous
+    assert kernel.qgemv(x, qw(torch.randn(8, 64).half(), None, 0), 1) is None
     with pytest.raises(ValueError, match="scale dtype"):  # refused when the weight is made, not at run time
         qw(w, s.view(torch.uint8).to(torch.int16), 32)
     p, ps = fp4_weight(8, 64, g)
-    assert qgemv.qgemv(x, qw(p, ps, 33), 1) is None  # odd groups split a byte
-
-
-def test_switched_off(monkeypatch):
-    monkeypatch.setenv("MHCRUN_CPU_KERNEL", "0")
-    w, s = fp8_weight(64, 64, 32, gen(1000))
-    assert qgemv.status() == "off (MHCRUN_CPU_KERNEL=0)" and not qgemv.available()
-    assert qgemv.qgemv(torch.randn(1, 1, 64), qw(w, s, 32), 1) is None
+    assert kernel.qgemv(x, qw(p, ps, 33), 1) is None  # odd groups split a byte
 
 
 def test_build_is_cached_and_atomic(tmp_path):
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    cxx = Env.read().cxx
+    if shutil.which(cxx) is None:
         pytest.skip("no C++ compiler")
-    first = qgemv.build(tmp_path)
+    first = native.build(qgemv.SOURCE, tmp_path, cxx)
     stamp = first.stat().st_mtime_ns
-    assert qgemv.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert native.build(qgemv.SOURCE, tmp_path, cxx) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     assert [f.name for f in tmp_path.iterdir()] == [first.name]  # no temporary files left
 
 
-def test_build_failure_is_one_line(tmp_path, monkeypatch):
+def test_build_failure_is_one_line(tmp_path):
     fake = tmp_path / "fake-cxx"
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
                     "echo 'qgemv.cpp:1: error: broken' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("CXX", str(fake))
     with pytest.raises(RuntimeError, match="failed on qgemv.cpp: qgemv.cpp:1: error: broken"):
-        qgemv.build(tmp_path / "cache")
+        native.build(qgemv.SOURCE, tmp_path / "cache", str(fake))
     assert not any((tmp_path / "cache").iterdir())
+    kernel = open_cpu_kernel(Env(kernel_cache=tmp_path / "cache", cxx=str(fake)))
+    assert not kernel.on
+    assert kernel.status() == f"off: not built ({fake} failed on qgemv.cpp: qgemv.cpp:1: error: broken)"
 
 
 @needs_kernel
 def test_kernels_decline_when_subnormals_are_flushed():
+    """The GEMV and the rounding decline (their callers take torch's path); the expert-set op, which holds no
+    tensors to fall back on, says why it cannot run."""
+    kernel = cpu_kernel()
     g = gen(1100)
     w, s = fp8_weight(64, 64, 32, g)
     x = torch.randn(1, 1, 64, generator=g)
+    wq = qw(w, s, 32)
+    experts = expert_set([wq])
+    args = (experts.ptrs, torch.zeros(1, 1, dtype=torch.int64), experts.fmt, experts.kind, experts.block, 64,
+            kernel.library, kernel.isa)
     if not torch.set_flush_denormal(True):
         pytest.skip("no flush-denormal mode on this CPU")
     try:
-        assert qgemv.qgemv(x, qw(w, s, 32), 1) is None
-        assert qgemv.act_quant_fp8(x, 128) is None
+        assert kernel.qgemv(x, wq, 1) is None
+        assert kernel.act_quant_fp8(x, 128) is None
+        with pytest.raises(RuntimeError, match="flushes subnormals"):
+            torch.ops.mhcrun.qgemv_expert_set(x, *args)
     finally:
         torch.set_flush_denormal(False)
-    assert qgemv.qgemv(x, qw(w, s, 32), 1) is not None
+    assert kernel.qgemv(x, wq, 1) is not None
+    assert torch.equal(torch.ops.mhcrun.qgemv_expert_set(x, *args)[:, 0], kernel.qgemv(x, wq, 1)[:, 0])
 
 
 # ---------------------------------------------------------------- activation quantisation
@@ -271,7 +291,7 @@ def test_act_quant_bitwise_equal_to_fp8_simulate(dtype):
         if trial % 5 == 0:
             x[..., ::3] = 0
         x = x.to(dtype)
-        assert torch.equal(bits(qgemv.act_quant_fp8(x, 128)), bits(fp8_simulate(x, 128, pow2_scale=True)))
+        assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, 128)), bits(fp8_simulate(x, 128, pow2_scale=True)))
 
 
 @needs_kernel
@@ -284,7 +304,8 @@ def test_act_quant_rounds_every_e4m3_value_and_tie_like_torch():
     x = torch.cat([vals, mids, mids.nextafter(torch.full_like(mids, 1e9)), mids.nextafter(torch.full_like(mids, -1e9))])
     x = x[x.abs() <= 448][None]
     assert float(x.abs().max()) == 448.0
-    assert torch.equal(bits(qgemv.act_quant_fp8(x, x.shape[1])), bits(fp8_simulate(x, x.shape[1], pow2_scale=True)))
+    want = fp8_simulate(x, x.shape[1], pow2_scale=True)
+    assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, x.shape[1])), bits(want))
 
 
 @needs_kernel
@@ -293,17 +314,17 @@ def test_act_quant_leaves_non_finite_x_to_torch():
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[1, 5] = bad
-        assert qgemv.act_quant_fp8(y, 128) is None
+        assert cpu_kernel().act_quant_fp8(y, 128) is None
         w, s = fp8_weight(64, 256, 128, gen(1300))
         w_ref = reference_weight(w, s, "fp8", 128)
         ref = F.linear(fp8_simulate(y, 128, pow2_scale=True), w_ref)  # torch's rules for NaN / inf blocks
-        out = qlinear(y, qw(w, s, 128), True)
+        out = qlinear(y, qw(w, s, 128), True, cpu=cpu_kernel())
         assert torch.equal(out.isnan(), ref.isnan())
         assert_gemm_close(out[:1], ref[:1], y[:1], w_ref, act_quant=True)  # the clean row
         if bad == float("inf"):  # torch's rounding clamps inf to 448 at scale 1: a finite row
             xq = fp8_simulate(y[1:], 128, pow2_scale=True)
             assert_gemm_close(out[1:], ref[1:], xq, w_ref)
-    assert qgemv.act_quant_fp8(torch.randn(qgemv.MAX_ROWS + 1, 128), 128) is None
+    assert cpu_kernel().act_quant_fp8(torch.randn(qgemv.MAX_ROWS + 1, 128), 128) is None
 
 
 def test_generate_reports_the_kernel(tmp_path):
@@ -311,12 +332,13 @@ def test_generate_reports_the_kernel(tmp_path):
     from test_cli import cli, gen_json, ok
 
     ids = ("--prompt-ids", "0,5,6", "-n", 3)
-    assert gen_json(*ids)[0]["stats"]["cpu_gemv_kernel"] == qgemv.status()
+    kernel = open_cpu_kernel(Env.read())  # as the command opens it
+    assert gen_json(*ids)[0]["stats"]["cpu_gemv_kernel"] == kernel.status()
     off = gen_json(*ids, env={"MHCRUN_CPU_KERNEL": "0"})[0]
     assert off["stats"]["cpu_gemv_kernel"] == "off (MHCRUN_CPU_KERNEL=0)"
     r = cli("generate", *ids)
     ok(r)
-    assert f"CPU GEMV kernel {qgemv.status()}" in r.stderr
+    assert f"CPU GEMV kernel {kernel.status()}" in r.stderr
 
 
 # ---------------------------------------------------------------- inside compiled graphs
@@ -324,42 +346,45 @@ def test_generate_reports_the_kernel(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-@pytest.mark.usefixtures("isa")
-def test_expert_set_op_reads_each_rows_experts_in_place(fmt):
-    """mhcrun::qgemv_expert_set: a registered set of expert weights, each row of x through its own experts
-    (repeats, one x per row or one per expert slot, more rows of one expert than a kernel call takes); the set
-    is dropped with its owner."""
+def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
+    """mhcrun::qgemv_expert_set: a set of expert weights by their addresses (no copy), each row of x through its
+    own experts (repeats, one x per row or one per expert slot, more rows of one expert than a kernel call
+    takes)."""
     g = gen(1400)
     experts = [fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g) for _ in range(5)]
     refs = [reference_weight(w, s, fmt, 32) for w, s in experts]
-
-    class Layer:
-        pass
-
-    owner = Layer()
-    experts_set = register_experts(owner, [qw(w, s, 32) for w, s in experts])
-    handle = experts_set.handle
-    assert experts_set.out_features == 64
+    weights = [qw(w, s, 32) for w, s in experts]  # kept alive here, as a layer keeps its experts
+    found = expert_set(weights)
+    assert found.out_features == 64 and found.ptrs.shape == (5, 2)
+    assert found.ptrs[:, 0].tolist() == [w.data.data_ptr() for w in weights]  # read where they lie
+    assert found.ptrs[:, 1].tolist() == [w.scale.data_ptr() for w in weights]
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):
             x = torch.randn(idx.shape[0], slots, 96, generator=g)
-            y = torch.ops.mhcrun.qgemv_expert_set(x, handle, idx, 64)
+            y = torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, idx, found.fmt, found.kind, found.block, 64,
+                                                  isa.library, isa.isa)
             assert y.shape == (*idx.shape, 64)
             for b, row in enumerate(idx.tolist()):
                 for j, e in enumerate(row):
                     xr = x[b, j if slots > 1 else 0][None]
                     assert_gemm_close(y[b, j][None], F.linear(xr, refs[e]), xr, refs[e])
-    assert int(handle) in EXPERT_SETS
-    del owner
-    gc.collect()
-    assert int(handle) not in EXPERT_SETS
+
+
+def test_expert_set_only_of_weights_the_kernel_takes_alike():
+    """A set is made only where the kernel takes every expert in one layout; else None (the layer stacks them)."""
+    g = gen(1450)
+    (w, s), (w2, s2) = fp8_weight(64, 96, 32, g), fp8_weight(64, 96, 32, g)
+    assert expert_set([qw(w, s, 32), qw(w2, s2, 32)]) is not None
+    assert expert_set([qw(w, s, 32), qw(w2, torch.full((2, 3), 2.0**125), 32)]) is None  # scales could overflow
+    assert expert_set([qw(w, s, 32), qw(w2, s2.float(), 32)]) is None  # e8m0 beside fp32 scales
+    assert expert_set([qw(w, s, 32), qw(*fp8_weight(64, 64, 32, g), 32)]) is None  # another shape
+    assert expert_set([qw(torch.randn(64, 96).to(torch.bfloat16))]) is None  # bf16 experts stay stacked
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
-@pytest.mark.usefixtures("isa")
-def test_compiled_qlinear_calls_the_kernel_op(fmt):
+def test_compiled_qlinear_calls_the_kernel_op(isa, fmt):
     """A compiled decode GEMV is one mhcrun::qgemv call in the graph (no traced dequantisation), for plain and
     grouped (wo_a) outputs."""
     from mhcrun.ops.qlinear import qlinear_grouped
@@ -378,10 +403,10 @@ def test_compiled_qlinear_calls_the_kernel_op(fmt):
     assert w.kernel
 
     def linear(x, d, s):
-        return qlinear(x, QWeight(d, s, w.block, w.kernel))
+        return qlinear(x, QWeight(d, s, w.block, w.kernel), cpu=isa)
 
     def grouped(x, d, s):
-        return qlinear_grouped(x, QWeight(d, s, w.block, w.kernel), 4)
+        return qlinear_grouped(x, QWeight(d, s, w.block, w.kernel), 4, isa)
 
     x = torch.randn(2, 160, generator=g)
     y = torch.compile(linear, backend=record, fullgraph=True)(x, data, scale)

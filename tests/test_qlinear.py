@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhcrun.ops import qgemv
 from mhcrun.ops import qlinear as ql
+from mhcrun.ops.qgemv import KERNEL_OFF
 from mhcrun.ops.qlinear import (
     act_quant_fp8_codes,
     decode,
@@ -47,9 +47,10 @@ def qw(data: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0) ->
     return QWeight(data, scale, block).checked()
 
 
-def compiled(fn, w: QWeight, *args):
-    """x -> fn(x, w, *args) compiled with the weight's tensors as graph inputs (as the regions take them)."""
-    c = torch.compile(lambda x, d, s: fn(x, QWeight(d, s, w.block, w.kernel), *args), backend="aot_eager",
+def compiled(fn, w: QWeight, *args, **kwargs):
+    """x -> fn(x, w, *args, **kwargs) compiled with the weight's tensors as graph inputs (as the regions take
+    them)."""
+    c = torch.compile(lambda x, d, s: fn(x, QWeight(d, s, w.block, w.kernel), *args, **kwargs), backend="aot_eager",
                       fullgraph=True)
     return lambda x: c(x, w.data, w.scale)
 
@@ -139,19 +140,19 @@ def stored_scales(value: float, shape: tuple[int, int]) -> list[torch.Tensor]:
 def test_decode_fp8_all_codes(value, decoder):
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
     for s in stored_scales(value, (1, 1)):
-        assert_same_values(decode(qw(codes, s, 128)), dequantize_fp8(codes, s, 128))
+        assert_same_values(decode(qw(codes, s, 128), cpu=decoder), dequantize_fp8(codes, s, 128))
 
 
 def test_decode_fp8_nan_codes_and_subnormals(decoder):
     codes = torch.tensor([[0x7F, 0xFF, 0x01, 0x81, 0x07, 0x87, 0x00, 0x80]], dtype=torch.uint8)
     w = codes.view(torch.float8_e4m3fn)
-    got = decode(qw(w, torch.ones(1, 1), 8))
+    got = decode(qw(w, torch.ones(1, 1), 8), cpu=decoder)
     assert torch.isnan(got[0, :2]).all()
     assert got[0, 2:].tolist() == [2.0**-9, -(2.0**-9), 7 * 2.0**-9, -7 * 2.0**-9, 0.0, -0.0]
     assert torch.signbit(got[0, 7])
 
 
-def test_decode_fp8_nan_memory(torch_gemv):
+def test_decode_fp8_nan_memory():
     """A weight found free of NaN codes over a whole pass is not looked at again; one holding them always is."""
     g = gen(1)
     w, s = fp8_weight(64, 64, 32, g)
@@ -176,8 +177,8 @@ def test_decode_fp8_nan_memory(torch_gemv):
 def test_decode_fp4_all_codes(value, decoder):
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.int8).view(8, 32)
     for s in stored_scales(value, (8, 2)):
-        assert_same_values(decode(qw(packed, s, 32)), dequantize_fp4(packed, s, 32))
-        assert_same_values(decode(qw(packed.view(torch.uint8), s, 32)), dequantize_fp4(packed, s, 32))
+        assert_same_values(decode(qw(packed, s, 32), cpu=decoder), dequantize_fp4(packed, s, 32))
+        assert_same_values(decode(qw(packed.view(torch.uint8), s, 32), cpu=decoder), dequantize_fp4(packed, s, 32))
 
 
 @pytest.mark.parametrize("shape, block", [((200, 320), 128), ((37, 45), 32), ((1, 128), 128), ((130, 7), 32),
@@ -185,16 +186,16 @@ def test_decode_fp4_all_codes(value, decoder):
 @pytest.mark.parametrize("e8m0", [True, False])
 def test_decode_fp8_random_partial_tiles(shape, block, e8m0, decoder):
     w, s = fp8_weight(*shape, block, gen(2), e8m0)
-    assert qgemv.decodes(qw(w, s, block)) == (decoder != "torch")  # the path under test is the one taken
-    assert torch.equal(decode(qw(w, s, block)), dequantize_fp8(w, s, block))
+    assert decoder.decodes(qw(w, s, block)) == decoder.on  # the path under test is the one taken
+    assert torch.equal(decode(qw(w, s, block), cpu=decoder), dequantize_fp8(w, s, block))
 
 
 @pytest.mark.parametrize("shape", [(200, 320), (3, 40), (1, 64), (33, 2)])
 @pytest.mark.parametrize("e8m0", [True, False])
 def test_decode_fp4_random(shape, e8m0, decoder):
     p, s = fp4_weight(*shape, gen(3), e8m0)
-    assert qgemv.decodes(qw(p, s, 32)) == (decoder != "torch")
-    assert torch.equal(decode(qw(p, s, 32)), dequantize_fp4(p, s, 32))
+    assert decoder.decodes(qw(p, s, 32)) == decoder.on
+    assert torch.equal(decode(qw(p, s, 32), cpu=decoder), dequantize_fp4(p, s, 32))
 
 
 @pytest.mark.parametrize("chunk_bytes", [64 * 4 * 16, 64 * 4 * 48, 64 * 4 * 100])
@@ -206,20 +207,20 @@ def test_decoders_chunk_boundaries(monkeypatch, chunk_bytes, spans, decoder):
     g = gen(4)
     for out_f in (95, 96, 97, 129):
         w, s = fp8_weight(out_f, 64, 32, g)
-        assert torch.equal(decode(qw(w, s, 32)), dequantize_fp8(w, s, 32))
+        assert torch.equal(decode(qw(w, s, 32), cpu=decoder), dequantize_fp8(w, s, 32))
         p, s4 = fp4_weight(out_f, 64, g)
-        assert torch.equal(decode(qw(p, s4, 32)), dequantize_fp4(p, s4, 32))
+        assert torch.equal(decode(qw(p, s4, 32), cpu=decoder), dequantize_fp4(p, s4, 32))
 
 
 def test_decode_out_argument_and_empty(decoder):
     w, s = fp8_weight(40, 64, 32, gen(5))
     out = torch.empty(40, 64)
-    assert decode(qw(w, s, 32), out=out) is out
+    assert decode(qw(w, s, 32), out=out, cpu=decoder) is out
     assert torch.equal(out, dequantize_fp8(w, s, 32))
     with pytest.raises(ValueError):
-        decode(qw(w, s, 32), out=torch.empty(40, 63))
+        decode(qw(w, s, 32), out=torch.empty(40, 63), cpu=decoder)
     empty = torch.empty(0, 64).to(torch.float8_e4m3fn)
-    assert decode(qw(empty, torch.ones(0, 2), 32)).shape == (0, 64)
+    assert decode(qw(empty, torch.ones(0, 2), 32), cpu=decoder).shape == (0, 64)
 
 
 def test_decoders_with_flushed_denormals_fall_back():
@@ -247,7 +248,7 @@ def test_dequantize_leading_dims(fmt, decoder):
     data = torch.stack([m[0] for m in mats]).view(b, k, *mats[0][0].shape)
     scale = torch.stack([m[1] for m in mats]).view(b, k, *mats[0][1].shape)
     expected = torch.stack([reference_weight(d, s, fmt, block) for d, s in mats]).view(b, k, out_f, in_f)
-    assert torch.equal(dequantize(QWeight(data, scale, block)), expected)
+    assert torch.equal(dequantize(QWeight(data, scale, block), decoder), expected)
     assert torch.equal(dequantize_reference(QWeight(data, scale, block)), expected)
     compiled = torch.compile(lambda d, s: dequantize(QWeight(d, s, block)), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(data, scale), expected)
@@ -282,7 +283,7 @@ def test_qlinear_fp8(gemv_path, shape, block, m, act_quant):
     w_ref = reference_weight(w, s, "fp8", block)
     x = torch.randn(m, shape[1], generator=g)
     ref = reference_qlinear(x, w_ref, act_quant)
-    assert_gemm_close(qlinear(x, qw(w, s, block), act_quant), ref, x, w_ref, act_quant)
+    assert_gemm_close(qlinear(x, qw(w, s, block), act_quant, cpu=gemv_path), ref, x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("shape", [(200, 320), (64, 40), (1, 64)])
@@ -294,7 +295,7 @@ def test_qlinear_fp4(gemv_path, shape, m, act_quant):
     w_ref = reference_weight(p, s, "fp4", 32)
     x = torch.randn(m, shape[1], generator=g)
     ref = reference_qlinear(x, w_ref, act_quant)
-    assert_gemm_close(qlinear(x, qw(p, s, 32), act_quant), ref, x, w_ref, act_quant)
+    assert_gemm_close(qlinear(x, qw(p, s, 32), act_quant, cpu=gemv_path), ref, x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
@@ -306,13 +307,13 @@ def test_qlinear_3d_x_and_dtypes(gemv_path, fmt, dtype):
     w_ref = reference_weight(data, scale, fmt, block)
     x = torch.randn(2, 3, 160, generator=g).to(dtype)
     for act_quant in (False, True):
-        y = qlinear(x, qw(data, scale, block), act_quant)
+        y = qlinear(x, qw(data, scale, block), act_quant, cpu=gemv_path)
         assert y.shape == (2, 3, 96)
         assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant), x, w_ref, act_quant)
 
 
 @pytest.mark.parametrize("out_f", [127, 128, 129, 191, 193])
-def test_qlinear_chunk_boundaries(torch_gemv, monkeypatch, out_f):
+def test_qlinear_chunk_boundaries(monkeypatch, out_f):
     """Chunks of 64 rows (CHUNK_BYTES = 64 rows of 160 fp32): out just below / at / above chunk multiples."""
     monkeypatch.setattr(ql, "CHUNK_BYTES", 64 * 160 * 4)
     g = gen(11)
@@ -324,7 +325,7 @@ def test_qlinear_chunk_boundaries(torch_gemv, monkeypatch, out_f):
         assert_gemm_close(qlinear(x, qw(data, scale, block)), F.linear(x, w_ref), x, w_ref)
 
 
-def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
+def test_qlinear_fp8_x_fold_decisions(monkeypatch):
     """The per-column scales go into x only when exact; every other case scales the weight chunk."""
     monkeypatch.setattr(ql, "CHUNK_BYTES", 32 * 96 * 4)  # 32-row chunks, one per 32-row block row
     g = gen(25)
@@ -339,7 +340,7 @@ def test_qlinear_fp8_x_fold_decisions(torch_gemv, monkeypatch):
         (torch.full((4, 3), 2.0**9), torch.randn(2, 96, generator=g), False),  # scale * 2**120 overflows
     ]
     for scale, x, fold in cases:
-        dec = ql._RowDecoder(qw(w, scale, 32), 32)
+        dec = ql._RowDecoder(qw(w, scale, 32), 32, KERNEL_OFF)
         if fold is not None:
             assert dec.x_fold_ok(x) is fold
         w_ref = reference_weight(w, scale, "fp8", 32)
@@ -354,13 +355,13 @@ def test_qlinear_extreme_scales(gemv_path):
         w_ref = reference_weight(w, s, "fp8", 32)
         assert bool(torch.isfinite(w_ref).all())
         x = torch.randn(3, 64, generator=g) * 2.0**xe
-        assert_gemm_close(qlinear(x, qw(w, float_to_e8m0(s), 32)), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(w, float_to_e8m0(s), 32), cpu=gemv_path), F.linear(x, w_ref), x, w_ref)
     p = torch.randint(-128, 128, (8, 32), generator=g, dtype=torch.int8)
     for e, xe in ((125, -125), (2, 0), (-127, 120)):  # 6 * 2**125 is the largest finite one
         s = torch.full((8, 2), 2.0**e)
         w_ref = reference_weight(p, s, "fp4", 32)
         x = torch.randn(2, 64, generator=g) * 2.0**xe
-        assert_gemm_close(qlinear(x, qw(p, s, 32)), F.linear(x, w_ref), x, w_ref)
+        assert_gemm_close(qlinear(x, qw(p, s, 32), cpu=gemv_path), F.linear(x, w_ref), x, w_ref)
 
 
 def test_qlinear_empty():
@@ -416,7 +417,7 @@ def test_qlinear_grouped_against_einsum(gemv_path, fmt, dtype):
     data, scale = weight_of(fmt, groups * r, d, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     x = torch.randn(2, 3, groups, d, generator=g).to(dtype)
-    y = qlinear_grouped(x, qw(data, scale, 32), groups)
+    y = qlinear_grouped(x, qw(data, scale, 32), groups, gemv_path)
     ref = torch.einsum("bsgd,grd->bsgr", x.float(), w_ref.view(groups, r, d))
     bound = 2 * d * U32 * torch.einsum("bsgd,grd->bsgr", x.float().abs(), w_ref.abs().view(groups, r, d))
     if dtype != torch.float32:
@@ -424,7 +425,7 @@ def test_qlinear_grouped_against_einsum(gemv_path, fmt, dtype):
     assert y.shape == (2, 3, groups, r) and y.dtype == dtype
     assert bool(((y.float() - ref).abs() <= bound).all())
     with pytest.raises(ValueError):
-        qlinear_grouped(x, qw(data, scale, 32), 5)
+        qlinear_grouped(x, qw(data, scale, 32), 5, gemv_path)
 
 
 # ---------------------------------------------------------------- torch.compile: the whole-tensor path
@@ -460,7 +461,7 @@ def test_compiled_decode_gemv(gemv_path, fmt):
     data, scale = weight_96x160(fmt, g)
     w_ref = reference_weight(data, scale, fmt, 32)
     w = qw(data, scale, 32)
-    fns = {act_quant: compiled(qlinear, w, act_quant) for act_quant in (False, True)}
+    fns = {act_quant: compiled(qlinear, w, act_quant, cpu=gemv_path) for act_quant in (False, True)}
     for rows in (1, 3, ql.FUSED_MAX_ROWS + 1):
         x = torch.randn(rows, 160, generator=g)
         for act_quant in (False, True):
@@ -575,7 +576,7 @@ def test_cuda_dequantise_paths(fmt):
 # ---------------------------------------------------------------- observation (no assertion on summation order)
 
 
-def test_chunked_gemv_bitwise_on_aligned_shapes(torch_gemv):
+def test_chunked_gemv_bitwise_on_aligned_shapes():
     """Reports (does not require) whether the chunked GEMV equals one whole fp32 GEMV bitwise here."""
     g = gen(22)
     w, s = fp8_weight(512, 1024, 128, g)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_kernel
 from safetensors.torch import load_file, save_file
 from test_cli import cli, gen_json, ok, user_error
 
@@ -16,7 +17,8 @@ from mhcrun.checkpoint import INDEX_FILE, load_checkpoint, plan_checkpoint
 from mhcrun.generate import generate
 from mhcrun.memory import parse_size, plan_memory
 from mhcrun.model import Linear, build_model
-from mhcrun.ops.qlinear import ExpertSet
+from mhcrun.ops.qgemv import ExpertSet
+from mhcrun.regions.runner import RegionDecoder
 from mhcrun.synthetic import make_synthetic
 from mhcrun.tiny import make_tiny
 
@@ -70,17 +72,22 @@ def test_quant_sim_changes_the_quantised_run(tiny_fp8):
     assert (on - off).abs().max() > 1e-4  # activations really are rounded to FP8 before the kept GEMMs
 
 
-def test_kept_quantised_regions_stages_match_eager(tiny_fp8):
-    """The region stages (uncompiled) on kept-quantised weights: gathered experts dequantised in the graph."""
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_kept_quantised_regions_stages_match_eager(tiny_fp8, kernel):
+    """The region stages (uncompiled) on kept-quantised weights: gathered experts read in place by the fused
+    kernel, or stacked and dequantised in the graph."""
     kept, _ = models(tiny_fp8)
+    kept.opts.cpu = cpu_kernel(kernel)
     eager = generate(kept, PROMPTS, 12, eos_id=1, ignore_eos=True)
     kept2, _ = models(tiny_fp8)
-    from mhcrun.regions.runner import RegionDecoder
-
+    kept2.opts.cpu = cpu_kernel(kernel)
     kept2.setup_caches(len(PROMPTS), 64)
     RegionDecoder(kept2, "eager", None)
     w1 = kept2.layers[0].ffn.gathered["w1"]  # fp4: a set the kernel reads in place, or stacked as stored
-    assert isinstance(w1, ExpertSet) or (w1.data.dtype == torch.int8 and w1.block == 32)
+    if kept2.opts.cpu.on:
+        assert isinstance(w1, ExpertSet) and w1.ptrs[0, 0] == kept2.layers[0].ffn.experts[0].w1.w.data.data_ptr()
+    else:
+        assert w1.data.dtype == torch.int8 and w1.block == 32
     regions = generate(kept2, PROMPTS, 12, eos_id=1, ignore_eos=True, graph_mode="regions", backend="eager")
     assert [r.tokens for r in regions] == [r.tokens for r in eager]
 
@@ -244,6 +251,7 @@ def test_kept_quantised_compiled_regions_match_eager(tiny_fp8, gemv_path):
     compile than the whole model's."""
     torch._dynamo.reset()  # graphs traced under the other path must not be reused
     kept, _ = models(tiny_fp8, n_layers=2)
+    kept.opts.cpu = gemv_path
     prompts = PROMPTS[:2]
     eager = generate(kept, prompts, 6, eos_id=1, ignore_eos=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -251,3 +259,29 @@ def test_kept_quantised_compiled_regions_match_eager(tiny_fp8, gemv_path):
         compiled = generate(kept, prompts, 6, eos_id=1, ignore_eos=True, graph_mode="regions", backend="inductor")
     assert not [w for w in caught if "compile failed" in str(w.message)]  # really compiled, no eager fallback
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
+
+
+def test_kept_experts_read_in_place_compile_one_graph_per_kind(tiny_fp8):
+    """With the fused kernel each layer's routed experts enter the graphs as their addresses (an int64 tensor per
+    weight, a graph input like the layer's other tensors): one graph per region kind serves all of its layers
+    (moe:routed: three), and the compiled steps give the uncompiled ones' logits."""
+    kernel = cpu_kernel()
+    if not kernel.on:
+        pytest.skip(f"CPU kernel {kernel.status()}")
+    torch._dynamo.reset()
+    runs = []
+    for backend in ("aot_eager", None):
+        model, _ = models(tiny_fp8)
+        model.opts.cpu = kernel
+        model.setup_caches(2, 64)
+        dec = RegionDecoder(model, "regions" if backend else "eager", backend)
+        assert all(isinstance(b.ffn.gathered[w], ExpertSet) for b in model.layers for w in ("w1", "w2", "w3"))
+        tokens, steps = torch.tensor([3, 7]), []
+        for pos in range(3):
+            steps.append(dec(tokens, torch.full((2,), pos)))
+            tokens = steps[-1].argmax(-1)
+        runs.append((dec, torch.stack(steps)))
+    (compiled, got), (_, want) = runs
+    assert len(compiled.layers_of["moe:routed"]) == 3
+    assert all(s.graphs == 1 and s.fallback is None for s in compiled.stats), compiled.stats
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -7,17 +7,23 @@ torch's OpenMP threads. It covers FP8 e4m3 with tile scales, packed FP4 e2m1 wit
 weights, for a few rows of x (decode); `qlinear` keeps its torch path as the reference and for everything
 else (prefill, other CPUs, a weight whose scales could overflow: `QWeight.kernel`, decided at load).
 
-Build: `mhcrun.ops.native` (`$CXX` with OpenMP, cached in `$MHCRUN_KERNEL_CACHE`). It runs AVX-512 where the
-CPU has it, else AVX2 (`MHCRUN_CPU_KERNEL=avx2` picks AVX2 on an AVX-512 CPU, to compare or test both). Without
-a compiler, on a CPU with neither, or with `MHCRUN_CPU_KERNEL=0`, `available()` is False and `qgemv` returns
-None; `status()` says why.
+A run opens the kernel once, `open_cpu_kernel(env)`, and passes the `CpuKernel` down (`RunOptions.cpu`): it is
+built by `mhcrun.ops.native` with the run's compiler into its kernel cache, and runs AVX-512 where the CPU has
+it, else AVX2 (MHCRUN_CPU_KERNEL=avx2 in the run's `Env` picks AVX2 on an AVX-512 CPU, to compare or test both).
+Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kernel is off (`CpuKernel.on` is
+False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
+(a model built without a runner) the kernel is `KERNEL_OFF`.
+
+Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
+scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,43 +31,121 @@ from torch import Tensor
 
 from mhcrun.ops import native
 from mhcrun.ops.qweight import QWeight
+from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
-_FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
-
-_lib: ctypes.CDLL | None = None
-_why: str | None = None  # set once the library is known to be unavailable
+FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
+ISAS = {"avx512": 2, "avx2": 1}  # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there
 
 
-_ISAS = {"avx512": 2, "avx2": 1}
-_isa = 0  # the best instruction set this CPU gives the kernel (qgemv.cpp's mhc_qgemv_isa), once loaded
+@dataclass(frozen=True)
+class CpuKernel:
+    """The fused kernel as a run uses it: the built library's path and the instruction set its GEMVs run in
+    (2 AVX-512, 1 AVX2, 0 off: then `why` is the status line). Made by `open_cpu_kernel`; a custom op rebuilds
+    it from (library, isa)."""
+
+    library: str = ""
+    isa: int = 0
+    why: str = ""
+
+    @property
+    def on(self) -> bool:
+        return self.isa > 0
+
+    def status(self) -> str:
+        """One line: the instruction set decode GEMVs on quantised CPU weights run in, or why they take torch's
+        path ("avx512", "avx2", "off (MHCRUN_CPU_KERNEL=0)", "off: <why>")."""
+        return {2: "avx512", 1: "avx2"}.get(self.isa, self.why)
+
+    def takes(self, w: QWeight, rows: int) -> bool:
+        """Whether `qgemv` takes this weight for `rows` rows of x: the weight's own answer (`QWeight.kernel`,
+        decided when it was loaded) and the kernel on. Safe while torch.compile traces, where the answer is fixed
+        into the graph."""
+        return w.kernel and rows <= MAX_ROWS and self.on
+
+    def qgemv(self, x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
+        """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight in G groups, or None when the
+        kernel does not take it (`takes`) or declines (then the caller takes the torch path). A row holding an
+        e4m3 NaN code comes out NaN, as dequantise-then-multiply gives it."""
+        m = x3.shape[0]
+        if not self.takes(w, m):
+            return None
+        scale, kind = _scale_arg(w)
+        s_ptr = None if scale is None else scale.data_ptr()
+        y = self.gemv_at(FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x3, w.out_features, w.block)
+        return None if y is None else y.view(m, groups, w.out_features // groups)
+
+    def gemv_at(self, fmt: int, data: int, scale: int | None, kind: int, x3: Tensor, n: int,
+                block: int) -> Tensor | None:
+        """y [M, n] fp32 = x3 [M, G, K] times the weight [n, K] whose bytes lie at address `data` (format `fmt`:
+        `FORMATS`; its scales at `scale`, kind 0 e8m0 bytes or 1 fp32), its rows in G groups. The caller keeps
+        those bytes alive through the call. None when the kernel is off or declines (a thread flushes
+        subnormals)."""
+        if not self.on:
+            return None
+        m, groups, k = x3.shape
+        x = x3.float().contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = load_library(self.library).mhc_qgemv(fmt, data, scale, kind, x.data_ptr(), y.data_ptr(), m, n, k,
+                                                  block, groups, self.isa, torch.get_num_threads())
+        return None if rc else y
+
+    def decodes(self, w: QWeight) -> bool:
+        """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
+        return w.kernel and w.fmt != "float" and self.on
+
+    def decode_rows(self, w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
+        """Rows [r0, r1) of a 2-D fp8 / fp4 weight the kernel takes, dequantised into out (contiguous fp32
+        [r1 - r0, in]) in one pass, bitwise as the reference dequantisers; False when it does not apply (then the
+        caller decodes with torch). AVX-512 where the GEMVs run it, else plain C++."""
+        if not self.decodes(w):
+            return False
+        scale, kind = _scale_arg(w)
+        isa = 2 if self.isa == 2 else 0
+        rc = load_library(self.library).mhc_decode_rows(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
+                                                        out.data_ptr(), r0, r1, w.out_features, w.in_features,
+                                                        w.block, isa, torch.get_num_threads())
+        return rc == 0
+
+    def act_quant_fp8(self, x: Tensor, block: int) -> Tensor | None:
+        """fp8_simulate(x, block, pow2_scale=True) (DeepSeek's act_quant before an FP8/FP4 GEMM), bitwise, for a
+        few rows of a CPU fp32/bf16 x; None when it does not apply (then the caller takes the torch path)."""
+        k = x.shape[-1]
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not self.on:
+            return None
+        rows = x.numel() // k
+        if rows > MAX_ROWS:
+            return None
+        y = x.to(torch.float32, copy=True).contiguous()
+        if load_library(self.library).mhc_act_quant_fp8(y.data_ptr(), rows, k, block):
+            return None
+        return y.to(x.dtype)
 
 
-def enabled() -> bool:
-    return os.environ.get("MHCRUN_CPU_KERNEL", "1") != "0"
+KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
 
-def _chosen_isa() -> int:
-    """MHCRUN_CPU_KERNEL=avx2 (or avx512) caps the instruction set; anything else but 0 takes the best."""
-    want = _ISAS.get(os.environ.get("MHCRUN_CPU_KERNEL", ""), 2)
-    return min(want, _isa)
-
-
-def build(cache: Path | None = None) -> Path:
-    """Compile qgemv.cpp (once per source, compiler and flags) and return the shared library's path."""
-    return native.build(SOURCE, cache)
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _why
-    if _lib is not None or _why is not None:
-        return _lib
+def open_cpu_kernel(env: Env) -> CpuKernel:
+    """The kernel as `env` asks for it: built (once per source and compiler) and loaded, in the best instruction
+    set of this CPU capped by MHCRUN_CPU_KERNEL (avx2 / avx512; 0: off); off, saying why, where it cannot run."""
+    if env.cpu_kernel == "0":
+        return CpuKernel(why="off (MHCRUN_CPU_KERNEL=0)")
     try:
-        lib = ctypes.CDLL(str(build()))
+        path = str(native.build(SOURCE, env.kernel_cache, env.cxx))
+        best = load_library(path).mhc_qgemv_isa()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _why = f"not built ({e})"
-        return None
+        return CpuKernel(why=f"off: not built ({e})")
+    if not best:
+        return CpuKernel(why="off: this CPU lacks AVX2/AVX-512 with F16C and FMA")
+    return CpuKernel(path, min(ISAS.get(env.cpu_kernel, 2), best))
+
+
+@functools.cache
+def load_library(path: str) -> ctypes.CDLL:
+    """The kernel's shared library at `path`, its entry points typed (loaded once per process)."""
+    lib = ctypes.CDLL(path)
+    lib.mhc_qgemv_isa.restype = ctypes.c_int
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
@@ -70,53 +154,7 @@ def _load() -> ctypes.CDLL | None:
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
-    global _isa
-    _isa = lib.mhc_qgemv_isa()
-    if not _isa:
-        _why = "this CPU lacks AVX2/AVX-512 with F16C and FMA"
-        return None
-    _lib = lib
     return lib
-
-
-def available() -> bool:
-    return enabled() and _load() is not None
-
-
-def status() -> str:
-    """One line: whether decode GEMVs on quantised CPU weights take the kernel, and if not why."""
-    if not enabled():
-        return "off (MHCRUN_CPU_KERNEL=0)"
-    if _load() is None:
-        return f"off: {_why}"
-    return {2: "avx512", 1: "avx2"}[_chosen_isa()]
-
-
-def takes(w: QWeight, rows: int) -> bool:
-    """Whether `qgemv` takes this weight for `rows` rows of x: the weight's own answer (`QWeight.kernel`, decided
-    when it was loaded), the library already loaded (`available()` called before) and switched on. Safe while
-    torch.compile traces, where the answer is fixed into the graph."""
-    return w.kernel and rows <= MAX_ROWS and _lib is not None and enabled()
-
-
-def qgemv(x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
-    """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight in G groups, or None when the
-    kernel does not take it (`takes`) or this thread flushes subnormals (then the caller takes the torch path).
-    A row holding an e4m3 NaN code comes out NaN, as dequantise-then-multiply gives it."""
-    m = x3.shape[0]
-    if not w.kernel or m > MAX_ROWS or not enabled():
-        return None
-    lib = _load()
-    if lib is None:
-        return None
-    scale, kind = _scale_arg(w)
-    s_ptr = None if scale is None else scale.data_ptr()
-    x = x3.float().contiguous()
-    n, k = w.out_features, w.in_features
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.mhc_qgemv(_FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x.data_ptr(), y.data_ptr(), m, n, k,
-                       w.block, groups, _chosen_isa(), torch.get_num_threads())
-    return None if rc else y.view(m, groups, n // groups)
 
 
 def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
@@ -129,41 +167,32 @@ def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
     return w.scale.view(torch.uint8).contiguous(), 0
 
 
-def decodes(w: QWeight) -> bool:
-    """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the library loaded)."""
-    return w.kernel and w.fmt != "float" and enabled() and _load() is not None
+# ---------------------------------------------------------------- routed experts read in place
 
 
-def decode_rows(w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
-    """Rows [r0, r1) of a 2-D fp8 / fp4 weight the kernel takes, dequantised into out (contiguous fp32
-    [r1 - r0, in]) in one pass, bitwise as the reference dequantisers; False when it does not apply (then the
-    caller decodes with torch)."""
-    if not w.kernel or w.fmt == "float" or not enabled():
-        return False
-    lib = _load()
-    if lib is None:
-        return False
-    scale, kind = _scale_arg(w)
-    return lib.mhc_decode_rows(_FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind, out.data_ptr(), r0, r1,
-                               w.out_features, w.in_features, w.block, _decode_isa(), torch.get_num_threads()) == 0
+@dataclass(frozen=True)
+class ExpertSet:
+    """One weight (w1, w2 or w3) of each of a layer's routed experts where it lies, for
+    `mhcrun::qgemv_expert_set`: the addresses of each expert's bytes and scales, and the layout they share. It
+    holds no reference to the weights: the layer that holds them keeps them alive."""
+
+    ptrs: Tensor  # [E, 2] int64: each expert's data_ptr() and its scales' data_ptr()
+    fmt: int  # FORMATS: fp8 or fp4
+    kind: int  # the scales: 0 e8m0 bytes, 1 fp32
+    block: int
+    out_features: int
 
 
-def _decode_isa() -> int:
-    """decode_rows' instruction set: AVX-512 where the kernel runs it, else plain C++ (0)."""
-    return 2 if _chosen_isa() == 2 else 0
-
-
-def act_quant_fp8(x: Tensor, block: int) -> Tensor | None:
-    """fp8_simulate(x, block, pow2_scale=True) (DeepSeek's act_quant before an FP8/FP4 GEMM), bitwise, for a
-    few rows of a CPU fp32/bf16 x; None when it does not apply (then the caller takes the torch path)."""
-    k = x.shape[-1]
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not enabled():
+def expert_set(weights: list[QWeight]) -> ExpertSet | None:
+    """The set of these experts' weights, in expert order, or None unless the kernel takes every one where it lies:
+    fp8 / fp4 of one shape, dtype and block, contiguous scales of one dtype."""
+    first = weights[0]
+    if first.fmt == "float" or not all(_same_layout(w, first) for w in weights):
         return None
-    rows = x.numel() // k
-    lib = _load()
-    if lib is None or rows > MAX_ROWS:
-        return None
-    y = x.to(torch.float32, copy=True).contiguous()
-    if lib.mhc_act_quant_fp8(y.data_ptr(), rows, k, block):
-        return None
-    return y.to(x.dtype)
+    ptrs = torch.tensor([[w.data.data_ptr(), w.scale.data_ptr()] for w in weights], dtype=torch.int64)
+    return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features)
+
+
+def _same_layout(w: QWeight, first: QWeight) -> bool:
+    return (w.kernel and w.data.shape == first.data.shape and w.data.dtype == first.data.dtype
+            and w.block == first.block and w.scale.dtype == first.scale.dtype and w.scale.is_contiguous())

@@ -7,22 +7,23 @@ the data's dtype), checked once when loaded. `qlinear` and `qlinear_grouped` bot
 The values are exactly those of `quant.dequantize_fp8` / `quant.dequantize_fp4` (fp8 / e2m1 values times the
 block scale: one rounding, the same as the reference's), and the GEMM accumulates in fp32.
 
-CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv`
-(C++, AVX-512 or AVX2, built on first use) reads each weight byte once and decodes it in registers; where it does
-not apply (prefill, no compiler or neither instruction set, scales that could overflow, MHCRUN_CPU_KERNEL=0), the
-torch chunk decoders are the path (and the reference the kernel is tested against): the output rows are taken
-in chunks of about `CHUNK_BYTES` of fp32; each chunk is decoded with integer bit tricks (much faster than torch's
-fp8 -> fp32 cast) into a small buffer that stays in cache and multiplied right away (`F.linear` on the chunk), so
-no fp32 copy of the weight is ever made. For fp8 with few rows of x, a chunk inside one block row leaves its values
-unscaled and x takes the per-column scales instead (exact for power-of-two scales, see
-`_RowDecoder.x_fold_ok`). Under `torch.compile` (`torch.compiler.is_compiling()`) on CPU, a decode GEMV takes
-the kernel as an opaque custom op (`mhcrun::qgemv`; routed experts `mhcrun::qgemv_expert_set`) where it applies;
-else (at most FUSED_MAX_ROWS rows of x) it is written as a reduction with the dequantisation inside it
-(`gemv_fused`), which inductor turns into one loop that reads each weight byte once; anything else
-dequantises the whole weight with plain tensor ops (`dequantize`) and multiplies once. No Python loops or
-data-dependent control flow in graphs. On CUDA the whole-tensor path is used, except fp8 with activation
-quantisation when MHCRUN_SCALED_MM=1, which takes cuBLASLt's FP8 GEMM with DeepSeek's block scales
-(`_scaled_mm_fp8`).
+CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv` (C++,
+AVX-512 or AVX2, opened once per run and passed in as `cpu`, a `qgemv.CpuKernel`) reads each weight byte once and
+decodes it in registers; where it does not apply (prefill, the kernel off: no compiler, neither instruction set,
+MHCRUN_CPU_KERNEL=0 or no run opened it; scales that could overflow), the torch chunk decoders are the path (and
+the reference the kernel is tested against): the output rows are taken in chunks of about `CHUNK_BYTES` of fp32;
+each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small buffer that
+stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32 copy of the weight is ever made.
+For fp8 with few rows of x, a chunk inside one block row leaves its values unscaled and x takes the per-column
+scales instead (exact for power-of-two scales, see `_RowDecoder.x_fold_ok`). Under `torch.compile`
+(`torch.compiler.is_compiling()`) on CPU, a decode GEMV takes the kernel as an opaque custom op (`mhcrun::qgemv`;
+routed experts `mhcrun::qgemv_expert_set`, reading them in place through their addresses, a `qgemv.ExpertSet`)
+where it applies, the kernel fixed into the graph as plain arguments; else (at most FUSED_MAX_ROWS rows of x) it
+is written as a reduction with the dequantisation inside it (`gemv_fused`), which inductor turns into one loop
+that reads each weight byte once; anything else dequantises the whole weight with plain tensor ops (`dequantize`)
+and multiplies once. No Python loops or data-dependent control flow in graphs. On CUDA the whole-tensor path is
+used, except fp8 with activation quantisation when the run asks for it (MHCRUN_SCALED_MM=1: `scaled_mm`), which
+takes cuBLASLt's FP8 GEMM with DeepSeek's block scales (`_scaled_mm_fp8`).
 
 Decoders (`decode`, and the chunk kernels under it):
 - e4m3: the byte as int8 -> int32 (sign-extends), << 20, & 0x87F00000 is the fp32 whose value is the e4m3
@@ -43,17 +44,15 @@ would zero them): `_denormals_ok` checks this and falls back to the reference de
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhcrun.ops import qgemv
+from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
 from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, scale_tiles, scale_to_float, unpack_fp4
 from mhcrun.ops.qweight import QWeight
@@ -84,12 +83,13 @@ def dequantize_reference(w: QWeight) -> Tensor:
     return scale_tiles(values, scale_to_float(w.scale), br, bc)
 
 
-def dequantize(w: QWeight) -> Tensor:
+def dequantize(w: QWeight, cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     """The weight as fp32 [..., out, in], bitwise equal to quant.dequantize_fp8 / dequantize_fp4 (per matrix).
 
     Takes leading batch dims (data [..., out, in'] with scale [..., sr, sc], e.g. gathered experts
     [B, k, out, in/2]). Under torch.compile, or off the CPU, it is plain tensor math with static shapes (no
-    .item(), no data-dependent branches); in CPU eager mode it runs the fast decoders matrix by matrix.
+    .item(), no data-dependent branches); in CPU eager mode it runs the fast decoders matrix by matrix (`decode`,
+    the kernel's C++ pass where `cpu` takes the weight).
     """
     if w.fmt == "float" or torch.compiler.is_compiling() or w.data.device.type != "cpu" or not _denormals_ok():
         return dequantize_reference(w)
@@ -99,7 +99,7 @@ def dequantize(w: QWeight) -> Tensor:
     flat_s = scale.reshape(-1, *scale.shape[-2:])
     flat_o = out.view(-1, *out.shape[-2:])
     for i in range(flat_d.shape[0]):
-        decode(QWeight(flat_d[i], flat_s[i], w.block, nan_free=w.nan_free), out=flat_o[i])
+        decode(QWeight(flat_d[i], flat_s[i], w.block, nan_free=w.nan_free), out=flat_o[i], cpu=cpu)
     return out
 
 
@@ -275,10 +275,10 @@ class _RowDecoder:
     """Decodes row ranges of one 2-D weight into fp32 (CPU eager only): `rows(r0, r1, dst)`; `done()` after a
     pass over all rows."""
 
-    def __init__(self, w: QWeight, max_rows: int):
-        self.w, self.data, self.fmt = w, w.data, w.fmt
+    def __init__(self, w: QWeight, max_rows: int, cpu: CpuKernel):
+        self.w, self.data, self.fmt, self.cpu = w, w.data, w.fmt, cpu
         self.n_in, self.group, self.max_rows = w.in_features, w.block, max_rows
-        self.native = self.fmt != "float" and qgemv.decodes(w)  # one C++ pass a chunk (qgemv.decode_rows)
+        self.native = self.fmt != "float" and cpu.decodes(w)  # one C++ pass a chunk (CpuKernel.decode_rows)
         self.seen_nan = self.mixed = False
         if self.fmt != "float" and not self.native:
             self.prepare_torch()
@@ -317,7 +317,7 @@ class _RowDecoder:
         r = r1 - r0
         if self.fmt == "float":
             dst.copy_(self.data[r0:r1])
-        elif self.native and scaled and qgemv.decode_rows(self.w, r0, r1, dst):
+        elif self.native and scaled and self.cpu.decode_rows(self.w, r0, r1, dst):
             pass
         elif self.native:  # unscaled values asked for, or a thread flushes subnormals: torch from here on
             self.prepare_torch()
@@ -337,9 +337,10 @@ class _RowDecoder:
             self.w.nan_free = not self.seen_nan
 
 
-def decode(w: QWeight, out: Tensor | None = None) -> Tensor:
+def decode(w: QWeight, out: Tensor | None = None, cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     """Fast exact CPU dequantisation of a 2-D fp8 / fp4 weight -> fp32 [out, in], bitwise equal to
-    quant.dequantize_fp8 / dequantize_fp4 (NaN codes give NaN). `out`: an optional contiguous fp32 destination."""
+    quant.dequantize_fp8 / dequantize_fp4 (NaN codes give NaN): the kernel's C++ pass where `cpu` takes the weight,
+    else the torch chunk decoders. `out`: an optional contiguous fp32 destination."""
     n_out, n_in = w.out_features, w.in_features
     if out is None:
         out = torch.empty(n_out, n_in, dtype=torch.float32)
@@ -351,7 +352,7 @@ def decode(w: QWeight, out: Tensor | None = None) -> Tensor:
         out.copy_(dequantize_reference(w))
         return out
     rows = _chunk_rows(n_out, n_in, w.grid[0])
-    dec = _RowDecoder(w, rows)
+    dec = _RowDecoder(w, rows, cpu)
     for r0 in range(0, n_out, rows):
         r1 = min(n_out, r0 + rows)
         dec.rows(r0, r1, out[r0:r1])
@@ -384,85 +385,76 @@ def _gemm_rows(x2: Tensor, dec: _RowDecoder, r0: int, r1: int, rows: int, buf: T
 
 
 @torch.library.custom_op("mhcrun::qgemv", mutates_args=())
-def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int) -> Tensor:
+def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str,
+             isa: int) -> Tensor:
     """_cpu_gemm as one opaque op for compiled graphs: x3 [M, G, in] fp32 -> [M, G, r] fp32 (contiguous), the
-    weight (data, scale, block) one the kernel takes (`QWeight.kernel`, fixed into the graph while tracing)."""
-    return _cpu_gemm(x3, QWeight(data, scale, block, kernel=True), groups).contiguous()
+    weight (data, scale, block) one the kernel takes (`QWeight.kernel`), the kernel (library, isa) the run's
+    `CpuKernel`: both fixed into the graph while tracing."""
+    return _cpu_gemm(x3, QWeight(data, scale, block, kernel=True), groups, CpuKernel(library, isa)).contiguous()
 
 
 @qgemv_op.register_fake
-def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int) -> Tensor:
+def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str, isa: int) -> Tensor:
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
-# Routed experts that compiled graphs read in place: a graph input holds a set's handle (an int64 scalar) instead
-# of the experts' weights stacked into one tensor, which would copy them. handle -> the weights.
-_EXPERT_SETS: dict[int, list[QWeight]] = {}
-_next_set = itertools.count()
-
-
-@dataclass(frozen=True)
-class ExpertSet:
-    """One weight (w1, w2 or w3) of each of a layer's routed experts, read in place by `qgemv_expert_set`."""
-
-    handle: Tensor
-    out_features: int
-
-
-def register_experts(owner: object, weights: list[QWeight]) -> ExpertSet:
-    """A set for `mhcrun::qgemv_expert_set` of one weight of each of a layer's experts, in expert order; the
-    entry goes when `owner` (the layer) does."""
-    h = next(_next_set)
-    _EXPERT_SETS[h] = list(weights)
-    weakref.finalize(owner, _EXPERT_SETS.pop, h, None)
-    return ExpertSet(torch.tensor(h, dtype=torch.int64), weights[0].out_features)
-
-
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
-def qgemv_expert_set(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) -> Tensor:
+def qgemv_expert_set(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
+                     library: str, isa: int) -> Tensor:
     """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
-    y[b, j] = x[b, j or 0] through expert idx[b, j] of the set `handle` (`register_experts`). The rows of one
-    expert go through one call of the fused kernel (at most MAX_ROWS at a time)."""
-    weights = _EXPERT_SETS[int(handle)]
+    y[b, j] = x[b, j or 0] through expert idx[b, j] of an `ExpertSet` (ptrs [E, 2]: each expert's data and scale
+    addresses; fmt, kind, block, out_features: their layout), by the kernel (library, isa). The rows of one
+    expert go through one call of the kernel (at most MAX_ROWS at a time)."""
+    cpu = CpuKernel(library, isa)
+    addresses = ptrs.tolist()
     y = torch.empty(*idx.shape, out_features, dtype=torch.float32)
     rows: dict[int, list[tuple[int, int]]] = {}
     for b, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
             rows.setdefault(e, []).append((b, j))
     for e, pairs in rows.items():
-        for a in range(0, len(pairs), qgemv.MAX_ROWS):
-            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + qgemv.MAX_ROWS], strict=True))
-            xe = x[bs, js if x.shape[1] > 1 else 0].float()  # [n, in]
-            y[bs, js] = _cpu_gemm(xe[:, None], weights[e], 1)[:, 0]
+        data, scale = addresses[e]
+        for a in range(0, len(pairs), MAX_ROWS):
+            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + MAX_ROWS], strict=True))
+            xe = x[bs, js if x.shape[1] > 1 else 0]  # [n, in]
+            ye = cpu.gemv_at(fmt, data, scale, kind, xe[:, None], out_features, block)
+            if ye is None:
+                raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or a thread "
+                                   "flushes subnormals: torch.set_flush_denormal(True))")
+            y[bs, js] = ye
     return y
 
 
 @qgemv_expert_set.register_fake
-def _(x: Tensor, handle: Tensor, idx: Tensor, out_features: int) -> Tensor:
+def _(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int, library: str,
+      isa: int) -> Tensor:
     return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
-def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: bool = False) -> Tensor:
+def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: bool = False,
+                     cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     """Each token through its k routed experts' weights, on fixed shapes: x [T, k or 1, in], idx [T, k] ->
     y [T, k, out] in x.dtype (fp32 math), w the experts' weights stacked [E, out, in'] (their scales [E, ...]) or
-    an `ExpertSet` read in place. act_quant as `qlinear`'s."""
+    an `ExpertSet` read in place by `cpu` (which must be on). act_quant as `qlinear`'s."""
     if act_quant:
-        x = _act_quant(x)
+        x = _act_quant(x, cpu)
     xf = x.float()
     if isinstance(w, ExpertSet):
-        return qgemv_expert_set(xf, w.handle, idx, w.out_features).to(x.dtype)
+        y = torch.ops.mhcrun.qgemv_expert_set(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features,
+                                              cpu.library, cpu.isa)
+        return y.to(x.dtype)
     ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
     if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
         return gemv_fused(xf.unsqueeze(-2), ew).to(x.dtype)
-    return torch.einsum("tkd,tkfd->tkf", xf.expand(-1, idx.size(1), -1), dequantize(ew)).to(x.dtype)
+    return torch.einsum("tkd,tkfd->tkf", xf.expand(-1, idx.size(1), -1), dequantize(ew, cpu)).to(x.dtype)
 
 
-def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:
+def _cpu_gemm(x3: Tensor, w: QWeight, groups: int, cpu: CpuKernel) -> Tensor:
     """CPU eager: x3 [M, G, in] fp32, the weight's rows in G groups -> y [M, G, r] fp32: the fused kernel where it
     applies, else chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
     r = w.out_features // groups
-    fast = qgemv.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
+    fast = cpu.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
     if fast is not None:
         return fast
     if not _denormals_ok():
@@ -470,8 +462,8 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:
     y = torch.empty(groups, m, r, dtype=torch.float32)
     if r and m:
         # the C++ pass scales as it decodes: its chunks may span fp8 block rows (wider GEMMs run faster)
-        rows = _chunk_rows(r, n_in, 1 if w.fmt == "float" or qgemv.decodes(w) else w.grid[0])
-        dec = _RowDecoder(w, rows)
+        rows = _chunk_rows(r, n_in, 1 if w.fmt == "float" or cpu.decodes(w) else w.grid[0])
+        dec = _RowDecoder(w, rows, cpu)
         buf = torch.empty(rows, n_in, dtype=torch.float32)
         for g in range(groups):
             _gemm_rows(x3[:, g], dec, g * r, (g + 1) * r, rows, buf, y[g])
@@ -479,20 +471,21 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int) -> Tensor:
     return y.transpose(0, 1)
 
 
-def matmul(xf: Tensor, w: QWeight, groups: int = 1) -> Tensor:
+def matmul(xf: Tensor, w: QWeight, cpu: CpuKernel, groups: int = 1) -> Tensor:
     """The one GEMM dispatch: xf [..., G, in] fp32, the weight's rows in G groups of r -> [..., G, r] fp32.
 
-    In a graph on CPU: the fused kernel as an opaque op (`mhcrun::qgemv`) where it takes the weight and x has
-    few rows, else (G = 1, few rows) the dequantisation fused into the reduction (`gemv_fused`), else the whole
-    weight dequantised and multiplied once. Off the CPU, and for fp32 weights: dequantise (a no-op for fp32)
-    and multiply. CPU eager: `_cpu_gemm` (the kernel, else the chunk decoders).
+    In a graph on CPU: the fused kernel `cpu` as an opaque op (`mhcrun::qgemv`) where it takes the weight and x
+    has few rows, else (G = 1, few rows) the dequantisation fused into the reduction (`gemv_fused`), else the
+    whole weight dequantised and multiplied once. Off the CPU, and for fp32 weights: dequantise (a no-op for
+    fp32) and multiply. CPU eager: `_cpu_gemm` (the kernel, else the chunk decoders).
     """
     n_in, r = w.in_features, w.out_features // groups
     rows = xf.numel() // (groups * n_in)
     compiling = torch.compiler.is_compiling()
     fp32 = w.fmt == "float" and w.data.dtype == torch.float32
-    if compiling and qgemv.takes(w, rows):
-        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), w.data, w.scale, w.block, groups)
+    if compiling and cpu.takes(w, rows):
+        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), w.data, w.scale, w.block, groups, cpu.library,
+                                   cpu.isa)
         return y.reshape(*xf.shape[:-1], r)
     if groups == 1 and not fp32 and fused_fits(w, rows):
         return gemv_fused(xf.reshape(rows, 1, n_in), w).reshape(*xf.shape[:-1], r)
@@ -501,11 +494,14 @@ def matmul(xf: Tensor, w: QWeight, groups: int = 1) -> Tensor:
         if groups == 1:
             return F.linear(xf.squeeze(-2), weight).unsqueeze(-2)
         return torch.einsum("...gd,grd->...gr", xf, weight.view(groups, r, n_in))
-    return _cpu_gemm(xf.reshape(-1, groups, n_in), w, groups).reshape(*xf.shape[:-1], r)
+    return _cpu_gemm(xf.reshape(-1, groups, n_in), w, groups, cpu).reshape(*xf.shape[:-1], r)
 
 
-def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM | None = None) -> Tensor:
-    """y [..., out] = x [..., in] @ W^T in x.dtype (W: module docstring, `QWeight`).
+def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM | None = None,
+            cpu: CpuKernel = KERNEL_OFF) -> Tensor:
+    """y [..., out] = x [..., in] @ W^T in x.dtype (W: module docstring, `QWeight`), CPU decode GEMVs through the
+    fused kernel `cpu` where it takes the weight (the run's; off by default), CUDA FP8 GEMMs through `scaled_mm`
+    where given.
 
     act_quant: x is first rounded to FP8 in blocks of 128 along `in` with power-of-two scales
     (`fp8_simulate(x, 128, pow2_scale=True)`), as DeepSeek's act_quant before an FP8/FP4 GEMM.
@@ -524,26 +520,27 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM 
             y = _scaled_mm_fp8(x, w, scaled_mm)
             if y is not None:
                 return y
-        x = _act_quant(x)
-    return matmul(x.float().unsqueeze(-2), w).squeeze(-2).to(x.dtype)
+        x = _act_quant(x, cpu)
+    return matmul(x.float().unsqueeze(-2), w, cpu).squeeze(-2).to(x.dtype)
 
 
-def _act_quant(x: Tensor) -> Tensor:
+def _act_quant(x: Tensor, cpu: CpuKernel) -> Tensor:
     """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); decode-sized CPU x takes
-    the C++ version of the same rounding (bitwise equal, one call instead of ~25 torch ops)."""
+    the kernel's C++ version of the same rounding (bitwise equal, one call instead of ~25 torch ops)."""
     if not torch.compiler.is_compiling():
-        fast = qgemv.act_quant_fp8(x, ACT_BLOCK)
+        fast = cpu.act_quant_fp8(x, ACT_BLOCK)
         if fast is not None:
             return fast
     return fp8_simulate(x, ACT_BLOCK, pow2_scale=True)
 
 
-def qlinear_grouped(x: Tensor, w: QWeight, groups: int) -> Tensor:
+def qlinear_grouped(x: Tensor, w: QWeight, groups: int, cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     """DeepSeek's grouped low-rank output (wo_a): x [..., G, d_in], the weight's rows in G groups of r.
 
     y[..., g, :] = x[..., g, :] @ W[g*r:(g+1)*r, :]^T (as torch.einsum("bsgd,grd->bsgr", x, W.view(G, r, -1))),
     no activation quantisation, result in x.dtype: in x's dtype for a float weight of that dtype, else in fp32,
-    the weight dequantised group by group, chunk by chunk.
+    through the fused kernel `cpu` where it takes the weight, else the weight dequantised group by group, chunk
+    by chunk.
     """
     n_out, n_in = w.out_features, w.in_features
     if groups <= 0 or n_out % groups:
@@ -554,7 +551,7 @@ def qlinear_grouped(x: Tensor, w: QWeight, groups: int) -> Tensor:
         return torch.einsum("...gd,grd->...gr", x, w.data.view(groups, -1, n_in))
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], n_out // groups)
-    return matmul(x.float(), w, groups).to(x.dtype)
+    return matmul(x.float(), w, cpu, groups).to(x.dtype)
 
 
 # ---------------------------------------------------------------- CUDA: FP8 x FP8 with DeepSeek block scales

@@ -10,12 +10,14 @@ Scales: float8_e8m0fnu, its raw bytes as uint8 (inductor cannot take e8m0 graph 
 
 `checked()` validates all of this once, when the weight is loaded, and decides there whether the fused CPU kernel
 (`mhcrun.ops.qgemv`) can take it: a format it covers, contiguous, and every scale finite and small enough that
-no dequantised value overflows. The GEMMs dispatch on the object and never check it again. `share` cuts a rank's
-rows or columns (`--tp`), its scale with it.
+no dequantised value overflows (scanned by scan.cpp when `checked` is given its library, `scan.open_scan`). The
+GEMMs dispatch on the object and never check it again. `share` cuts a rank's rows or columns (`--tp`), its scale
+with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,8 +70,9 @@ class QWeight:
         """(rows, columns) of weight values that share one scale."""
         return (self.block, self.block) if self.fmt == "fp8" else (1, self.block)
 
-    def checked(self, what: str = "weight") -> QWeight:
-        """This weight, validated (ValueError naming `what` otherwise), with `kernel` decided."""
+    def checked(self, what: str = "weight", scan: ctypes.CDLL | None = None) -> QWeight:
+        """This weight, validated (ValueError naming `what` otherwise), with `kernel` decided; its scales scanned
+        by `scan` (scan.cpp's library), or by the torch reference without one."""
         fmt, data, scale = self.fmt, self.data, self.scale
         if data.dim() != 2:
             raise ValueError(f"{what}: expected a 2-D weight, got shape {list(data.shape)}")
@@ -90,7 +93,7 @@ class QWeight:
         if tuple(scale.shape) != want:
             raise ValueError(f"{what}: {fmt} scale shape {list(scale.shape)}, expected {list(want)} for a weight "
                              f"[{w.out_features}, {w.in_features}] (block {block})")
-        w.kernel = kernel_layout(data) and (fmt == "fp8" or block % 2 == 0) and scales_in_range(scale, fmt)
+        w.kernel = kernel_layout(data) and (fmt == "fp8" or block % 2 == 0) and scales_in_range(scale, fmt, scan)
         return w
 
     def share(self, split: int | None, tp: Shard) -> QWeight:
@@ -119,10 +122,10 @@ def kernel_layout(data: Tensor) -> bool:
     return data.device.type == "cpu" and data.is_contiguous()
 
 
-def scales_in_range(scale: Tensor, fmt: str) -> bool:
+def scales_in_range(scale: Tensor, fmt: str, scan: ctypes.CDLL | None = None) -> bool:
     """Every scale finite and small enough that the format's largest value times it stays finite (the fused
     kernel sums a tile before scaling it, so it could not reproduce an overflow or a non-finite scale): the
     rule `--check-weights` applies to scales (`mhcrun.ops.scan`)."""
     if scale.dtype == torch.uint8:  # e8m0 as its raw bytes
         scale = scale.view(torch.float8_e8m0fnu)
-    return first_bad(scale, "scale", fmt) < 0
+    return first_bad(scale, "scale", fmt, lib=scan) < 0

@@ -1,15 +1,16 @@
 """Finding values that must not reach a GEMM, in stored tensors: NaN/Inf floats, e4m3 NaN codes, and scales that
 are NaN, infinite or so large that the format's largest value times the scale overflows fp32.
 
-`first_bad` runs `scan.cpp` (built on first use by `mhcrun.ops.native`; each byte read once, on torch's
-threads) and falls back to `first_bad_reference`, plain torch over slices, where no compiler is available
-(`MHCRUN_CPU_KERNEL=0` also picks it). Both return the flat index of the first bad element, or -1.
+`first_bad` runs `scan.cpp` (each byte read once, on torch's threads) when given its library, which
+`open_scan(env)` builds (`mhcrun.ops.native`) and loads once per run; without it (no compiler, or
+`MHCRUN_CPU_KERNEL=0` in the run's `Env`) it takes `first_bad_reference`, plain torch over slices. Both return the
+flat index of the first bad element, or -1.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 import subprocess
 from pathlib import Path
 
@@ -18,31 +19,34 @@ from torch import Tensor
 
 from mhcrun.ops import native
 from mhcrun.ops.quant import FORMAT_MAX
+from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("scan.cpp")
 FLOAT_MAX = torch.finfo(torch.float32).max
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 _SLICE = 1 << 24  # elements per slice of the torch reference
 
-_lib: ctypes.CDLL | None = None
-_tried = False
 
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried or os.environ.get("MHCRUN_CPU_KERNEL", "1") == "0":
-        return _lib if _tried else None
-    _tried = True
+def open_scan(env: Env) -> ctypes.CDLL | None:
+    """scan.cpp built with the run's compiler into its kernel cache and loaded, or None where it does not build or
+    MHCRUN_CPU_KERNEL=0 (then `first_bad` takes the torch reference)."""
+    if env.cpu_kernel == "0":
+        return None
     try:
-        lib = ctypes.CDLL(str(native.build(SOURCE)))
+        return load_scan(native.build(SOURCE, env.kernel_cache, env.cxx))
     except (OSError, RuntimeError, subprocess.SubprocessError):
         return None
+
+
+@functools.cache
+def load_scan(path: Path) -> ctypes.CDLL:
+    """The scan library at `path`, its entry points typed (loaded once per process)."""
+    lib = ctypes.CDLL(str(path))
     for name, extra in (("mhc_scan_f32", []), ("mhc_scan_f16", [ctypes.c_uint16]), ("mhc_scan_e4m3", []),
                         ("mhc_scan_e8m0", [ctypes.c_uint8])):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *extra, ctypes.c_int]
-    _lib = lib
     return lib
 
 
@@ -78,9 +82,9 @@ def first_bad_reference(t: Tensor, role: str, fmt: str | None = None) -> int:
     return -1
 
 
-def first_bad(t: Tensor, role: str, fmt: str | None = None) -> int:
-    """As `first_bad_reference`, through scan.cpp for a contiguous CPU tensor when it is built."""
-    lib = _load()
+def first_bad(t: Tensor, role: str, fmt: str | None = None, *, lib: ctypes.CDLL | None) -> int:
+    """As `first_bad_reference`, through scan.cpp (`lib`, from `open_scan`) for a contiguous CPU tensor; with no
+    library, the reference."""
     n, threads = t.numel(), torch.get_num_threads()
     if lib is None or t.device.type != "cpu" or not t.is_contiguous() or n == 0:
         return first_bad_reference(t, role, fmt)

@@ -22,7 +22,6 @@ import torch
 
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, MoE, Probe, Transformer
-from mhcrun.ops import qgemv
 from mhcrun.ops.quant import hadamard
 
 
@@ -167,8 +166,6 @@ class RegionDecoder:
     def __init__(self, model: Transformer, mode: str = "regions", backend: str | None = "inductor",
                  stages: str = "whole", cuda_graphs: bool = False):
         self.model, self.mode, self.stages = model, mode, stages
-        if model.device.type == "cpu":
-            qgemv.available()  # build/load the fused GEMV kernel now: graphs decide on it while tracing
         hadamard(torch.zeros(1, model.cfg.index_head_dim, device=model.device))  # fill its cache now
         for block in model.layers:
             block.ffn.gather_experts()
