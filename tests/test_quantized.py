@@ -246,11 +246,12 @@ def test_fp4_odd_inner_size_is_one_line(tiny_fp8, tmp_path):
 
 def test_kept_quantised_compiled_regions_match_eager(tiny_fp8, gemv_path):
     """Inductor graphs over kept-quantised weights (e8m0 scales passed as bytes) give the eager tokens, with the
-    fused kernel as an op in the graphs (routed experts read in place) and with the dequantisation traced. Two
-    layers (window attention with the hash MoE, CSA with the routed one): every GEMM kind, four graphs fewer to
-    compile than the whole model's."""
+    fused kernel as an op in the graphs (routed experts read in place) and with the dequantisation traced. The
+    kernel on two layers (window attention with the hash MoE, CSA with the routed one: every GEMM kind and both
+    expert sets, four graphs fewer to compile than the whole model's); the traced dequantisation, the same code for
+    every FP8 / FP4 weight, on the first (FP8 projections, FP4 experts, the grouped output projection)."""
     torch._dynamo.reset()  # graphs traced under the other path must not be reused
-    kept, _ = models(tiny_fp8, n_layers=2)
+    kept, _ = models(tiny_fp8, n_layers=2 if gemv_path.on else 1)
     kept.opts.cpu = gemv_path
     prompts = PROMPTS[:2]
     eager = generate(kept, prompts, 6, eos_id=1, ignore_eos=True)
