@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import sys
 import zlib
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-import torch
+# `pytest -n 2` runs two workers' torch threads on a machine of a few cores: idle OpenMP threads must sleep, not
+# spin, or each worker's spinning threads take the cores the other needs (8x slower measured on 2 cores).
+# libgomp reads this when torch loads it (the import below); the CLI runs' subprocesses inherit it.
+assert "torch" not in sys.modules, "conftest must set OMP_WAIT_POLICY before torch loads libgomp"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from mhcrun.ops.qgemv import CpuKernel, open_cpu_kernel
-from mhcrun.settings import Env
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mhcrun.ops.qgemv import CpuKernel, open_cpu_kernel  # noqa: E402
+from mhcrun.settings import Env  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
