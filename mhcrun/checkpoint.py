@@ -104,7 +104,9 @@ class _Shard:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class TensorPlan:
+    """How one stored tensor is read: its spec, the format it is stored in, its shard and its scales' shard."""
+
     spec: TensorSpec
     fmt: str
     shard: _Shard
@@ -215,10 +217,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str], map_file: Path,
-          shards: dict[str, _Shard], tp: Shard = SINGLE) -> tuple[list[_Plan], dict[str, int]]:
+          shards: dict[str, _Shard], tp: Shard = SINGLE) -> tuple[list[TensorPlan], dict[str, int]]:
     """Check every required tensor (and scale) against the headers; no data is read here. Under --tp (`tp`) the
     bytes are this rank's share: 1/N of a split tensor, only its own routed experts."""
-    plans: list[_Plan] = []
+    plans: list[TensorPlan] = []
     bytes_by_dtype: dict[str, int] = {}
     share = 1
 
@@ -262,7 +264,7 @@ def _plan(cfg: ModelConfig, specs: list[TensorSpec], weight_map: dict[str, str],
             count(_check_entry(sname, scale_shard, _SCALE_DTYPES, scale_shape(cfg, spec, fmt)))
         else:  # pragma: no cover - weights.stored_format only returns the four above
             raise _fail(f"{spec.name}: unknown stored format {fmt!r}")
-        plans.append(_Plan(spec, fmt, shard, scale_shard))
+        plans.append(TensorPlan(spec, fmt, shard, scale_shard))
     return plans, bytes_by_dtype
 
 
@@ -316,7 +318,7 @@ def _view(mapped: mmap.mmap | None, shard: _Shard, name: str) -> torch.Tensor:
     return raw.view(dtype).view(entry.shape)
 
 
-def _check_index(t: torch.Tensor, plan: _Plan, cfg: ModelConfig) -> torch.Tensor:
+def _check_index(t: torch.Tensor, plan: TensorPlan, cfg: ModelConfig) -> torch.Tensor:
     t = t.to(torch.int64)
     if t.numel():
         lo, hi = int(t.min()), int(t.max())
@@ -339,7 +341,7 @@ class CheckpointPlan:
 
     root: Path
     config: ModelConfig
-    plans: list[_Plan]
+    plans: list[TensorPlan]
     shards: dict[str, _Shard]
     bytes_by_dtype: dict[str, int]  # of the tensors generation loads (scales included); under --tp this rank's share
     unused: list[str]
@@ -414,7 +416,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     """
     plan = plan_checkpoint(path, n_layers, tp, mtp)
     cfg = plan.config
-    by_shard: dict[Path, list[_Plan]] = {}
+    by_shard: dict[Path, list[TensorPlan]] = {}
     for p in plan.plans:
         by_shard.setdefault(p.shard.path, []).append(p)
     shard_of = {s.path: s for s in plan.shards.values()}

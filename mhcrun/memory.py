@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mhcrun.checkpoint import CheckpointPlan
+from mhcrun.checkpoint import CheckpointPlan, TensorPlan
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, RunOptions, cache_formats
@@ -96,17 +96,14 @@ def decode_bytes_per_token(plan: CheckpointPlan, dtype: torch.dtype = torch.floa
     """Bytes of weights one decoded token reads: every tensor of every layer as it sits in memory, except
     that of the routed experts only `n_activated` of `n_routed` are read (on average, their share), and of the
     embedding and `tid2eid` one row. The physical floor of a memory-bound decode step."""
-    cfg = plan.config
     total = 0.0
     for p in plan.plans:
         name, n = p.spec.name, numel(p.spec.shape)
         if p.fmt == "index":
-            total += 8 * n / p.spec.shape[0]
-            continue
-        if name == "embed.weight":
-            total += (4 * n if dequantize else p.shard.entries[name].nbytes) / p.spec.shape[0]
-            continue
-        if p.fmt in ("fp8", "fp4") and not dequantize:
+            size = 8 * n
+        elif name == "embed.weight":
+            size = 4 * n if dequantize else p.shard.entries[name].nbytes
+        elif p.fmt in ("fp8", "fp4") and not dequantize:
             size = p.shard.entries[name].nbytes + p.scale_shard.entries[scale_name(name)].nbytes
         elif p.fmt in ("fp8", "fp4"):
             size = n * dequantized_dtype(p.spec, dtype).itemsize
@@ -114,8 +111,24 @@ def decode_bytes_per_token(plan: CheckpointPlan, dtype: torch.dtype = torch.floa
             size = p.shard.entries[name].nbytes
         else:
             size = n * (4 if p.spec.run in ("fp32", "stored") else dtype.itemsize)
-        total += size * (cfg.n_activated_experts / cfg.n_routed_experts if p.spec.expert is not None else 1)
+        total += size * token_share(p, plan.config)
     return int(total)
+
+
+def token_share(p: TensorPlan, cfg: ModelConfig) -> float:
+    """The share of a stored tensor one decoded token reads: one row of the embedding and of `tid2eid`, a routed
+    expert's n_activated / n_routed (on average), all of anything else."""
+    if p.fmt == "index" or p.spec.name == "embed.weight":
+        return 1 / p.spec.shape[0]
+    return cfg.n_activated_experts / cfg.n_routed_experts if p.spec.expert is not None else 1.0
+
+
+def decode_macs_per_token(plan: CheckpointPlan) -> int:
+    """Multiply-adds of the weight GEMMs of one token (every 2-D `*.weight` and hc `*_fn` but the embedding,
+    routed experts at their share; attention over the context not counted): a prefill's work per prompt token."""
+    return int(sum(numel(p.spec.shape) * token_share(p, plan.config) for p in plan.plans
+                   if len(p.spec.shape) == 2 and p.spec.name.endswith((".weight", "_fn"))
+                   and p.spec.name != "embed.weight"))
 
 
 def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: torch.dtype,

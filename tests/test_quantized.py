@@ -286,3 +286,24 @@ def test_kept_experts_read_in_place_compile_one_graph_per_kind(tiny_fp8):
     assert len(compiled.layers_of["moe:routed"]) == 3
     assert all(s.graphs == 1 and s.fallback is None for s in compiled.stats), compiled.stats
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_macs_per_token_counts_the_models_gemms(tiny_fp8):
+    """decode_macs_per_token (bench_cpu_peer's prefill rate) from the checkpoint's plan equals the GEMMs the
+    built model runs for one token: its Linear modules (routed experts at n_activated / n_routed), the gates and
+    the hc mixes' fn."""
+    from mhcrun.memory import decode_macs_per_token
+    from mhcrun.model import Gate, Linear
+
+    ck = load_checkpoint(tiny_fp8)
+    model = build_model(ck.config, ck.tensors, ck.quantized)
+    share = ck.config.n_activated_experts / ck.config.n_routed_experts
+    want = 0.0
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            want += mod.w.out_features * mod.w.in_features * (share if ".experts." in name else 1)
+        elif isinstance(mod, Gate):
+            want += mod.weight.numel()
+    want += sum(t.numel() for name, t in model.named_parameters() if name.endswith("_fn"))
+    want += sum(t.numel() for name, t in model.named_buffers() if name.endswith("_fn"))
+    assert decode_macs_per_token(plan_checkpoint(tiny_fp8)) == int(want)

@@ -1,0 +1,197 @@
+"""mhcrun beside ik_llama.cpp on the same checkpoint and CPU: decode and prefill speed, bytes read, ratios.
+
+    python benchmarks/bench_cpu_peer.py --llama-bench PATH --gguf FILE [--model DIR] [--threads 2] [--rounds 3]
+    python benchmarks/bench_cpu_peer.py [--model DIR]     # mhcrun alone: its rates against the machine's
+
+`--llama-bench` is an ik_llama.cpp `llama-bench` you built and `--gguf` the same checkpoint converted for it
+(docs/cpu-peer.md says how, and what does not work yet; nothing here builds or converts). `--model` is the mhcrun
+checkpoint (default: the mid-size config's 4 layers, `mhcrun make-synthetic configs/v4-mid.json DIR --layers 4`,
+written to a temp dir; the GGUF must be made from the same directory). Each round runs, one after the other,
+mhcrun eager, mhcrun in compiled regions and llama-bench, with the same thread count (OMP_NUM_THREADS / -t); the
+best of the rounds is kept per measurement (the machine is shared and noisy; alternating keeps its drift out of
+the ratios).
+
+Prints, in one run:
+- the read bandwidth (int64 max-reduction over 512 MB, the threads given) and torch's fp32 matmul rate at 4,096;
+- decode tok/s (batch 1) after 128 and after 1,024 prompt tokens (mhcrun: `generate --prompt-ids` of that length
+  then `--gen` tokens, its `decode_tok_s`; ik: `llama-bench -gp N,G`), prefill tok/s at 128 and 1,024 (mhcrun's
+  `prefill_tok_s`, ik's `-p N`);
+- weight bytes one decoded token reads (mhcrun: `mhcrun.memory.decode_bytes_per_token` of the checkpoint kept
+  quantised; ik: the GGUF's tensors, routed experts at their active share, one embedding row) and the share of
+  the read bandwidth that makes at each decode rate; prefill's rate of weight multiply-adds against the matmul
+  rate;
+- the ratios mhcrun / ik and which of issue 20's goals are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quantized import read_bandwidth  # noqa: E402
+
+from mhcrun.checkpoint import plan_checkpoint  # noqa: E402
+from mhcrun.memory import decode_bytes_per_token, decode_macs_per_token  # noqa: E402
+from mhcrun.synthetic import make_synthetic  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PROMPTS = (128, 1024)
+MODES = ("eager", "regions")
+
+
+def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
+    """fp32 multiply-adds per second of torch's [n, n] x [n, n] on this process's threads, best of `repeats`."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def prompt_ids(n: int, vocab: int) -> str:
+    """n prompt token ids spread over the vocabulary (what they are does not matter to the speed)."""
+    return ",".join(str(5 + (7919 * i) % (vocab - 5)) for i in range(n))
+
+
+def run_mhcrun(model: Path, mode: str, n_prompt: int, n_gen: int, vocab: int, threads: int) -> dict:
+    """One `mhcrun generate --json` in its own process: its stats."""
+    cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(model), "--prompt-ids",
+           prompt_ids(n_prompt, vocab), "-n", str(n_gen), "--ignore-eos", "--json", "--graph-mode", mode]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    if res.returncode:
+        raise SystemExit(f"mhcrun generate ({mode}, {n_prompt} prompt tokens) failed: {res.stderr.strip()[-500:]}")
+    return json.loads(res.stdout.splitlines()[-1])["stats"]
+
+
+def run_llama_bench(exe: Path, gguf: Path, n_gen: int, threads: int) -> list[dict]:
+    """One llama-bench run of every test (prefill 128 and 1,024; decode of n_gen after each), one repetition."""
+    cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-p", ",".join(map(str, PROMPTS)),
+           "-n", "0", *[a for n in PROMPTS for a in ("-gp", f"{n},{n_gen}")]]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"llama-bench failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+    return json.loads(res.stdout)
+
+
+def ik_rates(rows: list[dict]) -> dict[str, float]:
+    """llama-bench's JSON -> {"prefill@N": tok/s, "decode@N": tok/s}: a -p test has n_gen 0, a -gp test both."""
+    out = {}
+    for r in rows:
+        kind = "prefill" if r["n_gen"] == 0 else "decode"
+        out[f"{kind}@{r['n_prompt']}"] = float(r["avg_ts"])
+    return out
+
+
+def gguf_bytes_per_token(gguf: Path) -> int:
+    """Weight bytes one decoded token reads from a GGUF: every tensor, the routed experts' stacks (`*_exps`) at
+    expert_used_count / expert_count, one row of the token embedding."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise SystemExit("reading the GGUF's tensor sizes needs the gguf package: pip install gguf") from None
+    reader = GGUFReader(str(gguf))
+    meta = {k: v.contents() for k, v in reader.fields.items() if k.endswith((".expert_used_count", ".expert_count"))}
+    used = next(v for k, v in meta.items() if k.endswith(".expert_used_count"))
+    experts = next(v for k, v in meta.items() if k.endswith(".expert_count"))
+    total = 0.0
+    for t in reader.tensors:
+        share = used / experts if "_exps" in t.name else 1.0
+        if t.name == "token_embd.weight":
+            share = 1 / int(t.shape[-1])  # GGUF lists dims innermost first: the vocabulary is the last
+        total += int(t.n_bytes) * share
+    return int(total)
+
+
+def best(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: max(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bench", type=Path, help="ik_llama.cpp's llama-bench, built by you")
+    ap.add_argument("--gguf", type=Path, help="the same checkpoint converted to GGUF")
+    ap.add_argument("--model", type=Path, help="the mhcrun checkpoint (default: mid-size config, 4 layers)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=32, help="tokens decoded after each prompt")
+    ap.add_argument("--modes", default=",".join(MODES), help="mhcrun's graph modes to run (eager,regions)")
+    args = ap.parse_args()
+    if (args.llama_bench is None) != (args.gguf is None):
+        raise SystemExit("--llama-bench and --gguf go together")
+    for what, path in (("--llama-bench", args.llama_bench), ("--gguf", args.gguf)):
+        if path is not None and not path.is_file():
+            raise SystemExit(f"{what} {path}: no such file")
+    modes = [m for m in args.modes.split(",") if m]
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or make_synthetic(CONFIGS / "v4-mid.json", Path(tmp) / "mid4", 4, seed=1)
+        plan = plan_checkpoint(model)
+        vocab = plan.config.vocab_size
+        ours, theirs = {m: [] for m in modes}, []
+        for r in range(args.rounds):
+            for m in modes:
+                stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads) for n in PROMPTS}
+                ours[m].append({f"{k}@{n}": stats[n][f"{k}_tok_s"] for n in PROMPTS for k in ("prefill", "decode")})
+            if args.llama_bench:
+                theirs.append(ik_rates(run_llama_bench(args.llama_bench, args.gguf, args.gen, args.threads)))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None)
+
+
+def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None) -> None:
+    bw, mm = read_bandwidth(), matmul_rate()
+    reads = dict.fromkeys(ours, decode_bytes_per_token(plan))
+    rates = dict(ours)
+    if ik is not None:
+        reads["ik"], rates["ik"] = gguf_bytes_per_token(args.gguf), ik
+    macs = decode_macs_per_token(plan)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s (int64 max-reduction), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
+          f"at 4096; {args.threads} threads; best of {args.rounds} alternating rounds; {args.gen} tokens decoded")
+    cols, ratios = list(rates), list(ours) if ik is not None else []
+    print(f"{'':28}" + "".join(f"{'mhcrun ' + c if c != 'ik' else 'ik_llama.cpp':>18}" for c in cols)
+          + "".join(f"{c + '/ik':>14}" for c in ratios))
+    for key in [f"decode@{n}" for n in PROMPTS] + [f"prefill@{n}" for n in PROMPTS]:
+        kind, n = key.split("@")
+        label = f"{kind} tok/s " + (f"after {n}" if kind == "decode" else f"of {n}")
+        print(f"{label:28}" + "".join(f"{rates[c][key]:18.1f}" for c in cols)
+              + "".join(f"{rates[c][key] / ik[key]:14.2f}" for c in ratios))
+    print(f"{'bytes read / decoded token':28}" + "".join(f"{reads[c] / 1e6:15.1f} MB" for c in cols))
+    for n in PROMPTS:
+        print(f"{f'share of read bw after {n}':28}"
+              + "".join(f"{reads[c] * rates[c][f'decode@{n}'] / bw:17.0%} " for c in cols))
+    for n in PROMPTS:  # the GGUF's multiply-adds are the checkpoint's: the same weights
+        print(f"{f'prefill of {n}: matmul rate':28}"
+              + "".join(f"{macs * rates[c][f'prefill@{n}'] / mm:17.0%} " for c in cols))
+    print("goals (issue 20):")
+    for m in ours:
+        share = reads[m] * ours[m]["decode@128"] / bw
+        line = f"  {m}: decode >= 60% of the read bandwidth: {_met(share >= 0.6)} ({share:.0%})"
+        if ik is not None:
+            dec = min(ours[m][f"decode@{n}"] / ik[f"decode@{n}"] for n in PROMPTS)
+            pre = min(ours[m][f"prefill@{n}"] / ik[f"prefill@{n}"] for n in PROMPTS)
+            line += (f"; decode >= ik: {_met(dec >= 1)} ({dec:.2f}x at worst); prefill >= ik: {_met(pre >= 1)} "
+                     f"({pre:.2f}x at worst)")
+        print(line)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+if __name__ == "__main__":
+    main()
