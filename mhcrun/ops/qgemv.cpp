@@ -327,20 +327,24 @@ AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
     return nan != 0;
 }
 
-// fp4: 8 bytes (16 inputs): magnitudes from an 8-entry table scaled by the group's scale, sign from bit 3.
+// fp4, 16 bytes (32 inputs) at a time: each nibble indexes a 16-entry byte table of 2 * e2m1 (signed integers, so
+// exact), widened to fp32; the group's scale / 2 multiplies the partial sums (a power of two: exact).
 template <int R>
-AVX2 INLINE void fp4_step(const uint8_t* w, __m256 table, const float* const* xe, const float* const* xo,
-                          __m256 (&acc_lo)[R], __m256 (&acc_hi)[R]) {
-    const __m256i m7 = _mm256_set1_epi32(7), m8 = _mm256_set1_epi32(8);
-    __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-    __m256i lo_i = t, hi_i = _mm256_srli_epi32(t, 4);
-    __m256 lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_and_si256(lo_i, m7)),
-                              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo_i, m8), 28)));
-    __m256 hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_and_si256(hi_i, m7)),
-                              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi_i, m8), 28)));
+AVX2 INLINE void fp4_step16(const uint8_t* w, const float* const* xe, const float* const* xo, __m256 (&p)[R][4]) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m0f));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m0f));
+    const __m256 v[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
     for (int r = 0; r < R; r++) {
-        acc_lo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe[r]), acc_lo[r]);
-        acc_hi[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo[r]), acc_hi[r]);
+        p[r][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[r]), p[r][0]);
+        p[r][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xe[r] + 8), p[r][1]);
+        p[r][2] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xo[r]), p[r][2]);
+        p[r][3] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[r] + 8), p[r][3]);
     }
 }
 
@@ -348,25 +352,29 @@ template <int R>
 AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
     const uint8_t* w = j.w + n * j.row_bytes;
     const int64_t half = j.k / 2, gb = j.block / 2;
-    const __m256 grid = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    __m256 a0[R], a1[R];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0, c = 0; b0 < half; b0 += gb, c++) {
         const int64_t b1 = b0 + gb < half ? b0 + gb : half;
-        const __m256 table = _mm256_mul_ps(grid, _mm256_set1_ps(scale_at(j, n, c)));
+        __m256 p[R][4];
+        for (int r = 0; r < R; r++) p[r][0] = p[r][1] = p[r][2] = p[r][3] = _mm256_setzero_ps();
         int64_t b = b0;
-        for (; b + 8 <= b1; b += 8) {
+        for (; b + 16 <= b1; b += 16) {
             const float* xe[R];
             const float* xo[R];
             for (int r = 0; r < R; r++) xe[r] = xs[r] + b, xo[r] = xs[r] + half + b;
-            fp4_step<R>(w + b, table, xe, xo, a0, a1);
+            fp4_step16<R>(w + b, xe, xo, p);
         }
         if (b < b1) {  // even and odd inputs padded separately
             Tail<R> te(w + b, b1 - b, xs, b, b1 - b), to(w + b, b1 - b, xs, half + b, b1 - b);
-            fp4_step<R>(te.w, table, te.xp, to.xp, a0, a1);
+            fp4_step16<R>(te.w, te.xp, to.xp, p);
         }
+        const __m256 s = _mm256_set1_ps(scale_at(j, n, c) * 0.5f);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[r][0], p[r][1]), _mm256_add_ps(p[r][2], p[r][3])),
+                                     s, acc[r]);
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
 template <int R>
