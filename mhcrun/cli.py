@@ -350,8 +350,9 @@ def generate(
         check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
         longest = max(len(i) for i in ids)
         if not force:
-            check_fits(runner.memory_plan(len(ids), longest + max_new_tokens, longest, limit, chunk),
-                       str(runner.path))
+            # a speculative step verifies up to K tokens past the last one (`speculate.speculate`)
+            context = longest + max_new_tokens + (draft_tokens or 0)
+            check_fits(runner.memory_plan(len(ids), context, longest, limit, chunk), str(runner.path))
         if prompt_cache is not None and len(ids) != 1:
             raise InputError("--prompt-cache takes one prompt (not a --prompts-file batch)")
         if prompt_cache is not None:
@@ -719,6 +720,9 @@ def info(
     check_weights: bool = CheckWeightsOpt,
     tp: int = typer.Option(1, "--tp", help="Plan the memory of one rank of N (each maps its share).",
                            rich_help_panel=PATH),
+    draft_tokens: int = typer.Option(None, "--draft-tokens", help="Plan for speculative decoding with K drafts a "
+                                     "step: the MTP layer's weights and state, K more tokens of context.",
+                                     rich_help_panel=MEMORY),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -732,16 +736,18 @@ def info(
         from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit)
+        st, env = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit,
+                               draft_tokens=draft_tokens)
         chunk = st.prefill_chunk
-        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env)
+        runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env,
+                             mtp=draft_tokens is not None)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
         if batch < 1 or not 1 <= tokens <= longest:
             raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
                              f"got {batch} and {tokens}")
         desc = inspect_checkpoint(runner.path, layers)
-        mp = runner.memory_plan(batch, tokens, available=st.memory_limit, prefill_chunk=chunk)
+        mp = runner.memory_plan(batch, tokens + (draft_tokens or 0), tokens, st.memory_limit, chunk)
         desc["memory_plan"] = mp.to_dict()
         bad = None
         if check_weights:

@@ -132,12 +132,12 @@ def decode_macs_per_token(plan: CheckpointPlan) -> int:
 
 
 def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: torch.dtype,
-                quant_sim: bool = True) -> dict[str, int]:
+                quant_sim: bool = True, mtp: bool = False) -> dict[str, int]:
     """Bytes of the per-sequence state `Transformer.setup_caches` allocates, by kind: the layers' own state
-    buffers, made on the meta device."""
+    buffers (with `mtp`, the MTP layer's too: layer id n_layers), made on the meta device."""
     out = {"kv_cache": 0, "compressor_state": 0, "indexer_cache": 0}
     formats = cache_formats(cfg, quant_sim)
-    for i in range(layers):
+    for i in [*range(layers), *([cfg.n_layers] if mtp else [])]:
         attn = Attention(i, cfg, RunOptions())
         attn.allocate(batch, context, dtype, "meta", formats, (None, None))
         for name, t in attn.named_buffers():
@@ -262,10 +262,11 @@ def snapshot_bytes(cfg: ModelConfig, layers: int, n_tokens: int, dtype: torch.dt
 
 def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, prompt_len: int | None = None,
                 dtype: torch.dtype = torch.float32, dequantize: bool = False, available: int | None = None,
-                prefill_chunk: int | None = None, quant_sim: bool = True) -> MemoryPlan:
+                prefill_chunk: int | None = None, quant_sim: bool = True, mtp: bool = False) -> MemoryPlan:
     """The memory plan of running the first `layers` layers of a checked checkpoint: prefill activations for
-    one chunk of `prefill_chunk` tokens (default `default_prefill_chunk`; never more than the prompt).
-    `available` defaults to what this machine has free now (`available_bytes`)."""
+    one chunk of `prefill_chunk` tokens (default `default_prefill_chunk`; never more than the prompt). `mtp`: the
+    MTP layer's state as well (its weights are in `plan` when it was planned with them). `available` defaults to
+    what this machine has free now (`available_bytes`)."""
     cfg = plan.config
     prompt_len = context if prompt_len is None else prompt_len
     chunk = max(1, min(prefill_chunk or default_prefill_chunk(cfg), prompt_len))
@@ -273,7 +274,7 @@ def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, pro
         layers=layers, batch=batch, context=context, prompt_len=prompt_len, prefill_chunk=chunk,
         dtype=str(dtype).removeprefix("torch."), dequantize=dequantize, quant_sim=quant_sim,
         disk_by_dtype=dict(plan.bytes_by_dtype), weights=weight_bytes(plan, dtype, dequantize),
-        state=state_bytes(cfg, layers, batch, context, dtype, quant_sim),
+        state=state_bytes(cfg, layers, batch, context, dtype, quant_sim, mtp),
         kv_bytes_per_token=kv_bytes_per_token(cfg, layers, dtype, quant_sim),
         kv_bytes_per_token_model=kv_bytes_per_token(cfg, cfg.n_layers, dtype, quant_sim),
         snapshot_bytes=snapshot_bytes(cfg, layers, context, dtype, quant_sim),

@@ -83,7 +83,7 @@ class Runner:
     def memory_plan(self, batch: int, context: int, prompt_len: int | None = None,
                     available: int | None = None, prefill_chunk: int | None = None) -> MemoryPlan:
         return plan_memory(self.plan, self.n_layers, batch, context, prompt_len, DTYPES[self.dtype],
-                           self.dequantize, available, prefill_chunk, self.quant_sim)
+                           self.dequantize, available, prefill_chunk, self.quant_sim, self.mtp)
 
     def load(self, progress: Callable[[int, int], None] | None = None) -> Transformer:
         """Map the shards (or dequantise them) and build the model."""

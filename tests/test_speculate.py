@@ -235,3 +235,33 @@ def test_tp2_with_drafts_equals_one_rank_greedy():
     assert two.returncode == 0, two.stderr
     row = json.loads(two.stdout.splitlines()[0])
     assert row["tokens"] == one["tokens"] and row["stats"]["speculative"]["verify_steps"] > 0
+
+
+def test_memory_plan_counts_the_mtp_layer_and_k_more_tokens(random_mtp):
+    """`info --draft-tokens K` (and generate's memory check with drafts) plans the MTP layer's weights and the state
+    setup_caches makes for it, at K more tokens of context: the plan's difference is the MTP layer's own."""
+    from mhcrun.checkpoint import plan_checkpoint
+    from mhcrun.memory import state_bytes, weight_bytes
+
+    runner = load_runner(str(random_mtp), mtp=True)
+    cfg, context = runner.config, 40
+    runner.model.setup_caches(1, context)
+    mtp_state = sum(b.nbytes for b in runner.model.mtp[0].attn.buffers())
+    with_mtp = state_bytes(cfg, cfg.n_layers, 1, context, torch.float32, mtp=True)
+    without = state_bytes(cfg, cfg.n_layers, 1, context, torch.float32)
+    assert mtp_state > 0 and sum(with_mtp.values()) - sum(without.values()) == mtp_state
+
+    def plan(*extra: str) -> dict:
+        r = CliRunner().invoke(app, ["info", "-m", str(random_mtp), "--context", "64", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["memory_plan"]
+
+    plain, drafted = plan(), plan("--draft-tokens", "3")
+    assert drafted["context"] == 67 and drafted["prompt_len"] == plain["prompt_len"] == 64
+    stored = sum(t.nbytes for shard in random_mtp.glob("*.safetensors") for name, t in load_file(shard).items()
+                 if name.startswith("mtp.0."))
+    in_memory = weight_bytes(plan_checkpoint(random_mtp, mtp=True), torch.float32, False) - \
+        weight_bytes(plan_checkpoint(random_mtp), torch.float32, False)
+    assert drafted["weights_bytes"] - plain["weights_bytes"] == in_memory >= stored > 0  # bf16 stored, run in fp32
+    r = CliRunner().invoke(app, ["info", "--draft-tokens", "0"])
+    assert r.exit_code == 2 and "--draft-tokens must be between 1 and 8" in r.stderr
