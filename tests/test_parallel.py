@@ -207,6 +207,16 @@ def test_tp_that_does_not_divide_is_one_line_before_any_worker():
         assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
 
 
+def test_a_launch_environment_that_is_not_a_number_is_one_line():
+    """RANK / WORLD_SIZE / LOCAL_RANK are read once with the rest of the environment (`Env.read`): a value that is
+    not an integer is refused there, by name, before any process group is joined; so is a bad MHCRUN_NKI_SIM."""
+    for env, line in (({"RANK": "x", "WORLD_SIZE": "2"}, "error: RANK must be an integer, got 'x'"),
+                      ({"RANK": "0", "WORLD_SIZE": "two"}, "error: WORLD_SIZE must be an integer, got 'two'"),
+                      ({"MHCRUN_NKI_SIM": "2"}, "error: MHCRUN_NKI_SIM must be one of 0, 1, device, got '2'")):
+        r = CLI.invoke(app, ["generate", "-n", "1"], env=env)
+        assert r.exit_code == 2 and r.stderr.strip() == line, (env, r.stderr)
+
+
 def checkpoint_missing_an_expert_of_rank_1(tmp_path: Path) -> Path:
     ckpt = tmp_path / "half"
     shutil.copytree(DEFAULT_MODEL, ckpt)
