@@ -312,13 +312,22 @@ def _run_swiglu(get, gate: Tensor, up: Tensor, limit: float) -> Tensor:
 # ------------------------------------------------------------------------------------------ custom ops
 
 
+def _sim_or_ref(name: str, sim: str, calls: Tensor, ok: bool, run: Callable, ref: Callable):
+    """A custom op's CPU body: kernel `name` in the simulator with numerics `sim` where it covers the inputs (`ok`),
+    else the torch reference (its outputs made contiguous, as a custom op must return); the execution counted in
+    the run's `calls`."""
+    if sim and ok:
+        _tally(calls, name, "nki-sim")
+        return run(_sim_getter(sim))
+    _tally(calls, name, "torch")
+    out = ref()
+    return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+
 @torch.library.custom_op("mhcrun::hc_expand", mutates_args=("calls",))
 def _hc_expand_op(e: Tensor, n: int, sim: str, calls: Tensor) -> Tensor:
-    if sim and _expand_ok(e, n):
-        _tally(calls, "hc_expand", "nki-sim")
-        return _run_expand(_sim_getter(sim), e, n)
-    _tally(calls, "hc_expand", "torch")
-    return _ref.hc_expand(e, n).contiguous()
+    return _sim_or_ref("hc_expand", sim, calls, _expand_ok(e, n), lambda get: _run_expand(get, e, n),
+                       lambda: _ref.hc_expand(e, n))
 
 
 @_hc_expand_op.register_fake
@@ -329,12 +338,9 @@ def _(e: Tensor, n: int, sim: str, calls: Tensor) -> Tensor:
 @torch.library.custom_op("mhcrun::hc_mixes", mutates_args=("calls",))
 def _hc_mixes_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
                  eps: float, norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if sim and _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps):
-        _tally(calls, "hc_mixes", "nki-sim")
-        return _run_mixes(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, norm_eps)
-    _tally(calls, "hc_mixes", "torch")
-    pre, post, comb = _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps)
-    return pre.contiguous(), post.contiguous(), comb.contiguous()
+    return _sim_or_ref("hc_mixes", sim, calls, _mixes_ok(x, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps),
+                       lambda get: _run_mixes(get, x, fn_hi, fn_lo, scale, base, norm_eps),
+                       lambda: _ref.hc_mixes(x, fn, scale, base, n, iters, eps, norm_eps))
 
 
 @_hc_mixes_op.register_fake
@@ -347,12 +353,9 @@ def _(x, fn, fn_hi, fn_lo, scale, base, n, iters, eps, norm_eps, sim, calls):
 @torch.library.custom_op("mhcrun::hc_pre", mutates_args=("calls",))
 def _hc_pre_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, weight: Tensor, n: int,
                iters: int, eps: float, norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if sim and _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps):
-        _tally(calls, "hc_pre", "nki-sim")
-        return _run_pre(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, weight, norm_eps)
-    _tally(calls, "hc_pre", "torch")
-    y, post, comb = _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps)
-    return y.contiguous(), post.contiguous(), comb.contiguous()
+    return _sim_or_ref("hc_pre", sim, calls, _pre_ok(x, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps),
+                       lambda get: _run_pre(get, x, fn_hi, fn_lo, scale, base, weight, norm_eps),
+                       lambda: _ref_pre(x, fn, scale, base, weight, n, iters, eps, norm_eps))
 
 
 @_hc_pre_op.register_fake
@@ -367,13 +370,10 @@ def _(x, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, sim, ca
 def _hc_post_pre_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor,
                     scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
                     norm_eps: float, sim: str, calls: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if sim and _post_pre_ok(y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, n, iters, eps,
-                                       norm_eps):
-        _tally(calls, "hc_post_pre", "nki-sim")
-        return _run_post_pre(_sim_getter(sim), y, residual, post, comb, fn_hi, fn_lo, scale, base, weight, norm_eps)
-    _tally(calls, "hc_post_pre", "torch")
-    return tuple(t.contiguous() for t in _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps,
-                                                       norm_eps))
+    args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
+    return _sim_or_ref("hc_post_pre", sim, calls, _post_pre_ok(*args, n, iters, eps, norm_eps),
+                       lambda get: _run_post_pre(get, *args, norm_eps),
+                       lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps))
 
 
 @_hc_post_pre_op.register_fake
@@ -385,11 +385,8 @@ def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, 
 
 @torch.library.custom_op("mhcrun::hc_collapse", mutates_args=("calls",))
 def _hc_collapse_op(x: Tensor, pre: Tensor, sim: str, calls: Tensor) -> Tensor:
-    if sim and _collapse_ok(x, pre):
-        _tally(calls, "hc_collapse", "nki-sim")
-        return _run_collapse(_sim_getter(sim), x, pre)
-    _tally(calls, "hc_collapse", "torch")
-    return _ref.hc_collapse(x, pre).contiguous()
+    return _sim_or_ref("hc_collapse", sim, calls, _collapse_ok(x, pre), lambda get: _run_collapse(get, x, pre),
+                       lambda: _ref.hc_collapse(x, pre))
 
 
 @_hc_collapse_op.register_fake
@@ -399,11 +396,9 @@ def _(x: Tensor, pre: Tensor, sim: str, calls: Tensor) -> Tensor:
 
 @torch.library.custom_op("mhcrun::hc_post", mutates_args=("calls",))
 def _hc_post_op(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, sim: str, calls: Tensor) -> Tensor:
-    if sim and _post_ok(y, residual, post, comb):
-        _tally(calls, "hc_post", "nki-sim")
-        return _run_post(_sim_getter(sim), y, residual, post, comb)
-    _tally(calls, "hc_post", "torch")
-    return _ref.hc_post(y, residual, post, comb).contiguous()
+    return _sim_or_ref("hc_post", sim, calls, _post_ok(y, residual, post, comb),
+                       lambda get: _run_post(get, y, residual, post, comb),
+                       lambda: _ref.hc_post(y, residual, post, comb))
 
 
 @_hc_post_op.register_fake
@@ -414,11 +409,9 @@ def _(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, sim: str, calls: 
 @torch.library.custom_op("mhcrun::hc_head", mutates_args=("calls",))
 def _hc_head_op(x: Tensor, fn: Tensor, fn_hi: Tensor, fn_lo: Tensor, scale: Tensor, base: Tensor, eps: float,
                 norm_eps: float, sim: str, calls: Tensor) -> Tensor:
-    if sim and _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps):
-        _tally(calls, "hc_head", "nki-sim")
-        return _run_head(_sim_getter(sim), x, fn_hi, fn_lo, scale, base, norm_eps)
-    _tally(calls, "hc_head", "torch")
-    return _ref.hc_head(x, fn, scale, base, eps, norm_eps).contiguous()
+    return _sim_or_ref("hc_head", sim, calls, _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps),
+                       lambda get: _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps),
+                       lambda: _ref.hc_head(x, fn, scale, base, eps, norm_eps))
 
 
 @_hc_head_op.register_fake
@@ -428,11 +421,8 @@ def _(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps, sim, calls):
 
 @torch.library.custom_op("mhcrun::rmsnorm", mutates_args=("calls",))
 def _rmsnorm_op(x: Tensor, weight: Tensor, eps: float, sim: str, calls: Tensor) -> Tensor:
-    if sim and _rmsnorm_ok(x, weight):
-        _tally(calls, "rmsnorm", "nki-sim")
-        return _run_rmsnorm(_sim_getter(sim), x, weight, eps)
-    _tally(calls, "rmsnorm", "torch")
-    return _ref_rms_norm(x, weight, eps).contiguous()
+    return _sim_or_ref("rmsnorm", sim, calls, _rmsnorm_ok(x, weight), lambda get: _run_rmsnorm(get, x, weight, eps),
+                       lambda: _ref_rms_norm(x, weight, eps))
 
 
 @_rmsnorm_op.register_fake
@@ -442,11 +432,8 @@ def _(x: Tensor, weight: Tensor, eps: float, sim: str, calls: Tensor) -> Tensor:
 
 @torch.library.custom_op("mhcrun::swiglu", mutates_args=("calls",))
 def _swiglu_op(gate: Tensor, up: Tensor, limit: float, sim: str, calls: Tensor) -> Tensor:
-    if sim and _swiglu_ok(gate, up):
-        _tally(calls, "swiglu", "nki-sim")
-        return _run_swiglu(_sim_getter(sim), gate, up, limit)
-    _tally(calls, "swiglu", "torch")
-    return _ref_swiglu(gate, up, limit).contiguous()
+    return _sim_or_ref("swiglu", sim, calls, _swiglu_ok(gate, up), lambda get: _run_swiglu(get, gate, up, limit),
+                       lambda: _ref_swiglu(gate, up, limit))
 
 
 @_swiglu_op.register_fake
