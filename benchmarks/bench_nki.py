@@ -14,20 +14,20 @@ An estimate from documented figures, not a measurement: see the cost model's doc
 the sensitivity table for the constants no document gives.
 
 The model path: the bundled tiny model generates with the hc steps in the simulator (MHCRUN_NKI_SIM=1) and on
-the torch path (MHCRUN_NKI_HC=0); stats.kernels gives the launches per layer and forward (every hc kernel but
-the expand and the head, over layers x forwards, a forward being one hc_head), and the run its CPU wall time.
+the torch path (MHCRUN_NKI_HC=0); stats.kernels gives the launches per forward and per layer (all hc kernels of a
+forward but the two outside the layers: the head's post step and collapse, or before the chained formulation
+the expand and the head; a forward being one hc_head), and the run its CPU wall time.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from mhcrun.nki.ops import KERNEL_SOURCE
+from mhcrun.nki.ops import KERNEL_SOURCE, HcBackend
 from mhcrun.nki.sim import load_kernel_module
 from mhcrun.nki.sim.costmodel import FIGURES, SENSITIVITY, estimate, floor_us, with_figures
 from mhcrun.nki.sim.costs import CostLog
@@ -93,6 +93,24 @@ def chained(k, a: dict) -> Step:
 VARIANTS = {"today": today, "fused": fused, "chained": chained}
 
 
+def head(k, a: dict) -> Step:
+    """The model's head a forward: the last layer half's post step (hc_post) and the head collapse (hc_head, fn
+    [n, n*d]), two launches."""
+    log = CostLog()
+    log.extend(run(k.hc_post, a["y"], a["x"], a["post"], a["comb"]))
+    log.extend(run(k.hc_head_v4, a["x"], a["hi"][:N], a["lo"][:N], a["scale"][:, :1], a["base"][:N]))
+    return Step(2, log)
+
+
+def model_token(chain: Step, top: Step, t: int, figures=FIGURES) -> tuple[int, float, float]:
+    """The model's mHC steps for one decode token at T rows (a forward over T rows, per row): 43 layers x 2 sites
+    of `chain` and the head's `top` -> (launches, est. ms, of which launches ms)."""
+    site, end = estimate(chain.log, figures).overlapped_us, estimate(top.log, figures).overlapped_us
+    launches = LAYERS * SITES * chain.launches + top.launches
+    launch_ms = launches * figures.launch_s * 1e3
+    return launches, (LAYERS * SITES * site + end) / 1e3 / t + launch_ms / t, launch_ms / t
+
+
 def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:
     e = estimate(step.log, figures)
     site_us = e.overlapped_us + step.launches * figures.launch_s * 1e6
@@ -105,17 +123,15 @@ def row(name: str, t: int, step: Step, figures=FIGURES) -> tuple:
 
 
 MODEL_PROMPT = [0, 5, 6, 7, 11, 13, 17, 19]
-MODEL_PATHS = {"nki-sim": {"MHCRUN_NKI_HC": "1", "MHCRUN_NKI_SIM": "1"},
-               "torch": {"MHCRUN_NKI_HC": "0", "MHCRUN_NKI_SIM": "0"}}
+MODEL_PATHS = {"nki-sim": HcBackend(sim="exact"), "torch": HcBackend(torch_only=True)}  # MHCRUN_NKI_SIM=1, _HC=0
 
 
-def model_launches(kernels: dict[str, dict[str, int]], backend: str, layers: int) -> tuple[float, int]:
-    """stats.kernels of a run -> (hc launches per layer and forward, forwards): every kernel but the expand and
-    the head (one of each a forward) on `backend`, over layers x forwards."""
+def model_launches(kernels: dict[str, dict[str, int]], backend: str, layers: int) -> tuple[float, float, int]:
+    """stats.kernels of a run -> (hc launches per forward, per layer and forward, forwards) on `backend`: per
+    layer, every hc kernel of a forward but the two outside the layers, over layers x forwards."""
     forwards = kernels["hc_head"][backend]
-    per_site = sum(v[backend] for name, v in kernels.items() if name not in ("hc_expand", "hc_head", "rmsnorm",
-                                                                              "swiglu"))
-    return per_site / (layers * forwards), forwards
+    total = sum(v[backend] for name, v in kernels.items() if name not in ("rmsnorm", "swiglu"))
+    return total / forwards, (total - 2 * forwards) / (layers * forwards), forwards
 
 
 def model_path(new_tokens: int, repeats: int) -> None:
@@ -130,19 +146,22 @@ def model_path(new_tokens: int, repeats: int) -> None:
           f"decoded, eager, CPU, best of {repeats}")
     best: dict[str, tuple[float, object]] = {}
     for _ in range(repeats):
-        for path, env in MODEL_PATHS.items():
-            os.environ.update(env)
+        for path, hc in MODEL_PATHS.items():
+            hc.reset()
+            runner.model.opts.hc = hc
             t0 = time.perf_counter()
             res = generate(runner.model, [MODEL_PROMPT], new_tokens, runner.config.eos_token_id, ignore_eos=True)[0]
             wall = time.perf_counter() - t0
             if path not in best or wall < best[path][0]:
                 best[path] = (wall, res)
-    print(f"{'hc path':<8} {'hc calls/layer':>14} {'forwards':>8} {'wall s':>7} {'decode tok/s':>12}  kernels run")
+    print(f"{'hc path':<8} {'calls/forward':>13} {'calls/layer':>11} {'forwards':>8} {'wall s':>7} "
+          f"{'decode tok/s':>12}  kernels run")
     for path, (wall, res) in best.items():
         kernels = res.stats["kernels"]
-        per_layer, forwards = model_launches(kernels, path, layers)
+        per_forward, per_layer, forwards = model_launches(kernels, path, layers)
         ran = ", ".join(f"{name} {v[path]}" for name, v in kernels.items() if v[path])
-        print(f"{path:<8} {per_layer:>14g} {forwards:>8} {wall:>7.2f} {res.stats['decode_tok_s']:>12.2f}  {ran}")
+        print(f"{path:<8} {per_forward:>13g} {per_layer:>11g} {forwards:>8} {wall:>7.2f} "
+              f"{res.stats['decode_tok_s']:>12.2f}  {ran}")
 
 
 def main() -> None:
@@ -175,9 +194,19 @@ def kernel_level(tokens: list[int]) -> None:
             busiest = max([("dma", e.dma_us), *e.engine_us.items()], key=lambda kv: kv[1])
             print(f"{r[0]:<8} {r[1]:>5} {r[2]:>6} {r[3]:>6} {r[4]:>6} {r[5]:>7.2f} {r[6]:>16.1f} {r[7]:>9.1f} "
                   f"{r[8]:>9.3f} {r[9]:>8.1f} {r[10]:>8.1f}  {busiest[0]} {busiest[1] * SITES:.1f}")
+        steps["head", t] = head(k, a)
+    print("\nthe model's mHC steps a decode token (V4-Flash, 43 layers, batch 1: a forward over T rows, per row): "
+          "every layer half one hc_post_pre ('chained'), the head hc_post + hc_head; goal 1.5 ms with launches")
+    for t in tokens:
+        if t <= k.DECODE_MAX_T:
+            launches, ms, launch_ms = model_token(steps["chained", t], steps["head", t], t)
+            print(f"  T={t:<4} launches {launches}  est. {ms:.2f} ms a token, {launch_ms:.2f} ms of it launch "
+                  f"boundaries, {ms - launch_ms:.2f} ms the work")
     print("\nsensitivity: per layer without launches (us) as the undocumented constants move")
     for const, values in SENSITIVITY.items():
         for (name, t), step in steps.items():
+            if name == "head":
+                continue
             cells = [f"{v:g}: {SITES * estimate(step.log, with_figures(**{const: v})).overlapped_us:.1f}"
                      for v in values]
             print(f"  {const:<20} {name:<8} T={t:<5} " + "  ".join(cells))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +50,8 @@ from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
 from mhcrun.weights import TensorSpec, dequantized_dtype, mtp_tensor_specs, tensor_specs
 
 # Called with each region's output as a forward runs: ("embed", x), ("layer 2 attn:csa", x) after each layer
-# half (the residual streams [b, s, n, d]), ("head", logits [b, V]). Compiled regions run under the same names
-# (`mhcrun.regions`), so two paths can be compared region by region.
+# half (the residual streams [b, s, n, d], the half's post step applied: `Carry.settle`), ("head", logits [b, V]).
+# Compiled regions run under the same names (`mhcrun.regions`), so two paths can be compared region by region.
 Probe = Callable[[str, torch.Tensor], None]
 ATTN_KINDS = {0: "window", 4: "csa"}
 
@@ -458,9 +459,41 @@ class MoE(nn.Module):
         return y.type_as(x).view(shape)
 
 
+class Carry(NamedTuple):
+    """What a layer half hands the next: the mHC streams with its own post step still to do, so that the step
+    runs as one kernel with the next site's pre step (`hc_ops.hc_post_pre`). The streams are
+    hc_post(y, x, post, comb): x [b, s, n, d] before the post step, y [b, s, d] the sublayer's output,
+    post [b, s, n] and comb [b, s, n, n] (fp32) the site's mixes."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+    @staticmethod
+    def of_embedding(e: torch.Tensor, n: int) -> Carry:
+        """The embedding e [b, s, d] as a post step on zero streams with post = 1 and comb = 0: its result,
+        1 * e + 0, is hc_expand(e) exactly (n copies), so the first site's pre step is a post+pre like any."""
+        b, s, d = e.shape
+        return Carry(e.new_zeros(b, s, n, d), e, e.new_ones(b, s, n, dtype=torch.float32),
+                     e.new_zeros(b, s, n, n, dtype=torch.float32))
+
+    @staticmethod
+    def of_streams(x: torch.Tensor) -> Carry:
+        """Streams x [b, s, n, d] with nothing to do: y = 0, post = 0, comb = I (each stream kept as it is)."""
+        b, s, n, d = x.shape
+        eye = torch.eye(n, dtype=torch.float32, device=x.device).expand(b, s, n, n)
+        return Carry(x, x.new_zeros(b, s, d), x.new_zeros(b, s, n, dtype=torch.float32), eye)
+
+    def settle(self, hc: hc_ops.HcBackend | None = None) -> torch.Tensor:
+        """The streams [b, s, n, d]: the post step applied (one hc_post)."""
+        return hc_ops.hc_post(self.y, self.x, self.post, self.comb, hc)
+
+
 class Block(nn.Module):
-    """One layer in two halves (`Transformer.forward` runs them, each a compiled region kind): mHC site ->
-    attention -> mHC post, then mHC site -> MoE -> mHC post."""
+    """One layer in two halves (`Transformer.forward` runs them, each a compiled region kind): the previous
+    site's mHC post and this site's pre -> attention, then the attention's post and the MoE site's pre -> MoE;
+    each half hands on its sublayer's output with the post step to do (`Carry`)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
@@ -470,29 +503,25 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.norm_eps)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
 
-    def mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The mHC pre step of a site ("attn" or "ffn") as one kernel (`hc_ops.hc_pre`): the mixes with Sinkhorn,
-        the collapse and the sublayer's norm. x [b, s, n, d] -> (h [b, s, d], post [b, s, n], comb [b, s, n, n]).
-        The norm's epsilon is the mixes' (both `cfg.norm_eps`)."""
-        c = self.cfg
+    def enter(self, c: Carry, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The carried post step and the pre step of a site ("attn" or "ffn") as one kernel (`hc_ops.hc_post_pre`):
+        the post, then the mixes with Sinkhorn, the collapse and the sublayer's norm. -> (the streams
+        x [b, s, n, d], h [b, s, d], post [b, s, n], comb [b, s, n, n]). The norm's epsilon is the mixes' (both
+        `cfg.norm_eps`)."""
+        cfg = self.cfg
         norm = self.attn_norm if site == "attn" else self.ffn_norm
-        return hc_ops.hc_pre(x, getattr(self, f"hc_{site}_fn"), *self.fn_split[site], getattr(self, f"hc_{site}_scale"),
-                             getattr(self, f"hc_{site}_base"), norm.weight, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                             c.norm_eps, self.opts.hc)
+        return hc_ops.hc_post_pre(c.y, c.x, c.post, c.comb, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
+                                  getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), norm.weight,
+                                  cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, self.opts.hc)
 
-    def post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """The mHC post step: the sublayer's output y [b, s, d] into the streams x [b, s, n, d]."""
-        return hc_ops.hc_post(y, x, post, comb, self.opts.hc)
+    def attn_half(self, c: Carry, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> Carry:
+        # streams at positions start [b] + [0, s)
+        x, h, post, comb = self.enter(c, "attn")
+        return Carry(x, self.attn(h, rows, start, static), post, comb)
 
-    def attn_half(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
-                  static: bool = False) -> torch.Tensor:
-        # x [b, s, n, d] at positions start [b] + [0, s)
-        h, post, comb = self.mix(x, "attn")
-        return self.post(self.attn(h, rows, start, static), x, post, comb)
-
-    def ffn_half(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
-        h, post, comb = self.mix(x, "ffn")
-        return self.post(self.ffn(h, token_ids, static), x, post, comb)
+    def ffn_half(self, c: Carry, token_ids: torch.Tensor, static: bool = False) -> Carry:
+        x, h, post, comb = self.enter(c, "ffn")
+        return Carry(x, self.ffn(h, token_ids, static), post, comb)
 
 
 class MTPBlock(Block):
@@ -516,8 +545,8 @@ class MTPBlock(Block):
         [b, s, n, d]: what a further draft step takes as its streams)."""
         e = self.enorm(model.embedding(next_tokens))
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(streams))
-        x = self.ffn_half(self.attn_half(x, rows, start), next_tokens)
-        return model.head_logits(x, owner=self), x
+        c = self.ffn_half(self.attn_half(Carry.of_streams(x), rows, start), next_tokens)
+        return model.finish(c, owner=self)
 
 
 def cache_formats(cfg: ModelConfig, quant_sim: bool) -> dict[str, CacheFormat]:
@@ -539,7 +568,8 @@ def rope_tables(cfg: ModelConfig, max_seq: int,
 
 
 class Transformer(nn.Module):
-    """embed -> mHC expand -> blocks -> mHC head -> logits of the last position (fp32)."""
+    """embed (the mHC expand as the first post step) -> blocks -> the last post, the mHC head -> logits of the
+    last position (fp32)."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int | None = None, tp: Shard = SINGLE):
         super().__init__()
@@ -599,34 +629,38 @@ class Transformer(nn.Module):
         the head [b, s, n, d] (what an MTP layer drafts from) -> (logits, streams)."""
         if self.opts.quant_sim != self.cache_quant_sim:
             raise RuntimeError("the quantisation simulation was switched after setup_caches: set it up again")
-        probe = probe or skip_probe
         run = regions or run_eagerly
         start = torch.as_tensor(start, device=tokens.device).expand(tokens.size(0))
-        x = self.embed_streams(tokens)
-        probe("embed", x)
+
+        def see(name: str, c: Carry) -> None:  # a probe sees the streams settled (one more post, only then)
+            if probe is not None:
+                probe(name, c.settle())
+
+        c = Carry.of_embedding(self.embedding(tokens), self.cfg.hc_mult)
+        see("embed", c)
         for i, (layer, (akind, mkind)) in enumerate(zip(self.layers, self.region_kinds, strict=True)):
-            x = run(akind, Block.attn_half, layer, x, rows, start, static)
-            probe(f"layer {i} {akind}", x)
-            x = run(mkind, Block.ffn_half, layer, x, tokens, static)
-            probe(f"layer {i} {mkind}", x)
-        logits = run("head", Transformer.head_logits, self, x, every)
-        probe("head", logits)
+            c = run(akind, Block.attn_half, layer, c, rows, start, static)
+            see(f"layer {i} {akind}", c)
+            c = run(mkind, Block.ffn_half, layer, c, tokens, static)
+            see(f"layer {i} {mkind}", c)
+        logits, x = run("head", Transformer.finish, self, c, every)
+        if probe is not None:
+            probe("head", logits)
         return (logits, x) if streams else logits
 
-    def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> the mHC streams [b, s, n, d]: the embedding, expanded."""
-        return hc_ops.hc_expand(self.embedding(tokens), self.cfg.hc_mult, self.opts.hc)
-
-    def head_logits(self, x: torch.Tensor, every: bool = False, owner: nn.Module | None = None) -> torch.Tensor:
-        """The streams [b, s, n, d] -> logits [b, vocab] (fp32) of each row's last position (with `every`:
-        [b, s, vocab], every position): V4's head collapse, the final norm, the head. `owner`: whose head
-        collapse and final norm (an MTP layer's; the head itself is the model's)."""
-        c, o = self.cfg, owner or self
+    def finish(self, c: Carry, every: bool = False, owner: nn.Module | None = None) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+        """The last post step, then the head -> (logits [b, vocab] (fp32) of each row's last position (with
+        `every`: [b, s, vocab], every position), the streams before the head [b, s, n, d]). V4's head collapse,
+        the final norm, the head; `owner`: whose head collapse and final norm (an MTP layer's; the head itself
+        is the model's)."""
+        cfg, o = self.cfg, owner or self
+        x = c.settle(self.opts.hc)
         split = self.fn_split if owner is None else owner.fn_split["head"]
         h = hc_ops.hc_head(x if every else x[:, -1:], o.hc_head_fn, *split, o.hc_head_scale, o.hc_head_base,
-                           c.hc_eps, c.norm_eps, self.opts.hc)
+                           cfg.hc_eps, cfg.norm_eps, self.opts.hc)
         h = o.norm(h).float()
-        return self.logits(h if every else h[:, -1])
+        return self.logits(h if every else h[:, -1]), x
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> [b, s, d] in the activation dtype; under --tp each rank looks up its vocabulary rows
@@ -651,10 +685,6 @@ Regions = Callable[..., torch.Tensor]
 def run_eagerly(kind: str, fn: Callable[..., torch.Tensor], module: nn.Module, *args) -> torch.Tensor:
     """The plain run of a region: its module's own code, uncompiled."""
     return fn(module, *args)
-
-
-def skip_probe(name: str, t: torch.Tensor) -> None:
-    """The probe of a run that looks at nothing."""
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], quantized: set[str],

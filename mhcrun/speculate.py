@@ -313,6 +313,6 @@ def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor,
     at = torch.full((b,), max_seq - s, dtype=torch.long, device=chunk.device)
     full[rows], at[rows] = chunk, n
     logits, streams = model(full, decoder.rows, at, static=True, regions=decoder.run, every=True, streams=True)
-    decoder.count_torch_hc_calls(chunk.device.type)
+    decoder.count_hc_calls(full.numel(), full.device.type)
     keep_rows(model.layers, rows)
     return logits[rows], streams[rows]

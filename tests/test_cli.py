@@ -244,8 +244,8 @@ def test_generate_prompt_ids_json(greedy_ref):
     assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
     assert res["stats"]["peak_rss_mb"] > 0
     kernels = res["stats"]["kernels"]  # without the simulator every hc step ran on the torch path
-    assert {"hc_pre", "hc_post", "hc_expand", "hc_head"} <= set(kernels)
-    assert kernels["hc_pre"]["torch"] > 0 and kernels["hc_pre"]["nki-sim"] == 0
+    assert {"hc_post_pre", "hc_post", "hc_head"} <= set(kernels)
+    assert kernels["hc_post_pre"]["torch"] > 0 and kernels["hc_post_pre"]["nki-sim"] == 0
 
 
 def test_generate_json_is_one_object_per_line():

@@ -178,3 +178,73 @@ def test_config_dataclass_is_frozen():
     cfg = config_from_hf(tiny_config_raw())
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.dim = 3  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------------ the carried post step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_embedding_carried_as_a_post_step_is_the_expand(dtype):
+    """Carry.of_embedding(e).settle() (a post step with post = 1, comb = 0 on zero streams) is hc_expand(e), value
+    for value, on extremes too; in the simulator the first site's fused post+pre of it is hc_pre of the expand."""
+    from mhcrun.model import Carry
+    from mhcrun.nki import ops as hc_ops
+    from mhcrun.ops import hc as ref
+
+    e = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
+    e[0, 0, :4] = torch.tensor([-0.0, torch.finfo(dtype).max, torch.finfo(dtype).tiny, -torch.finfo(dtype).max])
+    assert torch.equal(Carry.of_embedding(e, 4).settle(), ref.hc_expand(e, 4))
+    x = torch.randn(2, 3, 4, 256, dtype=dtype)
+    assert torch.equal(Carry.of_streams(x).settle(), x)
+    model = make_model([0], dtype=dtype)
+    block, sim = model.layers[0], hc_ops.HcBackend(sim="exact")
+    model.opts.hc = sim
+    e = torch.randn(2, 1, model.cfg.dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x0, h, post, comb = block.enter(Carry.of_embedding(e, 4), "attn")
+    want = hc_ops.hc_pre(ref.hc_expand(e, 4), block.hc_attn_fn, *block.fn_split["attn"],
+                         block.hc_attn_scale, block.hc_attn_base, block.attn_norm.weight, 4,
+                         model.cfg.hc_sinkhorn_iters, model.cfg.hc_eps, model.cfg.norm_eps, sim)
+    assert sim.stats()["hc_post_pre"]["nki-sim"] == 1 and sim.stats()["hc_pre"]["nki-sim"] == 1
+    assert torch.equal(x0, ref.hc_expand(e, 4))
+    for got, w in zip((h, post, comb), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def unchained_logits(model, tokens: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """The plain reference of the chained forward: the expand, then every site one step after the other in torch
+    (mixes, collapse, the sublayer's norm, the sublayer, the post step), then the head."""
+    from mhcrun.nki import ops as hc_ops
+    from mhcrun.ops import hc as ref
+    from mhcrun.ops.norm import rms_norm
+
+    c = model.cfg
+    pos = torch.full((tokens.size(0),), start)
+    x = ref.hc_expand(model.embedding(tokens), c.hc_mult)
+    for layer in model.layers:
+        sublayers = (("attn", lambda h, a=layer.attn: a(h, rows, pos)), ("ffn", lambda h, f=layer.ffn: f(h, tokens)))
+        for site, run in sublayers:
+            pre, post, comb = ref.hc_mixes(x, getattr(layer, f"hc_{site}_fn"), getattr(layer, f"hc_{site}_scale"),
+                                           getattr(layer, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters,
+                                           c.hc_eps, c.norm_eps)
+            norm = layer.attn_norm if site == "attn" else layer.ffn_norm
+            x = ref.hc_post(run(rms_norm(ref.hc_collapse(x, pre), norm.weight, c.norm_eps)), x, post, comb)
+    h = hc_ops.hc_head(x[:, -1:], model.hc_head_fn, None, None, model.hc_head_scale, model.hc_head_base, c.hc_eps,
+                       c.norm_eps)
+    return model.logits(model.norm(h).float()[:, -1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chained_forward_equals_the_site_by_site_reference(dtype):
+    """The forward carries each half's post step into the next site's pre (one kernel a site): on the torch path
+    its logits are the site-by-site reference's bit for bit, prefill (over a window and CSA/HCA groups) and decode,
+    batch 2 at different positions."""
+    model, ref_model = make_model([0, 4, 16], dtype=dtype), make_model([0, 4, 16], dtype=dtype)
+    ids = torch.randint(3, 512, (2, 21), generator=torch.Generator().manual_seed(2))
+    rows = torch.tensor([0, 1])
+    with torch.inference_mode():
+        for m in (model, ref_model):
+            m.setup_caches(2, 32)
+        assert torch.equal(model(ids, rows, 0), unchained_logits(ref_model, ids, rows, 0))
+        for step in range(4):
+            t = ids[:, step:step + 1]
+            assert torch.equal(model(t, rows, 21 + step), unchained_logits(ref_model, t, rows, 21 + step)), step

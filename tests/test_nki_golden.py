@@ -14,8 +14,8 @@ from mhcrun.runner import DEFAULT_MODEL
 
 GOLDEN = "tests/golden/tiny.json"  # the bundled (trained) model's: the near-tie-heavy one (BENCHMARKS.md)
 RANDOM_GOLDEN = "tests/golden/tiny-random.json"  # the random model's (random_tiny)
-MODEL_HC_KERNELS = ("hc_expand", "hc_pre", "hc_post", "hc_head")  # what the model's forward calls
-UNUSED_HC_KERNELS = ("hc_mixes", "hc_collapse", "hc_post_pre")  # the three-launch site's, and see docs/nki.md
+MODEL_HC_KERNELS = ("hc_post_pre", "hc_post", "hc_head")  # what the model's forward calls at up to 32 rows
+UNUSED_HC_KERNELS = ("hc_mixes", "hc_collapse", "hc_pre", "hc_expand")  # the unfused site's; hc_pre above 32 rows
 
 
 def run(*args: str, env: dict[str, str]):
@@ -28,9 +28,10 @@ def bundled_layers() -> int:
 
 @pytest.mark.parametrize("env, backend", [({"MHCRUN_NKI_SIM": "1"}, "nki-sim"), ({"MHCRUN_NKI_HC": "0"}, "torch")],
                          ids=["nki-sim", "nki-off"])
-def test_generate_counts_two_launches_a_layer_half(env, backend):
-    """Per forward (one hc_head each): every layer half one hc_pre and one hc_post, on the backend asked for;
-    the unfused kernels never run. With the simulator the tokens are the torch path's."""
+def test_generate_counts_one_launch_a_layer_half(env, backend):
+    """Per forward (one hc_head each): every layer half one hc_post_pre (its site's pre step with the post step
+    before it; the first one's is the embedding's expand), the head one hc_post and one hc_head, on the backend
+    asked for; the unfused kernels never run. With the simulator the tokens are the torch path's."""
     r = run("generate", "--prompt-ids", "0,5,6,7", "-n", "3", "--json", env=env)
     assert r.exit_code == 0, r.stderr
     kernels = json.loads(r.stdout)["stats"]["kernels"]
@@ -40,7 +41,8 @@ def test_generate_counts_two_launches_a_layer_half(env, backend):
     for name in UNUSED_HC_KERNELS:
         assert sum(kernels[name].values()) == 0, (name, kernels[name])
     forwards = kernels["hc_head"][backend]
-    assert kernels["hc_pre"][backend] == kernels["hc_post"][backend] == 2 * bundled_layers() * forwards
+    assert kernels["hc_post_pre"][backend] == 2 * bundled_layers() * forwards
+    assert kernels["hc_post"][backend] == forwards
     plain = run("generate", "--prompt-ids", "0,5,6,7", "-n", "3", "--json", env={"MHCRUN_NKI_SIM": "0"})
     assert json.loads(plain.stdout)["tokens"] == json.loads(r.stdout)["tokens"]
 

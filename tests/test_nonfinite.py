@@ -223,8 +223,9 @@ def test_a_compiled_region_that_turns_non_finite_is_named(monkeypatch):
     def poisoned(self, kind, fn, module, *args):
         out = original(self, kind, fn, module, *args)
         if module is self.model.layers[2] and kind.startswith("moe"):  # layer 2's MoE half, compiled path only
-            out = out.clone()
-            out[..., 0] = float("nan")
+            y = out.y.clone()  # its output: the MoE's, handed on with the post step to do
+            y[..., 0] = float("nan")
+            out = out._replace(y=y)
         return out
 
     monkeypatch.setattr(runner.RegionDecoder, "run", poisoned)

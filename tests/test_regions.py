@@ -244,7 +244,7 @@ def test_whole_regions_compile_once_and_never_recompile(whole3):
     dec = whole3["dec"]
     assert len(whole3["logits"]) >= 20
     assert {s.region for s in dec.stats} == ALL_KINDS
-    assert all(s.stages == "mix+core+post" for s in dec.stats if s.region != "head")
+    assert all(s.stages == "post+pre+core" for s in dec.stats if s.region != "head")
     assert dec.graph_count() == len(ALL_KINDS)
     assert_no_recompiles(whole3)
     # dynamo saw exactly one graph per region kind: no graph breaks split a region
@@ -265,7 +265,8 @@ def test_aot_eager_regions_equal_uncompiled_stages(whole3):
 
 def test_compiled_regions_count_the_hc_kernels_the_eager_step_counts(whole3):
     """stats.kernels of a compiled step (whose torch-path hc steps cannot count themselves inside a graph) equal the
-    same step's uncompiled: per layer two hc_pre and two hc_post launches, one hc_head, no unfused kernel."""
+    same step's uncompiled: per layer two hc_post_pre launches (a site's pre fused with the post step before it,
+    the embedding's expand being the first), the last post and hc_head at the head, no unfused kernel."""
     model, pos, fed = whole3["model"], whole3["pos"], whole3["fed"][0]
     counts = {}
     for label, dec in (("eager", RegionDecoder(model, "eager", None)), ("regions", whole3["dec"])):
@@ -277,8 +278,32 @@ def test_compiled_regions_count_the_hc_kernels_the_eager_step_counts(whole3):
     restore(model, whole3["start"])
     eager, n = counts["eager"], len(model.layers)
     assert counts["regions"] == eager
-    assert eager["hc_pre"]["torch"] == eager["hc_post"]["torch"] == 2 * n and eager["hc_head"]["torch"] == 1
-    assert all(sum(eager[k].values()) == 0 for k in ("hc_mixes", "hc_collapse", "hc_post_pre")), eager
+    assert eager["hc_post_pre"]["torch"] == 2 * n and eager["hc_post"]["torch"] == eager["hc_head"]["torch"] == 1
+    assert all(sum(eager[k].values()) == 0 for k in ("hc_mixes", "hc_collapse", "hc_pre", "hc_expand")), eager
+
+
+def test_compiled_steps_count_the_kernels_the_forward_launches_on_each_backend(whole3):
+    """A compiled step's hc calls cannot count themselves inside its graphs on the torch path or on the real
+    kernels (neuron): the decoder counts them per step, as the forward launches them: a hc_post_pre per layer half
+    up to 32 rows (hc_post then hc_pre above), the head's hc_post and hc_head; on the simulator the custom ops count
+    themselves, so the decoder adds nothing."""
+    from mhcrun.nki.ops import HcBackend
+
+    model, kept = whole3["model"], whole3["model"].opts.hc
+    dec, sites = RegionDecoder(model, "regions", "inductor"), 2 * len(model.layers)
+    try:
+        for rows, want in ((3, {"hc_post_pre": sites, "hc_post": 1}), (32, {"hc_post_pre": sites, "hc_post": 1}),
+                           (33, {"hc_post": sites + 1, "hc_pre": sites})):
+            for device, backend in (("neuron", "nki"), ("cpu", "torch")):
+                model.opts.hc = HcBackend()
+                dec.count_hc_calls(rows, device)
+                got = {k: v[backend] for k, v in model.opts.hc.stats().items() if v[backend]}
+                assert got == {**want, "hc_head": 1}, (rows, device, got)
+        model.opts.hc = HcBackend(sim="exact")
+        dec.count_hc_calls(3, "cpu")
+        assert not model.opts.hc.calls.any()
+    finally:
+        model.opts.hc = kept
 
 
 def test_graph_count_does_not_grow_with_layers(whole3):
@@ -292,15 +317,15 @@ def test_graph_count_does_not_grow_with_layers(whole3):
                       "moe:routed": list(range(1, 9)), "head": [9]}
 
 
-def test_split_plan_compiles_three_graphs_per_kind_without_recompiles(split3):
+def test_split_plan_compiles_two_graphs_per_kind_without_recompiles(split3):
     dec = split3["dec"]
     by_kind: dict[str, list[str]] = {}
     for s in dec.stats:
         by_kind.setdefault(s.region, []).append(s.stages)
     assert set(by_kind) == ALL_KINDS
     for kind, stages in by_kind.items():
-        assert stages == (["head"] if kind == "head" else ["mix", "core", "post"]), kind
-    assert dec.graph_count() == 3 * (len(ALL_KINDS) - 1) + 1
+        assert stages == (["head"] if kind == "head" else ["post+pre", "core"]), kind
+    assert dec.graph_count() == 2 * (len(ALL_KINDS) - 1) + 1
     assert_no_recompiles(split3)
 
 
@@ -418,7 +443,7 @@ def test_inductor_compile_regions_reports_one_graph_per_kind():
     for r in regions:
         assert {"region", "layers", "stages", "compile_s", "graph_breaks", "cache_hit"} <= set(r), r
         assert r["graph_breaks"] == 0 and r["compile_s"] > 0 and isinstance(r["cache_hit"], bool), r
-        assert r["stages"] == ("head" if r["region"] == "head" else "mix+core+post")
+        assert r["stages"] == ("head" if r["region"] == "head" else "post+pre+core")
     assert {r["region"]: r["layers"] for r in regions} == {
         "attn:window": [0], "attn:csa": [1, 3], "attn:hca": [2], "moe:hash": [0], "moe:routed": [1, 2, 3],
         "head": [4]}

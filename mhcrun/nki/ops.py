@@ -509,6 +509,12 @@ def hc_pre(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, sc
                                                      norm_eps, *b), hc)
 
 
+def site_kernels(rows: int) -> tuple[str, ...]:
+    """The kernels a site's post+pre step (`hc_post_pre`) launches over `rows` token rows: one for decode rows
+    (hidden on the partitions, the streams kept on chip), hc_post then hc_pre above (tokens on the partitions)."""
+    return ("hc_post_pre",) if rows <= DECODE_MAX_T else ("hc_post", "hc_pre")
+
+
 def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
                 fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
                 norm_eps: float, hc: HcBackend | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -516,7 +522,7 @@ def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Ten
     [b, s, n, d] and hc_pre's (y, post, comb) of them. One kernel for decode rows (b * s <= DECODE_MAX_T), where
     the streams stay on chip between the two; above, hc_post then hc_pre."""
     rows = y.numel() // max(y.shape[-1], 1)
-    if rows > DECODE_MAX_T or not mixes_supported(n, iters, eps, norm_eps):
+    if len(site_kernels(rows)) > 1 or not mixes_supported(n, iters, eps, norm_eps):
         x_new = hc_post(y, residual, post, comb, hc)
         return (x_new, *hc_pre(x_new, fn, fn_hi, fn_lo, scale, base, weight, n, iters, eps, norm_eps, hc))
     if fn_hi is None or fn_lo is None:

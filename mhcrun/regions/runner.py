@@ -6,8 +6,10 @@ Region kinds: `attn:window`, `attn:csa`, `attn:hca` (by compress ratio), `moe:ha
 function with the layer's module as an argument: the module's tensors (weights and state buffers) are graph
 inputs, never constants, so the 43 layers of V4-Flash compile the same handful of graphs that 4 layers do. A
 group whose compile fails runs eagerly (the same code, uncompiled), with a warning naming it; the tokens do not
-change. With the "split" stage plan each layer half compiles as three graphs: the mHC pre step (`Block.mix`: mixes,
-collapse and the sublayer's norm), the sublayer, the mHC post.
+change. A layer half takes and returns a `Carry` (the streams with the last site's post step to do): its graph
+runs that post step fused with its own site's pre step, then the sublayer. With the "split" stage plan each layer
+half compiles as two graphs: the mHC post+pre step (`Block.enter`: the carried post, the mixes, collapse and the
+sublayer's norm) and the sublayer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mhcrun.errors import InputError
-from mhcrun.model import Attention, Block, MoE, Probe, Transformer
+from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
+from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.quant import hadamard
 
 
@@ -131,7 +134,8 @@ def is_compile_error(e: Exception) -> bool:
                           torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.UserError))
 
 
-# The "split" plan's three graphs of a layer half: the site's pre step (mixes, collapse, norm), the sublayer, the post.
+# The "split" plan's two graphs of a layer half: the carried post and the site's pre step (mixes, collapse, norm),
+# the sublayer.
 def attn_core(block: Block, h: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
               static: bool) -> torch.Tensor:
     return Attention.forward(block.attn, h, rows, start, static)
@@ -145,14 +149,14 @@ SPLIT = {"attn": ("attn", attn_core), "moe": ("ffn", moe_core)}
 
 
 class SplitHalf:
-    """A layer half as three compiled groups: mix, core, post (as `Block.attn_half` / `Block.ffn_half`)."""
+    """A layer half as two compiled groups: enter (post+pre), core (as `Block.attn_half` / `Block.ffn_half`)."""
 
-    def __init__(self, site: str, mix: CompiledGroup, core: CompiledGroup, post: CompiledGroup):
-        self.site, self.mix, self.core, self.post = site, mix, core, post
+    def __init__(self, site: str, enter: CompiledGroup, core: CompiledGroup):
+        self.site, self.enter, self.core = site, enter, core
 
-    def __call__(self, block: Block, x: torch.Tensor, *args) -> torch.Tensor:
-        h, post, comb = self.mix(block, x, self.site)
-        return self.post(block, self.core(block, h, *args), x, post, comb)
+    def __call__(self, block: Block, c: Carry, *args) -> Carry:
+        x, h, post, comb = self.enter(block, c, self.site)
+        return Carry(x, self.core(block, h, *args), post, comb)
 
 
 class RegionDecoder:
@@ -195,11 +199,11 @@ class RegionDecoder:
         if kind not in self.kinds:
             family = kind.split(":")[0]
             if self.stages == "whole" or family == "head":
-                self.kinds[kind] = self.group(kind, "mix+core+post" if family != "head" else "head", fn)
+                self.kinds[kind] = self.group(kind, "post+pre+core" if family != "head" else "head", fn)
             else:
                 site, core = SPLIT[family]
-                self.kinds[kind] = SplitHalf(site, self.group(kind, "mix", Block.mix), self.group(kind, "core", core),
-                                             self.group(kind, "post", Block.post))
+                self.kinds[kind] = SplitHalf(site, self.group(kind, "post+pre", Block.enter),
+                                             self.group(kind, "core", core))
         return self.kinds[kind](module, *args)
 
     @torch.inference_mode()
@@ -212,18 +216,26 @@ class RegionDecoder:
             logits = self.step_fn(model, tokens, self.rows, pos, None, True)
         else:
             logits = model(tokens, self.rows, pos, probe, static=True, regions=self.run)
-        self.count_torch_hc_calls(tokens.device.type)
+        self.count_hc_calls(tokens.numel(), tokens.device.type)
         return logits
 
-    def count_torch_hc_calls(self, device_type: str) -> None:
-        """hc steps on the torch path inside compiled graphs are not counted as they run (a counter in a
-        graph would recompile it): count this step's here. The custom ops (simulator) count themselves."""
-        hc = self.model.opts.hc
-        if self.backend is None or hc.path(device_type) != "torch":
+    def count_hc_calls(self, rows: int, device_type: str) -> None:
+        """The hc steps of a compiled forward over `rows` tokens (B x s), on the torch path or the real kernels
+        (neuron),
+        are not counted as they run (a counter in a graph would recompile it): count them here, as the forward
+        calls them (`hc_ops.site_kernels` a site, the head's post and collapse). The custom ops (simulator)
+        count themselves."""
+        hc, cfg = self.model.opts.hc, self.model.cfg
+        path = hc.path(device_type)
+        if self.backend is None or path == "nki-sim":
             return
-        n = len(self.model.layers)
-        for kernel, calls in (("hc_pre", 2 * n), ("hc_post", 2 * n), ("hc_head", 1)):  # hc_expand runs eagerly
-            hc.count(kernel, "torch", calls)
+        if not hc_ops.mixes_supported(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps):
+            path = "torch"  # constants the kernels do not bake: the torch reference on every backend
+        sites = 2 * len(self.model.layers)
+        for kernel in hc_ops.site_kernels(rows):
+            hc.count(kernel, path, sites)
+        for kernel in ("hc_post", "hc_head"):
+            hc.count(kernel, path)
 
     def graph_count(self) -> int:
         return sum(s.graphs for s in self.stats)
@@ -237,7 +249,7 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
     backend = backend or default_backend(model.device.type)
     dec = RegionDecoder(model, "regions", backend, stages, cuda_graphs=model.device.type == "cuda")
     kinds = {k for ks in model.region_kinds for k in ks} | {"head"}
-    total = sum(1 if k == "head" or stages == "whole" else 3 for k in kinds)
+    total = sum(1 if k == "head" or stages == "whole" else 2 for k in kinds)
     done: set[int] = set()
 
     def progress(name: str, t: torch.Tensor) -> None:  # a region finished: report the graphs it compiled
