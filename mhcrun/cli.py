@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 import typer.core
@@ -127,6 +128,22 @@ def say_error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def leave(code: int) -> NoReturn:
+    """End the command with `code`. A rank of a process group leaves at once, its output flushed, without the
+    interpreter's teardown: gloo's threads, torn down at exit after a peer has closed its connections, can abort
+    the process ("terminate called without an active exception"; seen on success and on failure). On success
+    the ranks first meet at a barrier, so that none leaves while a peer still reads from it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        if code == 0:
+            with contextlib.suppress(Exception):  # a peer that left with another code: nothing to wait for
+                dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
+
+
 def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     """Run a command body; turn errors into one line and an exit code."""
     try:
@@ -135,10 +152,10 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
         if debug:
             raise
         say_error(f"error: {e}")
-        raise typer.Exit(e.exit_code) from None
+        leave(e.exit_code)
     except KeyboardInterrupt:
         say_error("error: interrupted")
-        raise typer.Exit(130) from None
+        leave(130)
     except Exception as e:  # a bug: still one line unless --debug
         if debug:
             raise
@@ -146,10 +163,10 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
 
         # another rank failed first: mhcrun's launcher shows that rank's line, not this echo
         if peer_lost(e, os.environ.get("MHCRUN_TP_LAUNCHED") == "1"):
-            raise typer.Exit(ECHO) from None
+            leave(ECHO)
         say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
-        raise typer.Exit(3) from None
-    raise typer.Exit(code)
+        leave(3)
+    leave(code)
 
 
 def run_settings(device: str = "cpu", graph_mode: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
