@@ -416,7 +416,7 @@ def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s:
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
             "compile_s": compile_s,
             "peak_rss_mb": rss,
-            "kernels": model.opts.hc.stats(),  # calls per kernel and backend (torch, nki-sim, nki), whole batch
+            "kernels": model.opts.hc.stats(),  # calls per kernel and backend (torch, nki-sim, nki, cpu), whole batch
             "tp": model.opts.tp.world,
             "peak_rss_mb_per_rank": per_rank,
         }

@@ -95,9 +95,10 @@ class Runner:
                                  self.tp, self.mtp)
         self.model.opts.quant_sim = self.quant_sim
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
-        self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim)
-        # the fused GEMV kernel, on a CPU: built (first run only) and loaded now, not inside prefill
+        # the fused GEMV kernel (and the mHC steps of decode rows), on a CPU: built (first run only) and loaded now,
+        # not inside prefill
         self.model.opts.cpu = open_cpu_kernel(self.env) if self.device == "cpu" else KERNEL_OFF
+        self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim, cpu=self.model.opts.cpu)
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them

@@ -113,10 +113,46 @@ def assert_counts(hc: ops.HcBackend, backend: str, times: int = 1, kernels=ops.K
 
 
 def test_hc_backend_follows_the_simulator_setting_and_the_runs_torch_switch():
-    assert ops.HcBackend().path("cpu") == "torch" and ops.HcBackend().path("neuron") == "nki"
+    assert ops.HcBackend().path("cpu") == "torch" and ops.HcBackend().path("neuron") == "nki"  # no CPU kernel
     assert ops.HcBackend(sim="exact").path("cpu") == "nki-sim" and ops.HcBackend(sim="device").path("neuron") == "nki"
     off = ops.HcBackend(torch_only=True, sim="exact")
     assert off.path("cpu") == "torch" and off.path("neuron") == "torch"
+
+
+def test_the_cpu_kernel_runs_eager_post_steps_and_never_inside_a_graph(case):
+    """With the run's CPU kernel on, eager hc_post / hc_post_pre calls on decode rows run its C++ ("cpu", counted),
+    within rounding of the torch path (the post step bitwise); the other ops and a compiled graph (which traces
+    the torch reference) take torch; MHCRUN_NKI_HC=0 (torch_only) and the simulator keep their paths."""
+    from conftest import cpu_kernel
+
+    kernel = cpu_kernel()
+    if not kernel.on:
+        pytest.skip(kernel.status())
+    hc = ops.HcBackend(cpu=kernel)
+    assert hc.path("cpu") == "cpu" and hc.path("cuda") == "torch" and hc.path("neuron") == "nki"
+    assert ops.HcBackend(torch_only=True, cpu=kernel).path("cpu") == "torch"
+    assert ops.HcBackend(sim="exact", cpu=kernel).path("cpu") == "nki-sim"
+    c = case
+    post, comb = torch.rand(B, S, N) * 2, torch.rand(B, S, N, N)
+    args = (c["y"], c["x"], post, comb, c["fn"], c["hi"], c["lo"], c["scale"], c["base"], c["w"], N, ITERS, EPS,
+            NORM_EPS)
+    got, want = ops.hc_post_pre(*args, hc), ops.hc_post_pre(*args)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    assert torch.equal(ops.hc_post(c["y"], c["x"], post, comb, hc), ref.hc_post(c["y"], c["x"], post, comb))
+    ops.hc_head(c["x"], c["head_fn"], c["head_hi"], c["head_lo"], c["head_scale"], c["head_base"], EPS, NORM_EPS, hc)
+    stats = hc.stats()
+    assert stats["hc_post_pre"]["cpu"] == stats["hc_post"]["cpu"] == stats["hc_head"]["torch"] == 1
+    hc.reset()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda *a: ops.hc_post_pre(*a, hc), backend="aot_eager", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert not hc.calls.any()  # traced torch: a compiled graph's calls are counted by the regions' decoder
+    for a, b in zip(compiled, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_the_environment_sets_the_backend_through_env_only(monkeypatch):
@@ -201,10 +237,10 @@ def test_unsupported_constants_and_shapes_fall_back_to_torch(case, sim):
     x16, pre = x.half(), torch.rand(B, S, N)
     assert torch.equal(ops.hc_collapse(x16, pre, sim), ref.hc_collapse(x16, pre))  # fp16 activations
     stats = sim.stats()
-    assert stats["hc_mixes"] == {"torch": 3, "nki-sim": 0, "nki": 0}
-    assert stats["hc_head"] == {"torch": 1, "nki-sim": 0, "nki": 0}
-    assert stats["hc_expand"] == {"torch": 1, "nki-sim": 0, "nki": 0}
-    assert stats["hc_collapse"] == {"torch": 1, "nki-sim": 0, "nki": 0}
+    assert stats["hc_mixes"] == {"torch": 3, "nki-sim": 0, "nki": 0, "cpu": 0}
+    assert stats["hc_head"] == {"torch": 1, "nki-sim": 0, "nki": 0, "cpu": 0}
+    assert stats["hc_expand"] == {"torch": 1, "nki-sim": 0, "nki": 0, "cpu": 0}
+    assert stats["hc_collapse"] == {"torch": 1, "nki-sim": 0, "nki": 0, "cpu": 0}
 
 
 def test_split_hi_lo(case):

@@ -417,3 +417,65 @@ def test_compiled_qlinear_calls_the_kernel_op(isa, fmt):
     for gi in range(4):
         rows = w_ref[gi * 24:(gi + 1) * 24]
         assert_gemm_close(yg[:, gi], F.linear(xg[:, gi], rows), xg[:, gi], rows)
+
+
+# ---------------------------------------------------------------- the mHC steps of decode rows
+
+
+def hc_case(rows: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = 4
+    return {"y": torch.randn(rows, 1, d, generator=g).to(dtype), "x": torch.randn(rows, 1, n, d, generator=g).to(dtype),
+            "post": torch.rand(rows, 1, n, generator=g) * 2, "comb": torch.rand(rows, 1, n, n, generator=g),
+            "fn": torch.randn((2 + n) * n, n * d, generator=g) * 0.05, "scale": torch.rand(3, generator=g) + 0.5,
+            "base": torch.randn((2 + n) * n, generator=g) * 0.5, "w": torch.rand(d, generator=g) + 0.5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (16, 64), (2, 7)])
+def test_hc_steps_against_the_reference(dtype, rows, d):
+    """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA); the pre step (mixes GEMV,
+    Sinkhorn, collapse, RMSNorm) is within rounding of the torch reference: post and comb within 2e-6, the
+    sublayer input within 2e-6 relative (fp32) or one bf16 step (bf16). Rows up to MAX_ROWS, d not a multiple of
+    the eight lanes."""
+    from mhcrun.nki.ops import _ref_pre
+    from mhcrun.ops import hc as ref
+
+    k, c = cpu_kernel(), hc_case(rows, d, dtype)
+    if not k.on:
+        pytest.skip(k.status())
+    got = k.hc_post(c["y"], c["x"], c["post"], c["comb"])
+    want = ref.hc_post(c["y"], c["x"], c["post"], c["comb"])
+    assert got.dtype == dtype and torch.equal(got, want)
+    h, post, comb = k.hc_pre(want, c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6)
+    rh, rpost, rcomb = _ref_pre(want, c["fn"], c["scale"], c["base"], c["w"], 4, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(post, rpost, rtol=0, atol=2e-6)
+    torch.testing.assert_close(comb, rcomb, rtol=0, atol=2e-6)
+    assert h.dtype == dtype and h.shape == rh.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(h, rh, rtol=2e-6, atol=2e-6)
+    else:  # a value within rounding of a bf16 midpoint may round to the neighbouring bf16
+        step = rh.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+        assert ((h.float() - rh.float()).abs() <= step).all()
+    assert (comb.sum(-2) - 1).abs().max() < 1e-5  # Sinkhorn ends on a column step
+
+
+def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
+    """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
+    a stream comes out NaN where the reference puts it."""
+    from mhcrun.ops import hc as ref
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    c = hc_case(qgemv.MAX_ROWS + 1, 64, torch.float32)
+    assert k.hc_post(c["y"], c["x"], c["post"], c["comb"]) is None
+    assert k.hc_pre(c["x"], c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6) is None
+    c = hc_case(2, 64, torch.float16)
+    assert k.hc_post(c["y"], c["x"], c["post"], c["comb"]) is None
+    c = hc_case(2, 64, torch.float32)
+    assert k.hc_post(c["y"].bfloat16(), c["x"], c["post"], c["comb"]) is None
+    assert cpu_kernel("0").hc_post(c["y"], c["x"], c["post"], c["comb"]) is None
+    c["x"][1, 0, 2, 5] = float("nan")
+    got, want = k.hc_post(c["y"], c["x"], c["post"], c["comb"]), ref.hc_post(c["y"], c["x"], c["post"], c["comb"])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -39,11 +39,12 @@ from mhcrun.errors import MhcrunError
 from mhcrun.ops import hc as _ref
 from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
 KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre",
                 "hc_post_pre")
-BACKENDS = ("torch", "nki-sim", "nki")
+BACKENDS = ("torch", "nki-sim", "nki", "cpu")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -110,14 +111,18 @@ class HcBackend:
     torch_only: bool = False
     sim: str | None = None
     calls: Tensor = field(default_factory=_new_calls, compare=False, repr=False)
+    cpu: CpuKernel = KERNEL_OFF  # the run's CPU kernel: its C++ runs the post and post+pre steps of decode rows
 
     def path(self, device_type: str) -> str:
-        """The backend a kernel call on a tensor of ``device_type`` takes: "torch", "nki-sim" or "nki"."""
+        """The backend a kernel call on a tensor of ``device_type`` takes: "torch", "nki-sim", "nki" or "cpu" (the
+        CPU kernel's C++ where it covers the call, else torch; never inside a compiled graph, which traces torch)."""
         if self.torch_only:
             return "torch"
         if device_type == "neuron":
             return "nki"
-        return "nki-sim" if self.sim else "torch"
+        if self.sim:
+            return "nki-sim"
+        return "cpu" if device_type == "cpu" and self.cpu.on else "torch"
 
     def count(self, kernel: str, backend: str, n: int = 1) -> None:
         """Count n executions outside a custom op (an eager call, or a compiled region's torch calls)."""
@@ -445,10 +450,12 @@ def _(gate: Tensor, up: Tensor, limit: float, sim: str, calls: Tensor) -> Tensor
 
 
 def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: Callable[[], object],
-              op: Callable[[str, Tensor], object], hc: HcBackend | None):
+              op: Callable[[str, Tensor], object], hc: HcBackend | None,
+              native: Callable[[CpuKernel], object | None] | None = None):
     """One call of kernel `name` on tensors like `t` under `hc` (None: the torch reference, uncounted): the real
     kernel on a neuron device (when it covers the shapes), the custom op in the simulator (its CPU implementation
-    runs the kernel and counts), else the torch reference: plain torch that a compiled region can fuse."""
+    runs the kernel and counts), the CPU kernel's C++ (`native`, eager only: None where it declines), else the
+    torch reference: plain torch that a compiled region can fuse."""
     path = "torch" if hc is None else hc.path(t.device.type)
     if path == "nki-sim":
         if not torch.compiler.is_compiling():
@@ -457,6 +464,11 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     if path == "nki" and ok():
         hc.count(name, "nki")
         return run(_neuron_kernel)
+    if path == "cpu" and native is not None and not torch.compiler.is_compiling():
+        out = native(hc.cpu)
+        if out is not None:
+            hc.count(name, "cpu")
+            return out
     _count(hc, name, "torch")
     return ref()
 
@@ -528,11 +540,17 @@ def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Ten
     if fn_hi is None or fn_lo is None:
         fn_hi, fn_lo = split_hi_lo(fn)
     args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
+
+    def native(cpu: CpuKernel):
+        x_new = cpu.hc_post(y, residual, post, comb)
+        pre = None if x_new is None else cpu.hc_pre(x_new, fn, scale, base, weight, iters, eps, norm_eps)
+        return None if pre is None else (x_new, *pre)
+
     return _dispatch("hc_post_pre", y, lambda: _post_pre_ok(*args, n, iters, eps, norm_eps),
                      lambda get: _run_post_pre(get, *args, norm_eps),
                      lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
                      lambda *b: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
-                                                          weight, n, iters, eps, norm_eps, *b), hc)
+                                                          weight, n, iters, eps, norm_eps, *b), hc, native)
 
 
 def hc_collapse(x: Tensor, pre: Tensor, hc: HcBackend | None = None) -> Tensor:
@@ -546,7 +564,8 @@ def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, hc: HcBacke
     return _dispatch("hc_post", y, lambda: _post_ok(y, residual, post, comb),
                      lambda get: _run_post(get, y, residual, post, comb),
                      lambda: _ref.hc_post(y, residual, post, comb),
-                     lambda *b: torch.ops.mhcrun.hc_post(y, residual, post, comb, *b), hc)
+                     lambda *b: torch.ops.mhcrun.hc_post(y, residual, post, comb, *b), hc,
+                     lambda cpu: cpu.hc_post(y, residual, post, comb))
 
 
 def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, scale: Tensor, base: Tensor,

@@ -18,6 +18,9 @@
 // finite and small enough that no dequantised value overflows, checked once when the weight is loaded.
 // Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 a thread flushes
 // subnormals. On a non-zero code y is unspecified and the caller takes the reference path.
+//
+// Also here, the mHC steps of decode rows (mhc_hc_post, mhc_hc_pre: see them below), the library being the run's
+// one CPU kernel.
 
 #include <cmath>
 #include <cstdint>
@@ -461,9 +464,129 @@ bool run_rows(const Job& j, int64_t n0, int64_t n1) {
     return nan;
 }
 
+// ---------------------------------------------------------------- the mHC steps of decode rows
+// One call a step instead of ~60 small torch ops (the Sinkhorn loop alone is 3 ops an iteration, each a few us on
+// a [4, 4] matrix). Plain fp32 C++ (no target attributes: no FMA, so each product is rounded before it is added,
+// as the torch reference does), activations fp32 or bf16 (round to nearest even). The post step and the collapse
+// sum in the reference's stream order and equal it bitwise; the mixes GEMV, the mean squares and the softmax sum
+// in their own order (eight lanes), within rounding of mhcrun.ops.hc.
+
+float act_at(const void* p, int bf16, int64_t i) {
+    if (!bf16) return static_cast<const float*>(p)[i];
+    uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+void act_put(void* p, int bf16, int64_t i, float f) {
+    if (!bf16) {
+        static_cast<float*>(p)[i] = f;
+        return;
+    }
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint16_t h = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)  // NaN stays NaN
+                                                  : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    static_cast<uint16_t*>(p)[i] = h;
+}
+
+// sum of a[i] * b[i] over eight lanes, the lanes then summed in order
+float dot8(const float* a, const float* b, int64_t k) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += a[i + j] * b[i + j];
+    for (; i < k; i++) lane[i % 8] += a[i] * b[i];
+    float s = 0.0f;
+    for (int j = 0; j < 8; j++) s += lane[j];
+    return s;
+}
+
+float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
 }  // namespace
 
 extern "C" {
+
+// The post step of t rows: out[r, o, :] = sum_i comb[r, i, o] * res[r, i, :] + post[r, o] * y[r, :] (mhcrun.ops.hc
+// .hc_post: stream order, then the post term; fp32, stored in the activations' dtype). y [t, d], res and out
+// [t, n, d] (bf16 or fp32), post [t, n], comb [t, n, n] fp32.
+int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, const float* comb, void* out,
+                int64_t t, int64_t n, int64_t d) {
+    if (flushes_denormals()) return 5;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t o = 0; o < n; o++) {
+            const float* c = comb + (r * n) * n + o;  // c[i * n]: comb[r, i, o]
+            const float p = post[r * n + o];
+            for (int64_t e = 0; e < d; e++) {
+                float acc = c[0] * act_at(res, bf16, (r * n) * d + e);
+                for (int64_t i = 1; i < n; i++) acc += c[i * n] * act_at(res, bf16, (r * n + i) * d + e);
+                acc += p * act_at(y, bf16, r * d + e);
+                act_put(out, bf16, (r * n + o) * d + e, acc);
+            }
+        }
+    return 0;
+}
+
+// The pre step of a site and its sublayer's RMSNorm for t rows (mhcrun.nki.ops.hc_pre's reference): x [t, n, d]
+// (bf16 or fp32), fn [(2 + n) * n, n * d], scale [3], base [(2 + n) * n], weight [d] fp32 -> h [t, d] (x's dtype),
+// post [t, n], comb [t, n, n] fp32. mixes = (x . fn^T) * rsqrt(mean(x^2) + norm_eps); pre = sigmoid(. * scale0 +
+// base) + eps, post = 2 sigmoid(.), comb = Sinkhorn of (. * scale2 + base) (softmax over each row, + eps, then
+// column, row, ..., column: `iters` column steps); h = rms_norm(collapse(x, pre) in x's dtype, weight).
+// work: fp32 scratch of n * d + (2 + n) * n floats. Returns 6 for n > 64.
+int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, const float* base,
+               const float* weight, void* h, float* post, float* comb, int64_t t, int64_t n, int64_t d,
+               int64_t iters, float eps, float norm_eps, float* work) {
+    if (flushes_denormals()) return 5;
+    if (n > 64) return 6;
+    const int64_t k = n * d, mix = (2 + n) * n;
+    float* xf = work;
+    float* m = work + k;
+    for (int64_t r = 0; r < t; r++) {
+        for (int64_t i = 0; i < k; i++) xf[i] = act_at(x, bf16, r * k + i);
+        const float ms = dot8(xf, xf, k) / static_cast<float>(k);
+        const float rs = 1.0f / std::sqrt(ms + norm_eps);
+        for (int64_t j = 0; j < mix; j++) m[j] = dot8(xf, fn + j * k, k) * rs;
+        float pre[64];
+        for (int64_t i = 0; i < n; i++) {
+            pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
+            post[r * n + i] = 2.0f * sigmoid(m[n + i] * scale[1] + base[n + i]);
+        }
+        float* c = comb + r * n * n;
+        for (int64_t i = 0; i < n * n; i++) c[i] = m[2 * n + i] * scale[2] + base[2 * n + i];
+        for (int64_t i = 0; i < n; i++) {  // softmax over each row
+            float mx = c[i * n];
+            for (int64_t o = 1; o < n; o++) mx = std::fmax(mx, c[i * n + o]);
+            float s = 0.0f;
+            for (int64_t o = 0; o < n; o++) s += (c[i * n + o] = std::exp(c[i * n + o] - mx));
+            for (int64_t o = 0; o < n; o++) c[i * n + o] = c[i * n + o] / s + eps;
+        }
+        for (int64_t it = 0; it < iters; it++) {
+            if (it > 0)
+                for (int64_t i = 0; i < n; i++) {  // rows
+                    float s = 0.0f;
+                    for (int64_t o = 0; o < n; o++) s += c[i * n + o];
+                    for (int64_t o = 0; o < n; o++) c[i * n + o] /= s + eps;
+                }
+            for (int64_t o = 0; o < n; o++) {  // columns
+                float s = 0.0f;
+                for (int64_t i = 0; i < n; i++) s += c[i * n + o];
+                for (int64_t i = 0; i < n; i++) c[i * n + o] /= s + eps;
+            }
+        }
+        // collapse in stream order, rounded to x's dtype, then the RMSNorm (x * rsqrt(mean(x^2) + eps), then weight)
+        for (int64_t e = 0; e < d; e++) {
+            float acc = pre[0] * xf[e];
+            for (int64_t i = 1; i < n; i++) acc += pre[i] * xf[i * d + e];
+            act_put(h, bf16, r * d + e, acc);
+            xf[e] = act_at(h, bf16, r * d + e);  // stream 0's values are no longer needed
+        }
+        const float hs = 1.0f / std::sqrt(dot8(xf, xf, d) / static_cast<float>(d) + norm_eps);
+        for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
+    }
+    return 0;
+}
 
 // The best instruction set of this CPU the kernel has: 2 AVX-512 (F, BW, VL), 1 AVX2, 0 neither (both also need
 // F16C and FMA).

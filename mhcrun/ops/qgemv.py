@@ -122,6 +122,48 @@ class CpuKernel:
             return None
         return y.to(x.dtype)
 
+    def hc_takes(self, streams: Tensor, *ts: Tensor) -> bool:
+        """Whether the mHC steps' C++ (`hc_post`, `hc_pre`) takes streams [..., n, d] (and ts): the kernel on, CPU
+        tensors, fp32 or bf16 streams, at most MAX_ROWS rows (above, torch's few large ops are as fast)."""
+        return (self.on and all(t.device.type == "cpu" for t in (streams, *ts)) and streams.dim() >= 2
+                and streams.dtype in (torch.float32, torch.bfloat16)
+                and 0 < streams.numel() <= MAX_ROWS * streams.shape[-1] * streams.shape[-2])
+
+    def hc_post(self, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor | None:
+        """mhcrun.ops.hc.hc_post, bitwise, in one call: y [..., d], residual [..., n, d] (same dtype: fp32 or bf16),
+        post [..., n], comb [..., n, n] fp32 -> [..., n, d]; None where it does not apply (`hc_takes`)."""
+        if not self.hc_takes(residual, post, comb) or y.dtype != residual.dtype or post.dtype != torch.float32 \
+                or comb.dtype != torch.float32:
+            return None
+        *lead, n, d = residual.shape
+        y, residual, post, comb = (t.contiguous() for t in (y, residual, post, comb))
+        out = torch.empty_like(residual)
+        rc = load_library(self.library).mhc_hc_post(int(y.dtype == torch.bfloat16), y.data_ptr(), residual.data_ptr(),
+                                                    post.data_ptr(), comb.data_ptr(), out.data_ptr(),
+                                                    residual.numel() // (n * d), n, d)
+        return None if rc else out
+
+    def hc_pre(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
+               norm_eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The pre step of a site and its sublayer's RMSNorm (mhcrun.nki.ops.hc_pre's reference) in one call:
+        x [..., n, d] (fp32 or bf16), fn [(2+n)*n, n*d], scale [3], base [(2+n)*n], weight [d] fp32 -> h [..., d],
+        post [..., n], comb [..., n, n] (fp32), within rounding of the reference (its GEMV, mean squares and
+        softmax summed in another order); None where it does not apply (`hc_takes`)."""
+        if not self.hc_takes(x, fn, scale, base, weight) or any(t.dtype != torch.float32 for t in (fn, scale, base,
+                                                                                                    weight)):
+            return None
+        *lead, n, d = x.shape
+        t = x.numel() // (n * d)
+        x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
+        h = x.new_empty((*lead, d))
+        post, comb = torch.empty((*lead, n)), torch.empty((*lead, n, n))
+        work = torch.empty(n * d + (2 + n) * n)
+        rc = load_library(self.library).mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(),
+                                                   scale.data_ptr(), base.data_ptr(), weight.data_ptr(),
+                                                   h.data_ptr(), post.data_ptr(), comb.data_ptr(), t, n, d, iters,
+                                                   eps, norm_eps, work.data_ptr())
+        return None if rc else (h, post, comb)
+
 
 KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
@@ -154,6 +196,11 @@ def load_library(path: str) -> ctypes.CDLL:
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.mhc_hc_post.restype = ctypes.c_int
+    lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lib.mhc_hc_pre.restype = ctypes.c_int
+    lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
+        [ctypes.c_float] * 2 + [ctypes.c_void_p]
     return lib
 
 

@@ -229,6 +229,8 @@ class RegionDecoder:
         path = hc.path(device_type)
         if self.backend is None or path == "nki-sim":
             return
+        if path == "cpu":  # the graphs hold the torch reference (the CPU kernel's C++ runs eager calls only)
+            path = "torch"
         if not hc_ops.mixes_supported(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps):
             path = "torch"  # constants the kernels do not bake: the torch reference on every backend
         sites = 2 * len(self.model.layers)
