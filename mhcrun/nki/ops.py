@@ -15,6 +15,8 @@ in a ``torch.compile`` graph as one node. The public functions below pick a back
   (Scalar-engine activations carry the target's bounded error, ``mhcrun.nki.sim.numerics``). The simulator
   first checks kernels.py against the NKI compiler's rules; a refused kernel stops the run (``KernelRefused``,
   exit 2).
+- a CPU tensor with the run's CPU kernel on (`HcBackend.cpu`), eager: the post and post+pre steps of decode rows in
+  the kernel's C++ (backend "cpu"; `CpuKernel.hc_post` / `hc_pre`), everything else the torch reference;
 - otherwise (a CPU or CUDA tensor): the torch reference, as plain torch that a compiled region can fuse.
 
 Shapes and constants the kernels do not cover (``mixes_supported`` false, other dtypes, n != 4, no tokens)

@@ -14,6 +14,9 @@ Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kern
 False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
 (a model built without a runner) the kernel is `KERNEL_OFF`.
 
+The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
+instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu").
+
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
 """
