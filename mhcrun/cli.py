@@ -161,7 +161,8 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
             raise
         from mhcrun.parallel import ECHO, peer_lost
 
-        # another rank failed first: mhcrun's launcher shows that rank's line, not this echo
+        # another rank failed first: mhcrun's launcher shows that rank's line, not this echo (MHCRUN_TP_LAUNCHED is
+        # read here, where the error arrives: the command's Env may not exist yet, or may be what failed)
         if peer_lost(e, os.environ.get("MHCRUN_TP_LAUNCHED") == "1"):
             leave(ECHO)
         say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")

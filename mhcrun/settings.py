@@ -58,7 +58,6 @@ class Env:
     rank: int | None = None  # RANK and WORLD_SIZE: this process is one rank of a launch (torchrun's or --tp's)
     world: int | None = None
     local_rank: int | None = None  # LOCAL_RANK: the rank's CUDA device
-    tp_launched: bool = False  # MHCRUN_TP_LAUNCHED=1: a rank that mhcrun's own launcher started
 
     @staticmethod
     def read(environ: Mapping[str, str] = os.environ) -> Env:
@@ -74,7 +73,7 @@ class Env:
                    nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
                    scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
-                   local_rank=launch["LOCAL_RANK"], tp_launched=environ.get("MHCRUN_TP_LAUNCHED") == "1")
+                   local_rank=launch["LOCAL_RANK"])
 
 
 def _read_int(environ: Mapping[str, str], name: str) -> int | None:
