@@ -9,15 +9,18 @@
 // y is fp32 [M, N]. Each weight byte is read once per (up to) four rows of x and decoded in registers:
 //   e4m3 -> fp16 bits ((b & 0x80) << 8 | (b & 0x7F) << 7) are the value * 2**-8, normals and subnormals alike
 //        (vcvtph2ps), the 2**8 goes into the tile scale;
-//   e2m1 -> the nibble indexes a 16-entry fp32 table (vpermps); x is split into its even and odd inputs
-//        beforehand so that the low and high nibbles of 16 bytes meet 16 consecutive x values each.
+//   e2m1 -> AVX-512: the nibble indexes a 16-entry fp32 table (vpermps); x is split into its even and odd inputs
+//        beforehand so that the low and high nibbles of 16 bytes meet 16 consecutive x values each. AVX2: the
+//        nibble indexes the bf16 bytes of its value (two byte shuffles), made fp32 by shifts and masks; x is
+//        permuted beforehand into the order the decoded vectors hold (fp4_permute).
 // Sums are fp32: a tile's (or group's) products are summed, then multiplied by its scale (a power of two for
 // e8m0: exact), then accumulated. The result equals dequantise-then-fp32-matmul up to the summation order.
 // A row of W holding an e4m3 NaN code comes out NaN in every row of y, as dequantise-then-matmul gives it.
 // Scales are taken as they are: the caller (mhcrun.ops.qweight) hands over only weights whose every scale is
 // finite and small enough that no dequantised value overflows, checked once when the weight is loaded.
 // Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 a thread flushes
-// subnormals. On a non-zero code y is unspecified and the caller takes the reference path.
+// subnormals; 6 fp4 on AVX2 with a block that is not a multiple of 32 (DeepSeek's is 32). On a non-zero code y is
+// unspecified and the caller takes the reference path.
 //
 // Also here, the mHC steps of decode rows (mhc_hc_post, mhc_hc_pre: see them below), the library being the run's
 // one CPU kernel.
@@ -40,9 +43,9 @@ struct Job {
     int fmt, scale_kind;
     const uint8_t* w;       // weight bytes, row-major, rows of `row_bytes`
     const void* s;          // scales (row-major grid) or null
-    const float* x;         // [M, G, K] (fp4: each row split into its K/2 even then K/2 odd inputs)
+    const float* x;         // [M, G, x_stride]: K inputs (fp4: reordered for the instruction set's loop)
     float* y;               // [M, N]
-    int64_t m, n, k, block, groups, row_bytes, s_cols;
+    int64_t m, n, k, block, groups, row_bytes, s_cols, x_stride;
 };
 
 struct E8m0Table {
@@ -330,54 +333,108 @@ AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
     return nan != 0;
 }
 
-// fp4, 16 bytes (32 inputs) at a time: each nibble indexes a 16-entry byte table of 2 * e2m1 (signed integers, so
-// exact), widened to fp32; the group's scale / 2 multiplies the partial sums (a power of two: exact).
+// fp4, 32 bytes (64 inputs) at a time, no conversion instruction: e2m1 values are bf16 values, so each nibble
+// indexes two 16-entry byte tables (its value's bf16 high and low bytes: exact), byte pairs interleave into bf16
+// (unpack), and each bf16 becomes fp32 by a shift (the even one of a 32-bit lane) or a mask (the odd one). x is
+// permuted beforehand into the order these vectors hold their inputs (fp4_permute). The two 16-byte halves of
+// the step are 32 inputs each, inside one group (block % 32 == 0), so their partial sums meet their groups'
+// scales as one vector `sv`; each row of x alternates two accumulators between steps.
+alignas(16) const int8_t FP4_BF16_HI[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                            -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40};
+alignas(16) const int8_t FP4_BF16_LO[16] = {0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40,
+                                            0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40};
+
 template <int R>
-AVX2 INLINE void fp4_step16(const uint8_t* w, const float* const* xe, const float* const* xo, __m256 (&p)[R][4]) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m0f = _mm_set1_epi8(0x0F);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m0f));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m0f));
-    const __m256 v[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+AVX2 INLINE void fp4_step32(const uint8_t* w, const float* const* xp, __m256 sv, __m256 (&acc)[R]) {
+    const __m256i hi_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_BF16_HI)));
+    const __m256i lo_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_BF16_LO)));
+    const __m256i m0f = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i even = _mm256_and_si256(b, m0f), odd = _mm256_and_si256(_mm256_srli_epi16(b, 4), m0f);
+    const __m256i eh = _mm256_shuffle_epi8(hi_t, even), el = _mm256_shuffle_epi8(lo_t, even);
+    const __m256i oh = _mm256_shuffle_epi8(hi_t, odd), ol = _mm256_shuffle_epi8(lo_t, odd);
+    const __m256i bf[4] = {_mm256_unpacklo_epi8(el, eh), _mm256_unpackhi_epi8(el, eh), _mm256_unpacklo_epi8(ol, oh),
+                           _mm256_unpackhi_epi8(ol, oh)};
+    __m256 v[8];
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(bf[i], 16));
+        v[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(bf[i], top));
+    }
     for (int r = 0; r < R; r++) {
-        p[r][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[r]), p[r][0]);
-        p[r][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xe[r] + 8), p[r][1]);
-        p[r][2] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xo[r]), p[r][2]);
-        p[r][3] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[r] + 8), p[r][3]);
+        __m256 p = _mm256_mul_ps(v[0], _mm256_loadu_ps(xp[r]));
+        __m256 q = _mm256_mul_ps(v[1], _mm256_loadu_ps(xp[r] + 8));
+        for (int i = 2; i < 8; i += 2) {
+            p = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xp[r] + 8 * i), p);
+            q = _mm256_fmadd_ps(v[i + 1], _mm256_loadu_ps(xp[r] + 8 * i + 8), q);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, q), sv, acc[r]);
     }
 }
+
+// Where fp4_step32 wants input `i` (< 64) of a step, as an index into its 64 x values (v[q] meets x[8q .. 8q+8)).
+// Input 2t + h (byte t < 32 of the step, h = 0 the low nibble, 1 the high one) is element 4 * half + e of v[4h +
+// 2 * part + sub], where t = 16 * half + 8 * part + 2 * e + sub: half the 16-byte lane, part the unpack (low or
+// high 8 bytes of the lane), e the 32-bit lane of the bf16 pair, sub its shifted (0) or masked (1) half.
+inline int fp4_slot(int i) {
+    const int t = i / 2, h = i % 2, half = t / 16, part = (t % 16) / 8, e = (t % 8) / 2, sub = t % 2;
+    return 8 * (4 * h + 2 * part + sub) + 4 * half + e;
+}
+
+// x rows [rows, k] -> xp [rows, kpad] (kpad = k rounded up to 64) in fp4_step32's order, zero-padded.
+void fp4_permute(const float* x, float* xp, int64_t rows, int64_t k, int64_t kpad) {
+    int slot[64];
+    for (int i = 0; i < 64; i++) slot[i] = fp4_slot(i);
+    for (int64_t r = 0; r < rows; r++) {
+        float* dst = xp + r * kpad;
+        std::memset(dst, 0, sizeof(float) * kpad);
+        for (int64_t i = 0; i < k; i++) dst[(i & ~int64_t(63)) + slot[i & 63]] = x[r * k + i];
+    }
+}
+
+// The scales of a row's 32-input lanes in order (block % 32 == 0), without a division a lane; 1 past the row.
+struct LaneScales {
+    const Job& j;
+    const int64_t row, per;  // lanes a group
+    int64_t lane = 0, c = 0, pos = 0;
+    LaneScales(const Job& job, int64_t n) : j(job), row(n), per(job.block / 32) {}
+    float next() {
+        const float v = lane * 32 < j.k ? scale_at(j, row, c) : 1.0f;
+        lane++;
+        if (++pos == per) pos = 0, c++;
+        return v;
+    }
+    AVX2 __m256 two() {  // the next two lanes' scales as [4 x first, 4 x second]
+        const float lo = next();
+        return _mm256_set_m128(_mm_set1_ps(next()), _mm_set1_ps(lo));
+    }
+};
 
 template <int R>
 AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
     const uint8_t* w = j.w + n * j.row_bytes;
-    const int64_t half = j.k / 2, gb = j.block / 2;
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b0 = 0, c = 0; b0 < half; b0 += gb, c++) {
-        const int64_t b1 = b0 + gb < half ? b0 + gb : half;
-        __m256 p[R][4];
-        for (int r = 0; r < R; r++) p[r][0] = p[r][1] = p[r][2] = p[r][3] = _mm256_setzero_ps();
-        int64_t b = b0;
-        for (; b + 16 <= b1; b += 16) {
-            const float* xe[R];
-            const float* xo[R];
-            for (int r = 0; r < R; r++) xe[r] = xs[r] + b, xo[r] = xs[r] + half + b;
-            fp4_step16<R>(w + b, xe, xo, p);
-        }
-        if (b < b1) {  // even and odd inputs padded separately
-            Tail<R> te(w + b, b1 - b, xs, b, b1 - b), to(w + b, b1 - b, xs, half + b, b1 - b);
-            fp4_step16<R>(te.w, te.xp, to.xp, p);
-        }
-        const __m256 s = _mm256_set1_ps(scale_at(j, n, c) * 0.5f);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[r][0], p[r][1]), _mm256_add_ps(p[r][2], p[r][3])),
-                                     s, acc[r]);
+    const int64_t half = j.k / 2;  // bytes of a row
+    LaneScales ls(j, n);
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    const float* xp[R];
+    for (int r = 0; r < R; r++) xp[r] = xs[r];
+    auto advance = [&]() {
+        for (int r = 0; r < R; r++) xp[r] += 64;
+    };
+    int64_t b = 0;
+    for (; b + 64 <= half; b += 64) {  // two steps, one into each accumulator
+        fp4_step32<R>(w + b, xp, ls.two(), a0);
+        advance();
+        fp4_step32<R>(w + b + 32, xp, ls.two(), a1);
+        advance();
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+    for (; b < half; b += 32) {
+        alignas(32) uint8_t t[32] = {};  // the row's last bytes, zero-padded (x is zero past the row)
+        std::memcpy(t, w + b, half - b < 32 ? half - b : 32);
+        fp4_step32<R>(t, xp, ls.two(), a0);
+        advance();
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
 template <int R>
@@ -440,7 +497,7 @@ bool run_row(const Job& j, int64_t n, int64_t m0) {
     const int64_t per_group = j.n / j.groups, g = n / per_group;
     const float* xs[R];
     float out[R];
-    for (int r = 0; r < R; r++) xs[r] = j.x + ((m0 + r) * j.groups + g) * j.k;
+    for (int r = 0; r < R; r++) xs[r] = j.x + ((m0 + r) * j.groups + g) * j.x_stride;
     bool nan = false;
     if (j.fmt == FMT_FP8) nan = Rows::template fp8<R>(j, n, xs, out);
     else if (j.fmt == FMT_FP4) Rows::template fp4<R>(j, n, xs, out);
@@ -604,19 +661,25 @@ int mhc_qgemv_isa(void) {
 int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
               int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
     if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
+    if (fmt == FMT_FP4 && isa == 1 && block % 32 != 0) return 6;
     Job j{fmt, scale_kind, static_cast<const uint8_t*>(w), s, x, y, m, n, k, block, groups,
-          fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0};
+          fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0, k};
     if (fmt == FMT_FP8 || fmt == FMT_FP4) j.s_cols = (k + block - 1) / block;
     float* split = nullptr;
-    if (fmt == FMT_FP4) {  // each x row -> its even inputs, then its odd inputs
-        split = static_cast<float*>(std::malloc(sizeof(float) * m * groups * k));
+    if (fmt == FMT_FP4) {  // x reordered: AVX-512 each row's even inputs, then its odd ones; AVX2 fp4_permute's
+        j.x_stride = isa == 2 ? k : (k + 63) / 64 * 64;
+        split = static_cast<float*>(std::malloc(sizeof(float) * m * groups * j.x_stride));
         if (!split) return 4;
-        const int64_t half = k / 2;
-        for (int64_t i = 0; i < m * groups; i++)
-            for (int64_t t = 0; t < half; t++) {
-                split[i * k + t] = x[i * k + 2 * t];
-                split[i * k + half + t] = x[i * k + 2 * t + 1];
-            }
+        if (isa == 2) {
+            const int64_t half = k / 2;
+            for (int64_t i = 0; i < m * groups; i++)
+                for (int64_t t = 0; t < half; t++) {
+                    split[i * k + t] = x[i * k + 2 * t];
+                    split[i * k + half + t] = x[i * k + 2 * t + 1];
+                }
+        } else {
+            avx2::fp4_permute(x, split, m * groups, k, j.x_stride);
+        }
         j.x = split;
     }
     // Rows go to threads in contiguous ranges; fp8 ranges are whole tiles when there are enough of them.
