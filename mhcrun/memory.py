@@ -86,7 +86,7 @@ def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> 
         elif p.fmt in ("fp8", "fp4"):
             if dequantize:
                 total += n * dequantized_dtype(p.spec, dtype).itemsize
-        elif dequantize or p.spec.run != "stored":  # dequantised, the vocabulary tensors are fp32 too
+        elif dequantize or p.spec.run != "stored":  # dequantised, the "stored" tensors are fp32 too
             total += n * (4 if p.spec.run in ("fp32", "stored") else dtype.itemsize)
     return total
 

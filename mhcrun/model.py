@@ -148,7 +148,7 @@ class Compressor(nn.Module):
         self.overlap = ratio == 4
         self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
         self.opts = opts
-        self.wkv = Linear(opts)  # fp32 weights, fp32 math
+        self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
         self.wgate = Linear(opts)
         self.norm = RMSNorm(cfg.norm_eps)
         self.cache = Cache()
@@ -734,9 +734,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight], qu
 def run_tensor(spec: TensorSpec, t: torch.Tensor, quantized: set[str], dtype: torch.dtype,
                device: torch.device | str) -> torch.Tensor:
     """A stored tensor as the model runs it, in its table entry's run dtype (`TensorSpec.run`): int64 tables;
-    the vocabulary-sized tensors as stored, not copied (bf16 in the release: the embedding is exact after a cast,
-    and the head's GEMM converts it chunk by chunk, so no fp32 copy of either is made; fp32 when of another
-    dtype); a dequantised weight in `weights.dequantized_dtype`; fp32 where DeepSeek's reference keeps fp32;
+    the vocabulary-sized tensors and the compressors' projections as stored, not copied (bf16 in the release: the
+    embedding is exact after a cast, and the GEMMs read bf16 with fp32 math, so no fp32 copy is made; fp32 when of
+    another dtype); a dequantised weight in `weights.dequantized_dtype`; fp32 where DeepSeek's reference keeps fp32;
     else the activation dtype."""
     if spec.run == "stored" and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return t.to(device)

@@ -32,8 +32,10 @@ class TensorSpec:
     split: int | None = None  # under --tp: the dimension split across ranks (0 rows, 1 columns), else replicated
     expert: int | None = None  # a routed expert's weight: the expert (each rank holds a contiguous block)
     run: str = "act"  # its dtype at run time: "act" (the activation dtype), "fp32" (DeepSeek's reference keeps
-    # it in fp32 whatever the activation dtype), "stored" (the vocabulary-sized tensors: kept as stored, fp32 when
-    # converted), "int64" (index tables); a weight dequantised at load takes `dequantized_dtype`
+    # it in fp32 whatever the activation dtype), "stored" (GEMM operands kept as stored, bf16 in the release, and
+    # multiplied in fp32: the vocabulary-sized tensors and the compressors' projections, which DeepSeek's reference
+    # keeps in fp32, exactly the bf16 values; fp32 when converted), "int64" (index tables); a weight dequantised at
+    # load takes `dequantized_dtype`
 
 
 def layer_tensor_specs(cfg: ModelConfig, i: int, prefix: str | None = None) -> list[TensorSpec]:
@@ -90,8 +92,8 @@ def compressor_specs(prefix: str, dim: int, ratio: int, head_dim: int) -> list[T
     c = 2 if ratio == 4 else 1  # the 4:1 compressor overlaps two groups
     return [
         TensorSpec(prefix + "ape", (ratio, c * head_dim), run="fp32"),
-        TensorSpec(prefix + "wkv.weight", (c * head_dim, dim), run="fp32"),
-        TensorSpec(prefix + "wgate.weight", (c * head_dim, dim), run="fp32"),
+        TensorSpec(prefix + "wkv.weight", (c * head_dim, dim), run="stored"),  # fp32 math on the stored values
+        TensorSpec(prefix + "wgate.weight", (c * head_dim, dim), run="stored"),
         TensorSpec(prefix + "norm.weight", (head_dim,), run="fp32"),
     ]
 
