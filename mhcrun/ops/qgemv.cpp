@@ -30,6 +30,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+extern "C" int mhc_qgemv_isa(void);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -562,6 +567,74 @@ float dot8(const float* a, const float* b, int64_t k) {
 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
+// ---------------------------------------------------------------- GEMV jobs: one weight and its rows of x
+
+// 3 the instruction set asked for is not this CPU's; 6 fp4 on AVX2 with a block that is not a multiple of 32.
+int check_args(int fmt, int64_t block, int isa) {
+    if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
+    if (fmt == FMT_FP4 && isa == 1 && block % 32 != 0) return 6;
+    return 0;
+}
+
+Job make_job(int fmt, int scale_kind, const void* w, const void* s, const float* x, float* y, int64_t m, int64_t n,
+             int64_t k, int64_t block, int64_t groups) {
+    Job j{fmt, scale_kind, static_cast<const uint8_t*>(w), s, x, y, m, n, k, block, groups,
+          fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0, k};
+    if (fmt == FMT_FP8 || fmt == FMT_FP4) j.s_cols = (k + block - 1) / block;
+    return j;
+}
+
+// fp4: x reordered into `own` (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order) and
+// the job pointed at it. False when out of memory.
+bool prepare_x(Job& j, int isa, std::vector<float>& own) {
+    if (j.fmt != FMT_FP4) return true;
+    const int64_t rows = j.m * j.groups, k = j.k;
+    j.x_stride = isa == 2 ? k : (k + 63) / 64 * 64;
+    try {
+        own.resize(rows * j.x_stride);
+    } catch (const std::bad_alloc&) {
+        return false;
+    }
+    if (isa == 2) {
+        const int64_t half = k / 2;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t t = 0; t < half; t++) {
+                own[i * k + t] = j.x[i * k + 2 * t];
+                own[i * k + half + t] = j.x[i * k + 2 * t + 1];
+            }
+    } else {
+        avx2::fp4_permute(j.x, own.data(), rows, k, j.x_stride);
+    }
+    j.x = own.data();
+    return true;
+}
+
+// Every job's rows, in one parallel region: rows go to threads in contiguous ranges (fp8 ranges whole tiles when
+// a job has enough of them). 0, or 5 when a thread flushes subnormals.
+int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
+    struct Unit {
+        size_t job;
+        int64_t n0, n1;
+    };
+    std::vector<Unit> units;
+    for (size_t i = 0; i < jobs.size(); i++) {
+        const Job& j = jobs[i];
+        const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? j.block : 1;
+        for (int64_t n0 = 0; n0 < j.n; n0 += unit) units.push_back({i, n0, n0 + unit < j.n ? n0 + unit : j.n});
+    }
+    int nan = 0, flush = 0;
+    const int64_t count = static_cast<int64_t>(units.size());
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : nan, flush)
+    for (int64_t u = 0; u < count; u++) {
+        const Unit& t = units[u];
+        flush |= flushes_denormals() ? 1 : 0;
+        nan |= (isa == 2 ? run_rows<Avx512Rows>(jobs[t.job], t.n0, t.n1) : run_rows<Avx2Rows>(jobs[t.job], t.n0, t.n1))
+                   ? 1 : 0;
+    }
+    (void)nan;  // NaN rows are written as NaN (run_row)
+    return flush ? 5 : 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -655,46 +728,54 @@ int mhc_qgemv_isa(void) {
     return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
-// y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are split here into even/odd
-// inputs. isa: 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's
-// intra-op count).
+// y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are reordered here (`prepare_x`).
+// isa: 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's intra-op
+// count).
 int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
               int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
-    if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
-    if (fmt == FMT_FP4 && isa == 1 && block % 32 != 0) return 6;
-    Job j{fmt, scale_kind, static_cast<const uint8_t*>(w), s, x, y, m, n, k, block, groups,
-          fmt == FMT_FP4 ? k / 2 : fmt == FMT_FP8 ? k : 2 * k, 0, k};
-    if (fmt == FMT_FP8 || fmt == FMT_FP4) j.s_cols = (k + block - 1) / block;
-    float* split = nullptr;
-    if (fmt == FMT_FP4) {  // x reordered: AVX-512 each row's even inputs, then its odd ones; AVX2 fp4_permute's
-        j.x_stride = isa == 2 ? k : (k + 63) / 64 * 64;
-        split = static_cast<float*>(std::malloc(sizeof(float) * m * groups * j.x_stride));
-        if (!split) return 4;
-        if (isa == 2) {
-            const int64_t half = k / 2;
-            for (int64_t i = 0; i < m * groups; i++)
-                for (int64_t t = 0; t < half; t++) {
-                    split[i * k + t] = x[i * k + 2 * t];
-                    split[i * k + half + t] = x[i * k + 2 * t + 1];
-                }
-        } else {
-            avx2::fp4_permute(x, split, m * groups, k, j.x_stride);
+    if (int rc = check_args(fmt, block, isa)) return rc;
+    std::vector<Job> jobs{make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, groups)};
+    std::vector<std::vector<float>> own(1);
+    if (!prepare_x(jobs[0], isa, own[0])) return 4;
+    return run_jobs(jobs, isa, threads);
+}
+
+// Routed experts read in place: y [B, K, N] = x [B, KX, K'] through expert idx[b, j] (KX = K, or 1: every j reads
+// x[b, 0]), expert e's weight bytes and scales at ptrs[2e], ptrs[2e + 1], all of one layout (fmt, scale_kind,
+// block, [N, K']). The rows of one expert are multiplied together (each weight byte read once per four rows); the
+// rows of all the experts go to the threads in one parallel region. Return codes as mhc_qgemv's.
+int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y,
+                      int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa, int threads) {
+    if (int rc = check_args(fmt, block, isa)) return rc;
+    std::vector<int64_t> experts;  // in order of first use
+    std::vector<std::vector<int64_t>> pairs;  // each expert's (b, j) as b * kk + j
+    std::unordered_map<int64_t, size_t> slot;
+    for (int64_t p = 0; p < b * kk; p++) {
+        auto [it, fresh] = slot.emplace(idx[p], experts.size());
+        if (fresh) experts.push_back(idx[p]), pairs.emplace_back();
+        pairs[it->second].push_back(p);
+    }
+    const size_t g = experts.size();
+    std::vector<std::vector<float>> xs(g), ys(g), own(g);
+    std::vector<Job> jobs;
+    for (size_t e = 0; e < g; e++) {
+        const int64_t rows = static_cast<int64_t>(pairs[e].size());
+        xs[e].resize(rows * k);
+        ys[e].resize(rows * n);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t p = pairs[e][r], src = (p / kk) * kx + (kx > 1 ? p % kk : 0);
+            std::memcpy(xs[e].data() + r * k, x + src * k, sizeof(float) * k);
         }
-        j.x = split;
+        const int64_t* at = ptrs + 2 * experts[e];
+        jobs.push_back(make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]),
+                                reinterpret_cast<const void*>(at[1]), xs[e].data(), ys[e].data(), rows, n, k, block, 1));
+        if (!prepare_x(jobs.back(), isa, own[e])) return 4;
     }
-    // Rows go to threads in contiguous ranges; fp8 ranges are whole tiles when there are enough of them.
-    int64_t unit = fmt == FMT_FP8 && n >= block * threads ? block : 1;
-    int64_t units = (n + unit - 1) / unit;
-    int nan = 0, flush = 0;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : nan, flush)
-    for (int64_t u = 0; u < units; u++) {
-        int64_t n1 = (u + 1) * unit < n ? (u + 1) * unit : n;
-        flush |= flushes_denormals() ? 1 : 0;
-        nan |= (isa == 2 ? run_rows<Avx512Rows>(j, u * unit, n1) : run_rows<Avx2Rows>(j, u * unit, n1)) ? 1 : 0;
-    }
-    std::free(split);
-    (void)nan;  // NaN rows are written as NaN (run_row)
-    return flush ? 5 : 0;
+    const int rc = run_jobs(jobs, isa, threads);
+    for (size_t e = 0; e < g; e++)
+        for (size_t r = 0; r < pairs[e].size(); r++)
+            std::memcpy(y + pairs[e][r] * n, ys[e].data() + r * n, sizeof(float) * n);
+    return rc;
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
@@ -737,9 +818,9 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block) {
 int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float* out, int64_t r0, int64_t r1,
                     int64_t n, int64_t k, int64_t block, int isa, int threads) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
-    const uint8_t* bytes = static_cast<const uint8_t*>(w);
-    const int64_t row_bytes = fmt == FMT_FP4 ? k / 2 : k, s_cols = (k + block - 1) / block;
-    Job j{fmt, scale_kind, bytes, s, nullptr, nullptr, 0, n, k, block, 1, row_bytes, s_cols};
+    const Job j = make_job(fmt, scale_kind, w, s, nullptr, nullptr, 0, n, k, block, 1);
+    const uint8_t* bytes = j.w;
+    const int64_t row_bytes = j.row_bytes;
     int flush = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
     for (int64_t r = r0; r < r1; r++) {

@@ -94,6 +94,24 @@ class CpuKernel:
                                                   block, groups, self.isa, torch.get_num_threads())
         return None if rc else y
 
+    def experts_at(self, fmt: int, ptrs: Tensor, idx: Tensor, kind: int, x: Tensor, n: int,
+                   block: int) -> Tensor | None:
+        """y [B, k, n] fp32 = x [B, k or 1, K] through expert idx[b, j] of the experts whose weight bytes and
+        scales lie at ptrs [E, 2] (int64 addresses; format `fmt`, scale kind `kind`, all of one layout), in one
+        call: the rows of each expert multiplied together, all the experts' rows in one parallel region. The
+        caller keeps the bytes alive. None when the kernel is off or declines."""
+        if not self.on:
+            return None
+        b, kk = idx.shape
+        xf = x.float().contiguous()
+        ids = idx.to(torch.int64).contiguous()
+        table = ptrs.to(torch.int64).contiguous()
+        y = torch.empty(b, kk, n, dtype=torch.float32)
+        rc = load_library(self.library).mhc_qgemv_experts(
+            fmt, table.data_ptr(), ids.data_ptr(), kind, xf.data_ptr(), y.data_ptr(), b, kk, xf.shape[1], n,
+            xf.shape[2], block, self.isa, torch.get_num_threads())
+        return None if rc else y
+
     def decodes(self, w: QWeight) -> bool:
         """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
         return w.kernel and w.fmt != "float" and self.on
@@ -194,6 +212,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_qgemv_experts.restype = ctypes.c_int
+    lib.mhc_qgemv_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_decode_rows.restype = ctypes.c_int
     lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
 from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, scale_tiles, scale_to_float, unpack_fp4
 from mhcrun.ops.qweight import QWeight
@@ -398,31 +398,24 @@ def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, l
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
+def experts_in_place(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
+                     cpu: CpuKernel) -> Tensor:
+    """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
+    y[b, j] = x[b, j or 0] through expert idx[b, j] of an `ExpertSet` (ptrs [E, 2]: each expert's data and scale
+    addresses; fmt, kind, block, out_features: their layout), by the kernel `cpu` in one call
+    (`CpuKernel.experts_at`: each expert's rows together, all of them in one parallel region)."""
+    y = cpu.experts_at(fmt, ptrs, idx, kind, x, out_features, block)
+    if y is None:
+        raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or a thread flushes "
+                           "subnormals: torch.set_flush_denormal(True))")
+    return y
+
+
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
 def qgemv_expert_set(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
                      library: str, isa: int) -> Tensor:
-    """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
-    y[b, j] = x[b, j or 0] through expert idx[b, j] of an `ExpertSet` (ptrs [E, 2]: each expert's data and scale
-    addresses; fmt, kind, block, out_features: their layout), by the kernel (library, isa). The rows of one
-    expert go through one call of the kernel (at most MAX_ROWS at a time)."""
-    cpu = CpuKernel(library, isa)
-    addresses = ptrs.tolist()
-    y = torch.empty(*idx.shape, out_features, dtype=torch.float32)
-    rows: dict[int, list[tuple[int, int]]] = {}
-    for b, experts in enumerate(idx.tolist()):
-        for j, e in enumerate(experts):
-            rows.setdefault(e, []).append((b, j))
-    for e, pairs in rows.items():
-        data, scale = addresses[e]
-        for a in range(0, len(pairs), MAX_ROWS):
-            bs, js = (torch.tensor(v) for v in zip(*pairs[a:a + MAX_ROWS], strict=True))
-            xe = x[bs, js if x.shape[1] > 1 else 0]  # [n, in]
-            ye = cpu.gemv_at(fmt, data, scale, kind, xe[:, None], out_features, block)
-            if ye is None:
-                raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or a thread "
-                                   "flushes subnormals: torch.set_flush_denormal(True))")
-            y[bs, js] = ye
-    return y
+    """`experts_in_place` as an opaque op of compiled graphs, the kernel given by its library and instruction set."""
+    return experts_in_place(x, ptrs, idx, fmt, kind, block, out_features, CpuKernel(library, isa))
 
 
 @qgemv_expert_set.register_fake
@@ -439,9 +432,10 @@ def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: 
     if act_quant:
         x = _act_quant(x, cpu)
     xf = x.float()
-    if isinstance(w, ExpertSet):
-        y = torch.ops.mhcrun.qgemv_expert_set(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features,
-                                              cpu.library, cpu.isa)
+    if isinstance(w, ExpertSet):  # eager calls it directly: a custom op's first call imports torch._dynamo (~1 s)
+        args = (xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features)
+        y = (torch.ops.mhcrun.qgemv_expert_set(*args, cpu.library, cpu.isa) if torch.compiler.is_compiling()
+             else experts_in_place(*args, cpu))
         return y.to(x.dtype)
     ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
     if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
