@@ -41,7 +41,7 @@ from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet, expert_set
+from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
@@ -401,6 +401,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.swiglu_limit, opts)
         self.limit = cfg.swiglu_limit
         self.gathered: dict[str, QWeight | ExpertSet] = {}  # made by gather_experts for the static path
+        self.in_place: bool | None = None  # whether the run's CPU kernel reads every expert where it lies
 
     def gather_experts(self) -> None:
         """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): where
@@ -422,6 +423,20 @@ class MoE(nn.Module):
             for j, m in enumerate(lins):
                 m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
             self.gathered[name] = QWeight(data, scale, first.block, all(m.w.kernel for m in lins))
+
+    def reads_in_place(self, rows: int) -> bool:
+        """Whether an eager step of `rows` tokens takes the static path too: at decode sizes, where the run's CPU
+        kernel reads every expert in place (`qgemv.expert_set`), one kernel call a projection multiplies all the
+        step's experts (not one call an expert). Learnt once; nothing is copied."""
+        if rows > MAX_ROWS or not self.opts.cpu.on:
+            return False
+        if self.in_place is None:
+            sets = {name: expert_set([getattr(self.experts[e], name).w for e in self.owned])
+                    for name in ("w1", "w2", "w3")}
+            self.in_place = all(s is not None for s in sets.values())
+            if self.in_place and not self.gathered:
+                self.gathered = sets
+        return self.in_place and all(isinstance(s, ExpertSet) for s in self.gathered.values())
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, d], each token through the experts it routes to, expert by expert (only those in use) -> fp32."""
@@ -453,7 +468,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, idx = self.gate(x, token_ids.reshape(-1))
-        y = (self.routed_gathered if static else self.routed_loop)(x, weights, idx)
+        y = (self.routed_gathered if static or self.reads_in_place(x.shape[0]) else self.routed_loop)(x, weights, idx)
         y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
         y += self.shared_experts(x)
         return y.type_as(x).view(shape)
