@@ -17,6 +17,7 @@ from mhcrun.checkpoint import INDEX_FILE, load_checkpoint, plan_checkpoint
 from mhcrun.generate import generate
 from mhcrun.memory import parse_size, plan_memory
 from mhcrun.model import Linear, build_model
+from mhcrun.ops import qgemv
 from mhcrun.ops.qgemv import ExpertSet
 from mhcrun.regions.runner import RegionDecoder
 from mhcrun.synthetic import make_synthetic
@@ -90,6 +91,27 @@ def test_kept_quantised_regions_stages_match_eager(tiny_fp8, kernel):
         assert w1.data.dtype == torch.int8 and w1.block == 32
     regions = generate(kept2, PROMPTS, 12, eos_id=1, ignore_eos=True, graph_mode="regions", backend="eager")
     assert [r.tokens for r in regions] == [r.tokens for r in eager]
+
+
+def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
+    """With the fused kernel, an eager step of at most MAX_ROWS tokens runs a layer's routed experts as the static
+    path does (one kernel call a projection over the experts read in place), giving the per-expert loop's output;
+    more rows, or the kernel off, take the loop and read nothing in place."""
+    kernel = cpu_kernel()
+    if not kernel.on:
+        pytest.skip(f"CPU kernel {kernel.status()}")
+    model, _ = models(tiny_fp8)
+    model.opts.cpu = kernel
+    ffn = model.layers[1].ffn
+    x = torch.randn(3, model.cfg.dim)
+    weights, idx = ffn.gate(x, torch.tensor([5, 9, 11]))
+    assert ffn.reads_in_place(3) and all(isinstance(ffn.gathered[w], ExpertSet) for w in ("w1", "w2", "w3"))
+    assert not ffn.reads_in_place(qgemv.MAX_ROWS + 1)
+    torch.testing.assert_close(ffn.routed_gathered(x, weights, idx), ffn.routed_loop(x, weights, idx),
+                               rtol=1e-5, atol=1e-6)
+    off, _ = models(tiny_fp8)
+    off.opts.cpu = cpu_kernel("0")
+    assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
 def test_mid_size_kept_quantised_matches_dequantised(mid2):
