@@ -427,8 +427,9 @@ class MoE(nn.Module):
     def reads_in_place(self, rows: int) -> bool:
         """Whether an eager step of `rows` tokens takes the static path too: at decode sizes, where the run's CPU
         kernel reads every expert in place (`qgemv.expert_set`), one kernel call a projection multiplies all the
-        step's experts (not one call an expert). Learnt once; nothing is copied."""
-        if rows > MAX_ROWS or not self.opts.cpu.on:
+        step's experts (not one call an expert). Learnt once; nothing is copied. Not under --tp, where the static
+        path would also multiply the slots routed to other ranks' experts (weighted zero)."""
+        if rows > MAX_ROWS or not self.opts.cpu.on or self.opts.tp.world > 1:
             return False
         if self.in_place is None:
             sets = {name: expert_set([getattr(self.experts[e], name).w for e in self.owned])
