@@ -273,20 +273,22 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 namespace avx2 {
 
-// fp8: 16 e4m3 bytes at w into the two 8-input partial sums of each row of x (x pointers already at k).
-template <int R>
-AVX2 INLINE void fp8_step(const uint8_t* w, const float* const* xk, __m256 (&p0)[R], __m256 (&p1)[R], int& nan) {
-    const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    __m256i mag = _mm256_and_si256(b, m7f);
-    nan |= _mm256_movemask_epi8(_mm256_cmpeq_epi16(mag, m7f));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m80), 8), _mm256_slli_epi16(mag, 7));
-    __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    for (int r = 0; r < R; r++) {
-        p0[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xk[r]), p0[r]);
-        p1[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xk[r] + 8), p1[r]);
-    }
+// fp8: 32 e4m3 bytes at w into the partial sums p of each row of x (x pointers already at k; C chains a row):
+// each byte goes to the high byte of a 16-bit lane (an unpack with zero), and an arithmetic shift right by one,
+// masked, leaves the fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 (no widening); NaN codes noted in `nan`.
+template <int R, int C>
+AVX2 INLINE void fp8_step32(const uint8_t* w, const float* const* xk, __m256 (&p)[R][C], __m256i& nan) {
+    const __m256i z = _mm256_setzero_si256(), m7f = _mm256_set1_epi8(0x7F);
+    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xBF80));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_and_si256(b, m7f), m7f));
+    const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, b), 1), keep);  // bytes 0-7, 16-23
+    const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, b), 1), keep);  // bytes 8-15, 24-31
+    const __m256 v[4] = {_mm256_cvtph_ps(_mm256_castsi256_si128(lo)), _mm256_cvtph_ps(_mm256_castsi256_si128(hi)),
+                         _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)),
+                         _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1))};  // inputs 0-7, 8-15, 16-23, 24-31
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 4; i++) p[r][i % C] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xk[r] + 8 * i), p[r][i % C]);
 }
 
 AVX2 INLINE float hsum(__m256 v) {
@@ -300,7 +302,7 @@ AVX2 INLINE float hsum(__m256 v) {
 template <int R>
 struct Tail {
     alignas(32) uint8_t w[32] = {};
-    alignas(32) float x[R][16] = {};
+    alignas(32) float x[R][32] = {};
     const float* xp[R];
     Tail(const uint8_t* src, int64_t bytes, const float* const* xs, int64_t k, int64_t len) {
         std::memcpy(w, src, bytes);
@@ -311,31 +313,39 @@ struct Tail {
     }
 };
 
+// fp8 row n: tiles of `block` inputs, 32 bytes at a time into C chains a row of x (4 for one or two rows, 2 for
+// more: registers), each tile's sum times its scale. Returns whether a NaN code was seen.
 template <int R>
 AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    constexpr int C = R <= 2 ? 4 : 2;
     const uint8_t* w = j.w + n * j.row_bytes;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    int nan = 0;
+    __m256i nan = _mm256_setzero_si256();
     for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
         const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
-        __m256 p0[R], p1[R];
-        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm256_setzero_ps();
+        __m256 p[R][C];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < C; i++) p[r][i] = _mm256_setzero_ps();
         int64_t k = k0;
-        for (; k + 16 <= k1; k += 16) {
+        for (; k + 32 <= k1; k += 32) {
             const float* xk[R];
             for (int r = 0; r < R; r++) xk[r] = xs[r] + k;
-            fp8_step<R>(w + k, xk, p0, p1, nan);
+            fp8_step32<R, C>(w + k, xk, p, nan);
         }
         if (k < k1) {
             Tail<R> t(w + k, k1 - k, xs, k, k1 - k);
-            fp8_step<R>(t.w, t.xp, p0, p1, nan);
+            fp8_step32<R, C>(t.w, t.xp, p, nan);
         }
         const __m256 s = _mm256_set1_ps(scale_at(j, n / j.block, c) * 256.0f);
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p0[r], p1[r]), s, acc[r]);
+        for (int r = 0; r < R; r++) {
+            __m256 sum = p[r][0];
+            for (int i = 1; i < C; i++) sum = _mm256_add_ps(sum, p[r][i]);
+            acc[r] = _mm256_fmadd_ps(sum, s, acc[r]);
+        }
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
-    return nan != 0;
+    return _mm256_movemask_epi8(nan) != 0;
 }
 
 // fp4, 32 bytes (64 inputs) at a time, no conversion instruction: e2m1 values are bf16 values, so each nibble
