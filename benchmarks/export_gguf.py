@@ -122,15 +122,25 @@ def as_bf16(t: torch.Tensor, name: str) -> np.ndarray:
     return b.view(torch.uint16).numpy()
 
 
-def exported(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight]) -> Iterator[tuple[str, np.ndarray, str]]:
-    """(GGUF name, array, GGML type name) for every tensor, experts stacked per layer and projection."""
-    experts: dict[tuple[int, str], list[QWeight]] = {}
+def split_experts(tensors: dict) -> tuple[dict, dict[tuple[int, str], list]]:
+    """A checkpoint's tensors -> (the others by name, the routed experts' (name, tensor) by (layer, w1/w2/w3), in
+    expert order)."""
+    others, experts = {}, {}
     for name, t in tensors.items():
         if (m := _EXPERT.match(name)) is not None:
-            if not isinstance(t, QWeight) or t.fmt != "fp4":
-                raise InputError(f"{name}: routed experts must be FP4 to export as MXFP4")
-            experts.setdefault((int(m.group(1)), m.group(3)), []).append(t)
-            continue
+            experts.setdefault((int(m.group(1)), m.group(3)), []).append((name, t))
+        else:
+            others[name] = t
+    return others, experts
+
+
+def exported(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight]) -> Iterator[tuple[str, np.ndarray, str]]:
+    """(GGUF name, array, GGML type name) for every tensor, experts stacked per layer and projection."""
+    others, experts = split_experts(tensors)
+    for name, t in (pair for stack in experts.values() for pair in stack):
+        if not isinstance(t, QWeight) or t.fmt != "fp4":
+            raise InputError(f"{name}: routed experts must be FP4 to export as MXFP4")
+    for name, t in others.items():
         out = gguf_name(name)
         if isinstance(t, QWeight):
             if t.fmt != "fp8":
@@ -145,7 +155,7 @@ def exported(cfg: ModelConfig, tensors: dict[str, torch.Tensor | QWeight]) -> It
     for (layer, w), stack in sorted(experts.items()):
         if len(stack) != cfg.n_routed_experts:
             raise InputError(f"layers.{layer}: {len(stack)} {w} experts, expected {cfg.n_routed_experts}")
-        yield f"blk.{layer}.{EXPERT_NAMES[w]}", np.stack([mxfp4_blocks(q) for q in stack]), "MXFP4"
+        yield f"blk.{layer}.{EXPERT_NAMES[w]}", np.stack([mxfp4_blocks(q) for _, q in stack]), "MXFP4"
 
 
 def add_metadata(writer, cfg: ModelConfig) -> None:  # noqa: ANN001 (gguf.GGUFWriter, imported late)
@@ -251,15 +261,10 @@ def check(checkpoint: Path, out: Path) -> int:
     ref = load_checkpoint(checkpoint, dequantize=True)
     reader = gguf.GGUFReader(str(out))
     stored = {t.name: t for t in reader.tensors}
-    want: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], list[torch.Tensor]] = {}
-    for name, t in ref.tensors.items():
-        if (m := _EXPERT.match(name)) is not None:
-            experts.setdefault((int(m.group(1)), m.group(3)), []).append(t)
-        else:
-            want[gguf_name(name)] = t
+    others, experts = split_experts(ref.tensors)
+    want = {gguf_name(name): t for name, t in others.items()}
     for (layer, w), stack in experts.items():
-        want[f"blk.{layer}.{EXPERT_NAMES[w]}"] = torch.stack(stack)
+        want[f"blk.{layer}.{EXPERT_NAMES[w]}"] = torch.stack([t for _, t in stack])
     if set(stored) != set(want):
         raise InputError(f"{out}: tensors differ from the checkpoint's: {sorted(set(stored) ^ set(want))[:5]}")
     for name, t in want.items():

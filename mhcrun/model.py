@@ -411,18 +411,25 @@ class MoE(nn.Module):
         if self.gathered:
             return
         experts = [self.experts[e] for e in self.owned]
+        sets = self.in_place_sets()
         for name in ("w1", "w2", "w3"):
             lins = [getattr(e, name) for e in experts]
             first = lins[0].w
-            in_place = expert_set([m.w for m in lins]) if self.opts.cpu.on else None
-            if in_place is not None:
-                self.gathered[name] = in_place
+            if sets[name] is not None:
+                self.gathered[name] = sets[name]
                 continue
             data = torch.stack([m.w.data for m in lins])
             scale = None if first.scale is None else torch.stack([m.w.scale for m in lins])
             for j, m in enumerate(lins):
                 m.w = replace(m.w, data=data[j], scale=None if scale is None else scale[j], nan_free=None)
             self.gathered[name] = QWeight(data, scale, first.block, all(m.w.kernel for m in lins))
+
+    def in_place_sets(self) -> dict[str, ExpertSet | None]:
+        """Per weight name (w1, w2, w3), this rank's experts as the run's CPU kernel reads them where they lie
+        (`qgemv.expert_set`), or None where it does not take them all (or is off)."""
+        on = self.opts.cpu.on
+        return {name: expert_set([getattr(self.experts[e], name).w for e in self.owned]) if on else None
+                for name in ("w1", "w2", "w3")}
 
     def reads_in_place(self, rows: int) -> bool:
         """Whether an eager step of `rows` tokens takes the static path too: at decode sizes, where the run's CPU
@@ -432,8 +439,7 @@ class MoE(nn.Module):
         if rows > MAX_ROWS or not self.opts.cpu.on or self.opts.tp.world > 1:
             return False
         if self.in_place is None:
-            sets = {name: expert_set([getattr(self.experts[e], name).w for e in self.owned])
-                    for name in ("w1", "w2", "w3")}
+            sets = self.in_place_sets()
             self.in_place = all(s is not None for s in sets.values())
             if self.in_place and not self.gathered:
                 self.gathered = sets
