@@ -12,7 +12,8 @@ best of the rounds is kept per measurement (the machine is shared and noisy; alt
 the ratios).
 
 Prints, in one run:
-- the read bandwidth (int64 max-reduction over 512 MB, the threads given) and torch's fp32 matmul rate at 4,096;
+- the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given)
+  and torch's fp32 matmul rate at 4,096;
 - decode tok/s (batch 1) after 128 and after 1,024 prompt tokens (mhcrun: `generate --prompt-ids` of that length
   then `--gen` tokens, its `decode_tok_s`; ik: `llama-bench -gp N,G`), prefill tok/s at 128 and 1,024 (mhcrun's
   `prefill_tok_s`, ik's `-p N`);
@@ -169,7 +170,7 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
     if ik is not None:
         reads["ik"], rates["ik"] = gguf_bytes_per_token(args.gguf), ik
     macs = decode_macs_per_token(plan)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s (int64 max-reduction), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s (read stream), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
           f"at 4096; {args.threads} threads; best of {args.rounds} alternating rounds; {args.gen} tokens decoded")
     cols, ratios = list(rates), list(ours) if ik is not None else []
     print(f"{'':28}" + "".join(f"{'mhcrun ' + c if c != 'ik' else 'ik_llama.cpp':>18}" for c in cols)
