@@ -329,7 +329,23 @@ def test_act_quant_leaves_non_finite_x_to_torch():
         if bad == float("inf"):  # torch's rounding clamps inf to 448 at scale 1: a finite row
             xq = fp8_simulate(y[1:], 128, pow2_scale=True)
             assert_gemm_close(out[1:], ref[1:], xq, w_ref)
-    assert cpu_kernel().act_quant_fp8(torch.randn(qgemv.MAX_ROWS + 1, 128), 128) is None
+
+
+@needs_kernel
+def test_act_quant_of_a_prefill_chunk_on_any_thread_count():
+    """A prefill chunk's rows (far more than decode's), split over threads: bitwise fp8_simulate's on 1 and 2
+    threads, a partial last block included."""
+    g = gen(1310)
+    x = torch.randn(300, 2048 + 40, generator=g) * 2.0 ** torch.randint(-20, 20, (300, 1), generator=g).float()
+    x[7, ::5] = 0
+    want = bits(fp8_simulate(x, 128, pow2_scale=True))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, 128)), want)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_generate_reports_the_kernel(tmp_path):

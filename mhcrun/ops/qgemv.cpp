@@ -805,15 +805,23 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
-// in place on fp32 rows [rows, k]: per block of `block` values (the last may be partial), scale = the smallest
-// power of two >= max(amax, 1e-4) / 448, and each value becomes e4m3(value / scale) * scale, rounded to nearest
-// even (|value / scale| <= 448, so nothing saturates). Every step is exact but the one rounding, so the result
-// equals torch's bitwise. Returns 1, leaving x as it was, when x holds a non-finite value (torch's NaN/inf
-// rules then apply, on the torch path).
-int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block) {
-    if (flushes_denormals()) return 1;
-    for (int64_t i = 0; i < rows * k; i++)
-        if (!std::isfinite(x[i])) return 1;
+// in place on fp32 rows [rows, k], rows split over `threads` threads: per block of `block` values (the last may
+// be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
+// e4m3(value / scale) * scale, rounded to nearest even (|value / scale| <= 448, so nothing saturates). Every step
+// is exact but the one rounding (the divisions by powers of two are multiplications by their inverses, exact
+// too), so the result equals torch's bitwise. Returns 1, leaving x as it was, when x holds a non-finite value
+// (torch's NaN/inf rules then apply, on the torch path), or when a thread flushes subnormals (the e4m3 values
+// below 2**-6 are subnormal after the scale).
+int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int threads) {
+    if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
+    for (int64_t r = 0; r < rows; r++) {
+        bad |= flushes_denormals() ? 1 : 0;
+        for (int64_t i = 0; i < k; i++) bad |= std::isfinite(x[r * k + i]) ? 0 : 1;
+    }
+    if (bad) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t k0 = 0; k0 < k; k0 += block) {
             float* v = x + r * k + k0;
@@ -821,13 +829,16 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block) {
             float amax = 1e-4f;
             for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
             const uint32_t sb = bits_of(amax / 448.0f);  // a normal fp32: amax >= 1e-4
-            const float scale = (sb & 0x7FFFFF) ? float_of(((sb >> 23) + 1) << 23) : float_of(sb);  // pow2 ceil
+            const uint32_t se = (sb & 0x7FFFFF) ? (sb >> 23) + 1 : sb >> 23;  // pow2 ceil: its biased exponent
+            const float scale = float_of(se << 23), inv = float_of((254 - se) << 23);  // 2**-22 <= scale < 2**121
             for (int64_t i = 0; i < len; i++) {
-                const float q = v[i] / scale;  // exact: a power of two, |q| <= 448
+                const float q = v[i] * inv;  // exact: a power of two, |q| <= 448
                 const float a = std::fabs(q);
                 const uint32_t e = bits_of(a) >> 23;  // biased exponent: a in [2**(e-127), 2**(e-126))
-                const float step = e < 121 ? 0x1p-9f : float_of((e - 3) << 23);  // e4m3 spacing there
-                const float t = a / step;  // exact, <= 16
+                // e4m3 spacing there, and its inverse (powers of two)
+                const float step = e < 121 ? 0x1p-9f : float_of((e - 3) << 23);
+                const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
+                const float t = a * inv_step;  // exact, <= 16
                 const float rounded = (t + 0x1p23f) - 0x1p23f;  // to nearest even integer
                 v[i] = std::copysign(rounded * step, q) * scale;
             }

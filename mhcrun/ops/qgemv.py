@@ -131,15 +131,14 @@ class CpuKernel:
 
     def act_quant_fp8(self, x: Tensor, block: int) -> Tensor | None:
         """fp8_simulate(x, block, pow2_scale=True) (DeepSeek's act_quant before an FP8/FP4 GEMM), bitwise, for a
-        few rows of a CPU fp32/bf16 x; None when it does not apply (then the caller takes the torch path)."""
+        CPU fp32/bf16 x of any number of rows (decode's few, a prefill chunk's many: rows split over torch's
+        threads); None when it does not apply (then the caller takes the torch path)."""
         k = x.shape[-1]
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not self.on:
             return None
-        rows = x.numel() // k
-        if rows > MAX_ROWS:
-            return None
         y = x.to(torch.float32, copy=True).contiguous()
-        if load_library(self.library).mhc_act_quant_fp8(y.data_ptr(), rows, k, block):
+        if load_library(self.library).mhc_act_quant_fp8(y.data_ptr(), x.numel() // k, k, block,
+                                                        torch.get_num_threads()):
             return None
         return y.to(x.dtype)
 
@@ -219,7 +218,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
-    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_hc_post.restype = ctypes.c_int
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int

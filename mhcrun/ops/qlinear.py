@@ -519,8 +519,8 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM 
 
 
 def _act_quant(x: Tensor, cpu: CpuKernel) -> Tensor:
-    """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); decode-sized CPU x takes
-    the kernel's C++ version of the same rounding (bitwise equal, one call instead of ~25 torch ops)."""
+    """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); a CPU x takes the kernel's
+    C++ version of the same rounding where the run has it (bitwise equal, one call instead of ~25 torch ops)."""
     if not torch.compiler.is_compiling():
         fast = cpu.act_quant_fp8(x, ACT_BLOCK)
         if fast is not None:
