@@ -810,8 +810,8 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 // e4m3(value / scale) * scale, rounded to nearest even (|value / scale| <= 448, so nothing saturates). Every step
 // is exact but the one rounding (the divisions by powers of two are multiplications by their inverses, exact
 // too), so the result equals torch's bitwise. Returns 1, leaving x as it was, when x holds a non-finite value
-// (torch's NaN/inf rules then apply, on the torch path), or when a thread flushes subnormals (the e4m3 values
-// below 2**-6 are subnormal after the scale).
+// (torch's NaN/inf rules then apply, on the torch path), or when a thread flushes subnormals (a subnormal x
+// would then round otherwise than torch rounds it).
 int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int threads) {
     if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
     int bad = 0;
