@@ -47,13 +47,7 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes copied per second by torch's copy_ (all threads), best of `repeats`."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / _best_time(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -87,6 +81,7 @@ def _read_stream():
 
 
 def _best_time(fn, repeats: int) -> float:
+    """The shortest of `repeats` calls of fn, after one call that warms it up."""
     fn()
     best = float("inf")
     for _ in range(repeats):

@@ -761,8 +761,8 @@ int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float
               int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
     std::vector<Job> jobs{make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, groups)};
-    std::vector<std::vector<float>> own(1);
-    if (!prepare_x(jobs[0], isa, own[0])) return 4;
+    std::vector<float> own;
+    if (!prepare_x(jobs[0], isa, own)) return 4;
     return run_jobs(jobs, isa, threads);
 }
 
