@@ -9,6 +9,7 @@ and qlinear gives the reference's values; NaN codes come out as NaN rows, as the
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_kernel
+from conftest import cpu_kernel, kernel_in
 from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, qw, reference_weight, weight_of
 
 from mhcrun.ops import native, qgemv
@@ -58,14 +59,17 @@ def test_kernel_builds_where_it_can():
         pytest.skip("CPU without AVX-512")
     if shutil.which(Env.read().cxx) is None:
         pytest.skip("no C++ compiler")
-    assert cpu_kernel().on and cpu_kernel().status() == "avx512"
+    best = "avx512bf16" if {"avx512_bf16", "avx512vbmi", "bmi2"} <= cpu_flags() else "avx512"
+    assert cpu_kernel().on and cpu_kernel().status() == best
 
 
 def test_kernel_isa_can_be_capped():
     best = cpu_kernel()
     if not best.on:
         pytest.skip(f"CPU kernel {best.status()}")
-    assert cpu_kernel("avx2").status() == "avx2" and cpu_kernel("avx512").status() == best.status()
+    assert cpu_kernel("avx2").status() == "avx2"
+    assert cpu_kernel("avx512").status() == ("avx512" if best.status() == "avx512bf16" else best.status())
+    assert cpu_kernel("avx512bf16").status() == best.status()
     assert cpu_kernel("avx2").library == best.library  # one library, another instruction set
 
 
@@ -360,6 +364,124 @@ def test_generate_reports_the_kernel(tmp_path):
     r = cli("generate", *ids)
     ok(r)
     assert f"CPU GEMV kernel {kernel.status()}" in r.stderr
+
+
+# ---------------------------------------------------------------- BF16 dot products (isa avx512bf16)
+
+
+def bf16_kernel() -> CpuKernel:
+    """The kernel in avx512bf16 (skipping where this CPU lacks AVX-512 BF16 or VBMI)."""
+    return kernel_in("avx512bf16")
+
+
+def act_rounded(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """x as DeepSeek's FP8 activation rounding leaves it before an FP8/FP4 GEMM: exact in bf16."""
+    return fp8_simulate(torch.randn(*shape, generator=g) * scale, 128, pow2_scale=True)
+
+
+def every_code_fp8(n: int, k: int) -> torch.Tensor:
+    """An e4m3 weight holding every non-NaN code (subnormals, zeros of both signs) in turn."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    return codes.repeat(-(-n * k // codes.numel()))[:n * k].view(n, k).view(torch.float8_e4m3fn)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 128), (64, 200, 64), (1, 128, 128),
+                                         (130, 7, 128), (33, 2048, 128), (9, 1000, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_bf16_dot_fp8_against_reference(n, k, block, m):
+    """FP8 weights decoded to bf16 and multiplied by vdpbf16ps, x rounded as the reference rounds it: every code,
+    tiles and rows that end inside a 64-byte step, every remainder of the four-rows loop, both scale encodings."""
+    kernel, g = bf16_kernel(), gen(3000 + m + k)
+    w = every_code_fp8(n, k)
+    _, s = fp8_weight(n, k, block, g, e8m0=bool(m % 2))
+    w_ref = reference_weight(w, s, "fp8", block)
+    x3 = act_rounded(m, 1, k, g=g)
+    assert kernel.takes_bf16(x3)
+    check_groups(run(kernel, x3, w, s, "fp8", block), x3, w_ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(200, 320), (33, 70), (64, 4096), (5, 2), (9, 96), (7, 160), (3, 256)])
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+def test_bf16_dot_fp4_against_reference(n, k, m):
+    """FP4 weights (every byte, so every code in both nibbles) by vdpbf16ps, four groups of 32 a step: rows that
+    end inside a step or a group's 16 bytes, scales past the row's end never read, both scale encodings, and
+    e8m0 byte 0 (2**-127, subnormal) among the scales."""
+    kernel, g = bf16_kernel(), gen(3100 + m + k)
+    p = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8).view(n, k // 2)
+    _, s = fp4_weight(n, k, g, e8m0=bool(m % 2))
+    if m % 2:
+        s.view(torch.uint8)[0, 0] = 0
+    w_ref = dequantize(QWeight(p, s, 32))
+    x3 = act_rounded(m, 1, k, g=g)
+    assert kernel.takes_bf16(x3)
+    check_groups(run(kernel, x3, p, s, "fp4", 32), x3, w_ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_bf16_dot_grouped_rows_experts_and_threads(fmt):
+    """Grouped outputs (wo_a) take their group of x; experts read in place; 1 and 2 threads agree bitwise."""
+    kernel, g = bf16_kernel(), gen(3200)
+    block = 128 if fmt == "fp8" else 32
+    data, scale = fp8_weight(128, 384, block, g) if fmt == "fp8" else fp4_weight(128, 384, g)
+    x3 = act_rounded(3, 4, 384, g=g)
+    check_groups(run(kernel, x3, data, scale, fmt, block, 4), x3, reference_weight(data, scale, fmt, block))
+    experts = [fp8_weight(64, 256, 128, g) if fmt == "fp8" else fp4_weight(64, 256, g) for _ in range(3)]
+    weights = [qw(w, s, block) for w, s in experts]
+    found, idx, x = expert_set(weights), torch.tensor([[0, 2], [1, 1]]), act_rounded(2, 2, 256, g=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.experts_at(found.fmt, found.ptrs, idx, found.kind, x, 64, block)
+        torch.set_num_threads(2)
+        two = kernel.experts_at(found.fmt, found.ptrs, idx, found.kind, x, 64, block)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    for b, row in enumerate(idx.tolist()):
+        for j, e in enumerate(row):
+            ref = reference_weight(*experts[e], fmt, block)
+            assert_gemm_close(one[b, j][None], F.linear(x[b, j][None], ref), x[b, j][None], ref)
+
+
+@needs_kernel
+def test_bf16_dot_keeps_nan_codes():
+    kernel, g = bf16_kernel(), gen(3300)
+    w, s = fp8_weight(64, 128, 128, g)
+    bad = w.view(torch.uint8).clone()
+    bad[5, 3], bad[40, 127] = 0x7F, 0xFF
+    x3 = act_rounded(2, 1, 128, g=g)
+    y = run(kernel, x3, bad.view(torch.float8_e4m3fn), s, "fp8", 128)[:, 0]
+    assert torch.isnan(y).nonzero()[:, 1].unique().tolist() == [5, 40]
+
+
+@needs_kernel
+def test_bf16_dot_refuses_x_it_would_not_multiply_exactly():
+    """x that is not exact in bf16, a value below 2**-110 (its products with the smallest e4m3 values would be
+    subnormal, which vdpbf16ps flushes), or a non-finite one takes the fp32 rows: bitwise the avx512 kernel's
+    result."""
+    kernel, plain, g = bf16_kernel(), kernel_in("avx512"), gen(3400)
+    w, s = fp8_weight(64, 256, 128, g)
+    good = act_rounded(1, 1, 256, g=g)
+    assert kernel.takes_bf16(good) and not plain.takes_bf16(good)
+    for i, value in ((0, 1.0 + 2.0**-10), (7, 2.0**-115), (9, -(2.0**-111)), (3, math.inf), (4, math.nan)):
+        x3 = good.clone()
+        x3[0, 0, i] = value
+        assert not kernel.takes_bf16(x3), value
+        y = run(kernel, x3, w, s, "fp8", 128)
+        assert torch.equal(y.nan_to_num(), run(plain, x3, w, s, "fp8", 128).nan_to_num()), value
+    edge = good.clone()
+    edge[0, 0, 5] = -(2.0**-110)
+    assert kernel.takes_bf16(edge)
+    check_groups(run(kernel, edge, w, s, "fp8", 128), edge, reference_weight(w, s, "fp8", 128))
+    # the reference's rounding floors a block's largest magnitude at 1e-4, so its nonzero values are at least
+    # 2**-31: every x it rounds qualifies, however small
+    tiny = act_rounded(1, 1, 256, g=g, scale=2.0**-105)
+    assert kernel.takes_bf16(tiny) and tiny.abs().max() == 0
+    small = act_rounded(1, 1, 256, g=g, scale=1e-6)
+    assert kernel.takes_bf16(small) and 0 < small.abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------- inside compiled graphs

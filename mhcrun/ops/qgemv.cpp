@@ -18,6 +18,8 @@
 // A row of W holding an e4m3 NaN code comes out NaN in every row of y, as dequantise-then-matmul gives it.
 // Scales are taken as they are: the caller (mhcrun.ops.qweight) hands over only weights whose every scale is
 // finite and small enough that no dequantised value overflows, checked once when the weight is loaded.
+// With AVX-512 BF16 (isa 3) and x exact in bf16 (as DeepSeek's FP8 activation rounding leaves it), fp8 and fp4
+// weights are decoded to bf16 instead and multiplied by vdpbf16ps (namespace avx512bf16 says when that is exact).
 // Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 a thread flushes
 // subnormals; 6 fp4 on AVX2 with a block that is not a multiple of 32 (DeepSeek's is 32). On a non-zero code y is
 // unspecified and the caller takes the reference path.
@@ -38,6 +40,7 @@ extern "C" int mhc_qgemv_isa(void);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,fma")))
 
 namespace {
 
@@ -51,6 +54,7 @@ struct Job {
     const float* x;         // [M, G, x_stride]: K inputs (fp4: reordered for the instruction set's loop)
     float* y;               // [M, N]
     int64_t m, n, k, block, groups, row_bytes, s_cols, x_stride;
+    const uint16_t* xb = nullptr;  // x in bf16 for the dot-product rows (namespace avx512bf16), or null
 };
 
 struct E8m0Table {
@@ -280,6 +284,182 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 }  // namespace avx512
 
+// ---------------------------------------------------------------- AVX-512 with BF16 dot products (vdpbf16ps)
+// Where x is exact in bf16, as DeepSeek's FP8 activation rounding leaves it before every FP8 / FP4 GEMM, the weights
+// are decoded to bf16 (exact: e4m3 and e2m1 values have at most four significant bits) and multiplied by
+// vdpbf16ps, 32 products an instruction where an FMA takes 16. Each product of two bf16 values is exact in fp32 and
+// each sum is rounded to fp32, so the result is the fp32 GEMV's up to the summation order, as on the other paths,
+// provided no value is subnormal: vdpbf16ps reads subnormal inputs as zero and flushes subnormal sums. `takes_bf16`
+// admits x only when every value is zero or at least 2**-110 in magnitude (and finite): then every product with an
+// e4m3 value (a multiple of 2**-9) or an e2m1 one (of 2**-1) is a multiple of 2**-126, and so is every sum of them,
+// rounded or not, which is zero or normal. Any other x takes the fp32 rows (namespace avx512).
+// fp8 needs tiles of a multiple of 64 inputs, fp4 groups of 32 (DeepSeek's 128 and 32); others take the fp32 rows.
+
+namespace avx512bf16 {
+
+// Whether the x values [0, n) qualify (see above).
+inline bool takes_bf16(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = bits_of(x[i]), a = u & 0x7FFFFFFFu;
+        if ((u & 0xFFFFu) || (a && (a < (17u << 23) || a >= 0x7F800000u))) return false;  // 17: 2**-110 biased
+    }
+    return true;
+}
+
+// The bf16 bytes (low, high) of each e4m3 magnitude code (0x7F: NaN) and of each e2m1 code.
+struct Bf16Tables {
+    alignas(64) uint8_t e4m3_lo[128], e4m3_hi[128];
+    alignas(16) uint8_t e2m1_lo[16], e2m1_hi[16];
+    Bf16Tables() {
+        for (int c = 0; c < 128; c++) {
+            const uint32_t u = bits_of(VALUES.e4m3[c]) >> 16;
+            e4m3_lo[c] = uint8_t(u), e4m3_hi[c] = uint8_t(u >> 8);
+        }
+        for (int c = 0; c < 16; c++) {
+            const uint32_t u = bits_of(VALUES.e2m1[c]) >> 16;
+            e2m1_lo[c] = uint8_t(u), e2m1_hi[c] = uint8_t(u >> 8);
+        }
+    }
+};
+const Bf16Tables BF16;
+
+// Where the decoded vectors hold input i of a chunk, as an index into the chunk's bf16 x. fp8, 64 inputs: the
+// low-byte / high-byte unpacks of the 16-byte lane L hold inputs 16L + [0, 8) (v0) and 16L + [8, 16) (v1), v0 then
+// v1 in x. fp4, 128 inputs (64 bytes, lane L = group L of 32): v0 / v1 the low nibbles of bytes 16L + [0, 8) /
+// [8, 16), v2 / v3 their high nibbles.
+inline int fp8_slot(int i) {
+    const int lane = i / 16, t = i % 16;
+    return 32 * (t / 8) + 8 * lane + t % 8;
+}
+
+inline int fp4_slot(int i) {
+    const int group = i / 32, t = (i % 32) / 2, h = i % 2;  // byte 16 * group + t, nibble h
+    return 32 * (2 * h + t / 8) + 8 * group + t % 8;
+}
+
+// x rows [rows, k] -> bf16 [rows, kpad] (kpad: k rounded up to a chunk of `width` inputs) in the chunks' order,
+// zero-padded; x already checked exact in bf16.
+inline void permute_x(const float* x, uint16_t* xb, int64_t rows, int64_t k, int64_t kpad, bool fp4) {
+    const int width = fp4 ? 128 : 64;
+    int slot[128];
+    for (int i = 0; i < width; i++) slot[i] = fp4 ? fp4_slot(i) : fp8_slot(i);
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t* dst = xb + r * kpad;
+        std::memset(dst, 0, sizeof(uint16_t) * kpad);
+        for (int64_t i = 0; i < k; i++) dst[i / width * width + slot[i % width]] = uint16_t(bits_of(x[r * k + i]) >> 16);
+    }
+}
+
+AVX512BF16 INLINE __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+AVX512BF16 INLINE __m512bh load_xb(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
+
+// fp8: 64 e4m3 bytes at w + k (TAIL: those in mk, the rest zero) into the partial sums of each row of x.
+template <int R, bool TAIL>
+AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4],
+                                const uint16_t* const* xs, __m512 (&p0)[R], __m512 (&p1)[R], __mmask64& nan) {
+    const __m512i m7f = _mm512_set1_epi8(0x7F), m80 = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i b = TAIL ? _mm512_maskz_loadu_epi8(mk, w + k) : _mm512_loadu_si512(w + k);
+    const __m512i mag = _mm512_and_si512(b, m7f);
+    nan |= _mm512_cmpeq_epi8_mask(mag, m7f);
+    const __m512i lo = _mm512_permutex2var_epi8(t[0], mag, t[1]);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], mag, t[3]), b, m80, 0xF8);  // | sign
+    const __m512bh v0 = as_bh(_mm512_unpacklo_epi8(lo, hi)), v1 = as_bh(_mm512_unpackhi_epi8(lo, hi));
+    for (int r = 0; r < R; r++) {
+        p0[r] = _mm512_dpbf16_ps(p0[r], v0, load_xb(xs[r] + k));
+        p1[r] = _mm512_dpbf16_ps(p1[r], v1, load_xb(xs[r] + k + 32));
+    }
+}
+
+template <int R>
+AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const __m512i t[4] = {_mm512_load_si512(BF16.e4m3_lo), _mm512_load_si512(BF16.e4m3_lo + 64),
+                          _mm512_load_si512(BF16.e4m3_hi), _mm512_load_si512(BF16.e4m3_hi + 64)};
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __mmask64 nan = 0;
+    for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
+        const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
+        __m512 p0[R], p1[R];
+        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) {
+            prefetch_ahead(w + k);
+            fp8_step<R, false>(w, k, 0, t, xs, p0, p1, nan);
+        }
+        if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1, nan);
+        const __m512 s = _mm512_set1_ps(scale_at(j, n / j.block, c));
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    return nan != 0;
+}
+
+// fp4: the scales of groups c .. c + 3 of row n, each over the four fp32 lanes of its 16-byte lane; groups past
+// the row's end get 1 (their bytes and x are zero).
+AVX512BF16 INLINE __m512 fp4_scales(const Job& j, int64_t n, int64_t c) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    if (c + 4 <= j.s_cols && j.scale_kind == 1)
+        return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
+                                                 _mm_loadu_ps(static_cast<const float*>(j.s) + n * j.s_cols + c)));
+    if (c + 4 <= j.s_cols) {  // e8m0: byte b -> fp32 bits b << 23 (2**(b - 127)), b = 0 -> 2**-127
+        uint32_t four;
+        std::memcpy(&four, static_cast<const uint8_t*>(j.s) + n * j.s_cols + c, 4);
+        const __m512i at_top = _mm512_set_epi32(  // byte 3 of each fp32 lane <- byte `group` of `four`
+                                                3 << 24, 3 << 24, 3 << 24, 3 << 24, 2 << 24, 2 << 24, 2 << 24,
+                                                2 << 24, 1 << 24, 1 << 24, 1 << 24, 1 << 24, 0, 0, 0, 0);
+        const __m512i top = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, at_top, _mm512_set1_epi32(int(four)));
+        const __m512i u = _mm512_srli_epi32(top, 1);
+        return _mm512_mask_mov_ps(_mm512_castsi512_ps(u), _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
+                                  _mm512_set1_ps(0x1p-127f));
+    }
+    alignas(16) float s[4];
+    for (int i = 0; i < 4; i++) s[i] = c + i < j.s_cols ? scale_at(j, n, c + i) : 1.0f;
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(s)));
+}
+
+// fp4: 64 bytes (128 inputs, groups c .. c + 3) at w + b (TAIL: those in mk, the rest zero) into acc of each row.
+template <int R, bool TAIL>
+AVX512BF16 INLINE void fp4_step(const uint8_t* w, int64_t b, __mmask64 mk, __m512i tlo, __m512i thi, __m512 s,
+                                const uint16_t* const* xs, __m512 (&acc)[R]) {
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i raw = TAIL ? _mm512_maskz_loadu_epi8(mk, w + b) : _mm512_loadu_si512(w + b);
+    const __m512i ln = _mm512_and_si512(raw, m0f), hn = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m0f);
+    const __m512i l0 = _mm512_shuffle_epi8(tlo, ln), l1 = _mm512_shuffle_epi8(thi, ln);
+    const __m512i h0 = _mm512_shuffle_epi8(tlo, hn), h1 = _mm512_shuffle_epi8(thi, hn);
+    const __m512bh v0 = as_bh(_mm512_unpacklo_epi8(l0, l1)), v1 = as_bh(_mm512_unpackhi_epi8(l0, l1));
+    const __m512bh v2 = as_bh(_mm512_unpacklo_epi8(h0, h1)), v3 = as_bh(_mm512_unpackhi_epi8(h0, h1));
+    for (int r = 0; r < R; r++) {
+        const uint16_t* x = xs[r] + 2 * b;
+        __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), v0, load_xb(x));
+        __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), v2, load_xb(x + 64));
+        p = _mm512_dpbf16_ps(p, v1, load_xb(x + 32));
+        q = _mm512_dpbf16_ps(q, v3, load_xb(x + 96));
+        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p, q), s, acc[r]);
+    }
+}
+
+template <int R>
+AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const int64_t bytes = j.k / 2;
+    const __m512i tlo = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(BF16.e2m1_lo)));
+    const __m512i thi = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(BF16.e2m1_hi)));
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 64 <= bytes; b += 64) {
+        prefetch_ahead(w + b);
+        fp4_step<R, false>(w, b, 0, tlo, thi, fp4_scales(j, n, b / 16), xs, acc);
+    }
+    if (b < bytes)
+        fp4_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), tlo, thi, fp4_scales(j, n, b / 16), xs, acc);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+}  // namespace avx512bf16
+
 // ---------------------------------------------------------------- AVX2 (+F16C, FMA): the same sums, 8 lanes
 // Tails (a tile, group or row that ends inside a vector) are copied into zero-padded buffers and take the same
 // vector step.
@@ -498,8 +678,10 @@ AVX2 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out) 
 
 }  // namespace avx2
 
-// The row functions of one instruction set, for run_row.
+// The row functions of one instruction set, for run_row, and the x they read (row i of [M * G, x_stride]).
 struct Avx512Rows {
+    using X = float;
+    static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
     template <int R> static bool fp8(const Job& j, int64_t n, const float* const* xs, float* out) {
         return avx512::fp8_row<R>(j, n, xs, out);
     }
@@ -511,7 +693,21 @@ struct Avx512Rows {
     }
 };
 
+struct Bf16Rows {
+    using X = uint16_t;
+    static const X* x_of(const Job& j, int64_t i) { return j.xb + i * j.x_stride; }
+    template <int R> static bool fp8(const Job& j, int64_t n, const X* const* xs, float* out) {
+        return avx512bf16::fp8_row<R>(j, n, xs, out);
+    }
+    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
+        avx512bf16::fp4_row<R>(j, n, xs, out);
+    }
+    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
+};
+
 struct Avx2Rows {
+    using X = float;
+    static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
     template <int R> static bool fp8(const Job& j, int64_t n, const float* const* xs, float* out) {
         return avx2::fp8_row<R>(j, n, xs, out);
     }
@@ -526,9 +722,9 @@ struct Avx2Rows {
 template <class Rows, int R>
 bool run_row(const Job& j, int64_t n, int64_t m0) {
     const int64_t per_group = j.n / j.groups, g = n / per_group;
-    const float* xs[R];
+    const typename Rows::X* xs[R];
     float out[R];
-    for (int r = 0; r < R; r++) xs[r] = j.x + ((m0 + r) * j.groups + g) * j.x_stride;
+    for (int r = 0; r < R; r++) xs[r] = Rows::x_of(j, (m0 + r) * j.groups + g);
     bool nan = false;
     if (j.fmt == FMT_FP8) nan = Rows::template fp8<R>(j, n, xs, out);
     else if (j.fmt == FMT_FP4) Rows::template fp4<R>(j, n, xs, out);
@@ -610,28 +806,45 @@ Job make_job(int fmt, int scale_kind, const void* w, const void* s, const float*
     return j;
 }
 
-// fp4: x reordered into `own` (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order) and
-// the job pointed at it. False when out of memory.
-bool prepare_x(Job& j, int isa, std::vector<float>& own) {
-    if (j.fmt != FMT_FP4) return true;
+// The x a job's rows read, made by prepare_x.
+struct XBuf {
+    std::vector<float> f;
+    std::vector<uint16_t> h;
+};
+
+// Points the job at the x its rows read, made in `own`: with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
+// takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their order (j.xb); else for fp4, x
+// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
+// False when out of memory.
+bool prepare_x(Job& j, int isa, XBuf& own) {
     const int64_t rows = j.m * j.groups, k = j.k;
-    j.x_stride = isa == 2 ? k : (k + 63) / 64 * 64;
+    const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) || (j.fmt == FMT_FP4 && j.block == 32);
     try {
-        own.resize(rows * j.x_stride);
+        if (isa == 3 && fits && avx512bf16::takes_bf16(j.x, rows * k)) {
+            const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
+            j.x_stride = (k + width - 1) / width * width;
+            own.h.resize(rows * j.x_stride);
+            avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, j.fmt == FMT_FP4);
+            j.xb = own.h.data();
+            return true;
+        }
+        if (j.fmt != FMT_FP4) return true;
+        j.x_stride = isa >= 2 ? k : (k + 63) / 64 * 64;
+        own.f.resize(rows * j.x_stride);
     } catch (const std::bad_alloc&) {
         return false;
     }
-    if (isa == 2) {
+    if (isa >= 2) {
         const int64_t half = k / 2;
         for (int64_t i = 0; i < rows; i++)
             for (int64_t t = 0; t < half; t++) {
-                own[i * k + t] = j.x[i * k + 2 * t];
-                own[i * k + half + t] = j.x[i * k + 2 * t + 1];
+                own.f[i * k + t] = j.x[i * k + 2 * t];
+                own.f[i * k + half + t] = j.x[i * k + 2 * t + 1];
             }
     } else {
-        avx2::fp4_permute(j.x, own.data(), rows, k, j.x_stride);
+        avx2::fp4_permute(j.x, own.f.data(), rows, k, j.x_stride);
     }
-    j.x = own.data();
+    j.x = own.f.data();
     return true;
 }
 
@@ -654,8 +867,9 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     for (int64_t u = 0; u < count; u++) {
         const Unit& t = units[u];
         flush |= flushes_denormals() ? 1 : 0;
-        nan |= (isa == 2 ? run_rows<Avx512Rows>(jobs[t.job], t.n0, t.n1) : run_rows<Avx2Rows>(jobs[t.job], t.n0, t.n1))
-                   ? 1 : 0;
+        const Job& j = jobs[t.job];
+        nan |= (j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
+                : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
     }
     (void)nan;  // NaN rows are written as NaN (run_row)
     return flush ? 5 : 0;
@@ -744,24 +958,29 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     return 0;
 }
 
-// The best instruction set of this CPU the kernel has: 2 AVX-512 (F, BW, VL), 1 AVX2, 0 neither (both also need
-// F16C and FMA).
+// The best instruction set of this CPU the kernel has: 3 AVX-512 with BF16 dot products (also VBMI, BMI2), 2
+// AVX-512 (F, BW, VL), 1 AVX2, 0 neither (all also need F16C and FMA).
 int mhc_qgemv_isa(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma")) return 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return 2;
+        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
+                       __builtin_cpu_supports("bmi2") ? 3 : 2;
     return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
+// Whether x [n] takes the BF16 dot-product rows (avx512bf16::takes_bf16): exact in bf16, each value zero or finite
+// and at least 2**-110 in magnitude. 1 or 0.
+int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
+
 // y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are reordered here (`prepare_x`).
-// isa: 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's intra-op
+// isa: 3 AVX-512 with BF16 dot products where x qualifies, 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's intra-op
 // count).
 int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
               int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
     std::vector<Job> jobs{make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, groups)};
-    std::vector<float> own;
+    XBuf own;
     if (!prepare_x(jobs[0], isa, own)) return 4;
     return run_jobs(jobs, isa, threads);
 }
@@ -782,7 +1001,8 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
         pairs[it->second].push_back(p);
     }
     const size_t g = experts.size();
-    std::vector<std::vector<float>> xs(g), ys(g), own(g);
+    std::vector<std::vector<float>> xs(g), ys(g);
+    std::vector<XBuf> own(g);
     std::vector<Job> jobs;
     for (size_t e = 0; e < g; e++) {
         const int64_t rows = static_cast<int64_t>(pairs[e].size());
@@ -868,9 +1088,9 @@ int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float
         for (int64_t c0 = 0, c = 0; c0 < k; c0 += block, c++) {
             const int64_t c1 = c0 + block < k ? c0 + block : k;
             const float sc = scale_at(j, srow, c);
-            if (isa == 2 && fmt == FMT_FP8) {
+            if (isa >= 2 && fmt == FMT_FP8) {
                 avx512::fp8_decode_block(src, dst, c0, c1, sc);
-            } else if (isa == 2 && c0 % 2 == 0) {
+            } else if (isa >= 2 && c0 % 2 == 0) {
                 avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
             } else if (fmt == FMT_FP8) {
                 for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;

@@ -39,13 +39,15 @@ from mhcrun.settings import Env
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
-ISAS = {"avx512": 2, "avx2": 1}  # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there
+# qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
+# weights by BF16 dot products where x is exact in bf16 (after the FP8 activation rounding), else as avx512
+ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
 
 
 @dataclass(frozen=True)
 class CpuKernel:
     """The fused kernel as a run uses it: the built library's path and the instruction set its GEMVs run in
-    (2 AVX-512, 1 AVX2, 0 off: then `why` is the status line). Made by `open_cpu_kernel`; a custom op rebuilds
+    (`ISAS`, 0 off: then `why` is the status line). Made by `open_cpu_kernel`; a custom op rebuilds
     it from (library, isa)."""
 
     library: str = ""
@@ -58,8 +60,8 @@ class CpuKernel:
 
     def status(self) -> str:
         """One line: the instruction set decode GEMVs on quantised CPU weights run in, or why they take torch's
-        path ("avx512", "avx2", "off (MHCRUN_CPU_KERNEL=0)", "off: <why>")."""
-        return {2: "avx512", 1: "avx2"}.get(self.isa, self.why)
+        path ("avx512bf16", "avx512", "avx2", "off (MHCRUN_CPU_KERNEL=0)", "off: <why>")."""
+        return next((name for name, isa in ISAS.items() if isa == self.isa), self.why)
 
     def takes(self, w: QWeight, rows: int) -> bool:
         """Whether `qgemv` takes this weight for `rows` rows of x: the weight's own answer (`QWeight.kernel`,
@@ -112,6 +114,14 @@ class CpuKernel:
             xf.shape[2], block, self.isa, torch.get_num_threads())
         return None if rc else y
 
+    def takes_bf16(self, x: Tensor) -> bool:
+        """Whether GEMVs over FP8/FP4 weights multiply this x by BF16 dot products (isa avx512bf16): every value
+        exact in bf16, and zero or finite and at least 2**-110 in magnitude (so that no product or sum is
+        subnormal, which vdpbf16ps flushes); qgemv.cpp's avx512bf16 namespace says why that is exact."""
+        xf = x.float().contiguous()
+        return self.isa == ISAS["avx512bf16"] and bool(load_library(self.library).mhc_takes_bf16(xf.data_ptr(),
+                                                                                                 xf.numel()))
+
     def decodes(self, w: QWeight) -> bool:
         """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
         return w.kernel and w.fmt != "float" and self.on
@@ -123,7 +133,7 @@ class CpuKernel:
         if not self.decodes(w):
             return False
         scale, kind = _scale_arg(w)
-        isa = 2 if self.isa == 2 else 0
+        isa = 2 if self.isa >= 2 else 0
         rc = load_library(self.library).mhc_decode_rows(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
                                                         out.data_ptr(), r0, r1, w.out_features, w.in_features,
                                                         w.block, isa, torch.get_num_threads())
@@ -200,7 +210,7 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
         return CpuKernel(why=f"off: not built ({e})")
     if not best:
         return CpuKernel(why="off: this CPU lacks AVX2/AVX-512 with F16C and FMA")
-    return CpuKernel(path, min(ISAS.get(env.cpu_kernel, 2), best))
+    return CpuKernel(path, min(ISAS.get(env.cpu_kernel, 3), best))
 
 
 @functools.cache
@@ -208,6 +218,8 @@ def load_library(path: str) -> ctypes.CDLL:
     """The kernel's shared library at `path`, its entry points typed (loaded once per process)."""
     lib = ctypes.CDLL(path)
     lib.mhc_qgemv_isa.restype = ctypes.c_int
+    lib.mhc_takes_bf16.restype = ctypes.c_int
+    lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
