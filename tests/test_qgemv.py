@@ -125,9 +125,11 @@ def test_fp4_against_reference(isa, n, k, block, m):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16)])
-@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16), (17, 2050), (9, 94), (5, 64)])
+@pytest.mark.parametrize("m", [1, 4, 7])
 def test_bf16_against_reference(isa, n, k, m):
+    """AVX-512 splits x into even and odd inputs for an even k (64 weights a step, a tail of 2 to 30), and takes
+    the widening loop for an odd one."""
     g = gen(300 + m)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x3 = torch.randn(m, 1, k, generator=g)
