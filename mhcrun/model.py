@@ -36,7 +36,7 @@ from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
 from mhcrun.ops.attention import closed_mask, query_bytes, query_slices, sparse_attn, window_mask
-from mhcrun.ops.compress import compress_chunk
+from mhcrun.ops.compress import add_to_open_group, compress_chunk, stays_open
 from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
@@ -178,6 +178,9 @@ class Compressor(nn.Module):
         score = self.wgate(x.float()) + self.ape[pos % r]
         if self.keep_chunk:  # `snapshot.rewind_span` rebuilds the state after a prefix of the chunk from them
             self.chunk = (kv, score)
+        if not static and stays_open(start, s, r):  # most decode steps: the tokens join the open group, no more
+            add_to_open_group(self.kv_state, self.score_state, rows, kv, score, start, r, self.overlap)
+            return
         fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
         kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))

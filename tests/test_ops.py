@@ -17,7 +17,7 @@ from mhcrun.ops.attention import (
     sparse_attn,
     window_mask,
 )
-from mhcrun.ops.compress import compress_chunk, overlap_transform
+from mhcrun.ops.compress import add_to_open_group, compress_chunk, overlap_transform, stays_open
 from mhcrun.ops.hc import (
     hc_collapse,
     hc_expand,
@@ -908,6 +908,27 @@ def test_compress_chunk_vs_loop(r, overlap, groups, chunk):
     out = chunked_compress(kv, score, r, overlap, chunk)
     assert out.shape == (b, groups, d)
     close(out, loop_compress(kv[:, :groups * r], score[:, :groups * r], r, overlap), atol=1e-5)
+
+
+@pytest.mark.parametrize("r, overlap", [(4, True), (16, False), (128, False)])
+def test_add_to_open_group_is_compress_chunks_state(r, overlap):
+    """A chunk that closes no group and begins no sequence (`stays_open`): writing its tokens into the open group
+    (eager decode's shortcut) leaves bitwise the state compress_chunk returns, in rows taken out of order; a chunk
+    that reaches a group's end, or starts a sequence, does not stay open."""
+    lead, c = (r if overlap else 0), 6
+    for s in (1, 2, 3):
+        for pre in range(1, r - s):
+            big = 5
+            kv_state, score_state = randn(big, lead + r, c, seed=60 + s), randn(big, lead + r, c, seed=61 + s)
+            rows = torch.tensor([3, 0])
+            start = torch.tensor([pre, 2 * r + pre])
+            kv, score = randn(2, s, c, seed=62), randn(2, s, c, seed=63)
+            assert stays_open(start, s, r)
+            *_, want_kv, want_score = compress_chunk(kv_state[rows], score_state[rows], kv, score, start, r, overlap)
+            add_to_open_group(kv_state, score_state, rows, kv, score, start, r, overlap)
+            assert torch.equal(kv_state[rows], want_kv) and torch.equal(score_state[rows], want_score)
+        assert not stays_open(torch.tensor([1, r - s]), s, r)  # the second row closes its group
+        assert not stays_open(torch.tensor([0, 1]), s, r)  # the first row begins its sequence
 
 
 def test_compress_chunk_rows_at_different_positions():

@@ -57,3 +57,19 @@ def compress_chunk(kv_state: torch.Tensor, score_state: torch.Tensor, kv: torch.
     keep = ((end // r - lead // r) * r).unsqueeze(1) + torch.arange(lead + r, device=kv.device)  # the new state
     keep = keep.unsqueeze(-1).expand(-1, -1, C)
     return pooled, closed, entry, buf_kv.gather(1, keep), buf_score.gather(1, keep)
+
+
+def stays_open(start: torch.Tensor, s: int, ratio: int) -> bool:
+    """Whether a chunk of s tokens at positions start [b] + [0, s) closes no group and begins no sequence in any
+    row: then all compress_chunk does is `add_to_open_group` (most decode steps)."""
+    return not bool(((start % ratio + s >= ratio) | (start == 0)).any())
+
+
+def add_to_open_group(kv_state: torch.Tensor, score_state: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,
+                      score: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool) -> None:
+    """compress_chunk's new state for a chunk that `stays_open`, written in place into rows `rows` [b] of the state
+    buffers [B, lead + r, C]: kv, score [b, s, C] into the open group's slots lead + start % r + [0, s); nothing
+    closes, so nothing is pooled."""
+    slot = (ratio if overlap else 0) + start.view(-1, 1) % ratio + torch.arange(kv.size(1), device=kv.device)
+    kv_state[rows.view(-1, 1), slot] = kv
+    score_state[rows.view(-1, 1), slot] = score
