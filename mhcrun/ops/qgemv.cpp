@@ -1008,6 +1008,16 @@ int mhc_qgemv_isa(void) {
 // and at least 2**-110 in magnitude. 1 or 0.
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
 
+// The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU
+// that is not AMD's. Zen 4 retires vdpbf16ps at the FMA's instruction rate (twice its products): the dot rows
+// decode FP8 1.7x and FP4 1.3x faster there; an Intel Xeon (Sapphire Rapids) VM retired it at half the FMA's rate,
+// where a version of these rows ran no faster out of DRAM and slower in L2 (BENCHMARKS.md, issue 20).
+int mhc_qgemv_default_isa(void) {
+    const int best = mhc_qgemv_isa();
+    __builtin_cpu_init();
+    return best == 3 && !__builtin_cpu_is("amd") ? 2 : best;
+}
+
 // y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are reordered here (`prepare_x`).
 // isa: 3 AVX-512 with BF16 dot products where x qualifies, 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's intra-op
 // count).

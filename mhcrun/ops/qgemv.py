@@ -199,18 +199,21 @@ KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's 
 
 
 def open_cpu_kernel(env: Env) -> CpuKernel:
-    """The kernel as `env` asks for it: built (once per source and compiler) and loaded, in the best instruction
-    set of this CPU capped by MHCRUN_CPU_KERNEL (avx2 / avx512; 0: off); off, saying why, where it cannot run."""
+    """The kernel as `env` asks for it: built (once per source and compiler) and loaded, in the instruction set
+    MHCRUN_CPU_KERNEL names (avx2 / avx512 / avx512bf16, capped by what this CPU has; 0: off), else this CPU's
+    default (its best, but avx512 rather than avx512bf16 where the CPU is not AMD's: `mhc_qgemv_default_isa` says
+    why); off, saying why, where it cannot run."""
     if env.cpu_kernel == "0":
         return CpuKernel(why="off (MHCRUN_CPU_KERNEL=0)")
     try:
         path = str(native.build(SOURCE, env.kernel_cache, env.cxx))
-        best = load_library(path).mhc_qgemv_isa()
+        lib = load_library(path)
+        best, default = lib.mhc_qgemv_isa(), lib.mhc_qgemv_default_isa()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return CpuKernel(why=f"off: not built ({e})")
     if not best:
         return CpuKernel(why="off: this CPU lacks AVX2/AVX-512 with F16C and FMA")
-    return CpuKernel(path, min(ISAS.get(env.cpu_kernel, 3), best))
+    return CpuKernel(path, min(ISAS[env.cpu_kernel], best) if env.cpu_kernel in ISAS else default)
 
 
 @functools.cache
@@ -218,6 +221,7 @@ def load_library(path: str) -> ctypes.CDLL:
     """The kernel's shared library at `path`, its entry points typed (loaded once per process)."""
     lib = ctypes.CDLL(path)
     lib.mhc_qgemv_isa.restype = ctypes.c_int
+    lib.mhc_qgemv_default_isa.restype = ctypes.c_int
     lib.mhc_takes_bf16.restype = ctypes.c_int
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mhc_qgemv.restype = ctypes.c_int
