@@ -389,9 +389,11 @@ TOLERANCES = {
     # the hc steps in the NKI simulator's device-like numerics (MHCRUN_NKI_SIM=device: every Scalar-engine
     # activation off by up to 2^-9), teacher-forced, 14 prompts x 32 tokens, the fused hc_post_pre: up to 3.83
     # against tests/golden/tiny-random.json (at step 31), 0.23 against tests/golden/tiny.json (4.86 there before,
-    # with the unfused kernels and a bf16 lo of fn; 3 teacher-forced argmax flips at near-ties); the locate
-    # tolerance is not measured
-    "nki-device": (6.0, 0.05),
+    # with the unfused kernels and a bf16 lo of fn; 3 teacher-forced argmax flips at near-ties). The other sums'
+    # order moves it: on a Zen 4 VM tiny-random.json reached 6.74 (text2, step 26: a flip at golden margin 1.12)
+    # with the AVX-512 GEMV kernel and 6.77 with torch's, 3.0 with the AVX2 kernel; tiny.json 0.12-0.82. The
+    # locate tolerance is not measured
+    "nki-device": (8.0, 0.05),
 }
 
 
