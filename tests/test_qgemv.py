@@ -18,7 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import cpu_kernel, kernel_in
-from test_qlinear import assert_gemm_close, fp4_weight, fp8_weight, gen, qw, reference_weight, weight_of
+from test_qlinear import (
+    assert_gemm_close,
+    fp4_weight,
+    fp8_weight,
+    gen,
+    qw,
+    reference_qlinear,
+    reference_weight,
+    weight_of,
+)
 
 from mhcrun.ops import native, qgemv
 from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
@@ -396,6 +405,11 @@ def every_code_fp8(n: int, k: int) -> torch.Tensor:
     return codes.repeat(-(-n * k // codes.numel()))[:n * k].view(n, k).view(torch.float8_e4m3fn)
 
 
+def every_byte_fp4(n: int, k: int) -> torch.Tensor:
+    """Packed e2m1 codes [n, k / 2] holding every byte in turn (every code in both nibbles)."""
+    return torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8).view(n, k // 2)
+
+
 @needs_kernel
 @pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 128), (64, 200, 64), (1, 128, 128),
                                          (130, 7, 128), (33, 2048, 128), (9, 1000, 64)])
@@ -420,7 +434,7 @@ def test_bf16_dot_fp4_against_reference(n, k, m):
     end inside a step or a group's 16 bytes, scales past the row's end never read, both scale encodings, and
     e8m0 byte 0 (2**-127, subnormal) among the scales."""
     kernel, g = bf16_kernel(), gen(3100 + m + k)
-    p = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8).view(n, k // 2)
+    p = every_byte_fp4(n, k)
     _, s = fp4_weight(n, k, g, e8m0=bool(m % 2))
     if m % 2:
         s.view(torch.uint8)[0, 0] = 0
@@ -493,6 +507,75 @@ def test_bf16_dot_refuses_x_it_would_not_multiply_exactly():
     assert kernel.takes_bf16(tiny) and tiny.abs().max() == 0
     small = act_rounded(1, 1, 256, g=g, scale=1e-6)
     assert kernel.takes_bf16(small) and 0 < small.abs().max() < 1e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt, block", [("fp8", 128), ("fp8", 64), ("fp4", 32), ("fp4", 64)])
+@pytest.mark.parametrize("m, n, k", [(37, 70, 200), (64, 128, 256), (100, 33, 96), (17, 40, 77), (9, 5, 2),
+                                     (40, 64, 1000)])
+def test_bf16_gemm_against_reference(fmt, block, m, n, k):
+    """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`): panels of 32 output rows that end early, row tiles
+    of 8 that end early, an odd K (fp8), tiles and groups that end inside the row, both scale encodings (fp32 powers
+    of two too), every code; 1 and 2 threads bitwise alike."""
+    if fmt == "fp4" and k % 2:
+        pytest.skip("FP4 rows hold an even number of values")
+    kernel, g = bf16_kernel(), gen(3500 + m + n + k)
+    e8m0 = bool((m + k) % 2)
+    if fmt == "fp8":
+        data = every_code_fp8(n, k)
+        scale = fp8_weight(n, k, block, g, e8m0=e8m0)[1]
+    else:
+        data = every_byte_fp4(n, k)
+        scale = fp4_weight(n, k, g, e8m0=e8m0, block=block)[1]
+    w_ref = dequantize(QWeight(data, scale, block))
+    x = act_rounded(m, k, g=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.qgemm(x, qw(data, scale, block))
+        torch.set_num_threads(2)
+        two = kernel.qgemm(x, qw(data, scale, block))
+    finally:
+        torch.set_num_threads(before)
+    assert one is not None and torch.equal(one, two)
+    assert_gemm_close(one, F.linear(x, w_ref), x, w_ref)
+
+
+@needs_kernel
+def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly():
+    """x not exact in bf16 or with a value below 2**-40; a scale that is not a power of two, below 2**-70 (e8m0
+    byte 0 among them) or a float weight: qgemm declines (None) and qlinear takes its fp32 path, whose result it
+    gives; the avx512 kernel never takes it."""
+    kernel, g = bf16_kernel(), gen(3600)
+    w, s = fp8_weight(64, 256, 128, g)
+    x = act_rounded(20, 256, g=g)
+    assert kernel.qgemm(x, qw(w, s, 128)) is not None and kernel_in("avx512").qgemm(x, qw(w, s, 128)) is None
+    for i, value in ((0, 1.0 + 2.0**-10), (7, 2.0**-41), (9, math.inf)):
+        bad = x.clone()
+        bad[3, i] = value
+        assert kernel.qgemm(bad, qw(w, s, 128)) is None, value
+    edge = x.clone()
+    edge[3, 5] = -(2.0**-40)
+    assert kernel.qgemm(edge, qw(w, s, 128)) is not None
+    s32 = s.float()
+    for scale in (s32 * 3, s32 * 0 + 2.0**-71, float_to_e8m0(s32 * 0 + 2.0**-71)):
+        assert kernel.qgemm(x, qw(w, scale, 128)) is None
+        w_ref = reference_weight(w, scale, "fp8", 128)
+        assert_gemm_close(qlinear(x, qw(w, scale, 128), cpu=kernel), F.linear(x, w_ref), x, w_ref)
+    assert kernel.qgemm(x, qw(w, s32 * 0 + 2.0**-70, 128)) is not None
+    assert kernel.qgemm(x, qw(torch.randn(64, 256).to(torch.bfloat16))) is None
+
+
+@needs_kernel
+def test_prefill_qlinear_takes_the_bf16_gemm():
+    """qlinear of a chunk of rows with the activation rounding, through the avx512bf16 kernel: the reference's
+    values within the two-orders bound, for FP8 and FP4 weights."""
+    kernel, g = bf16_kernel(), gen(3700)
+    for data, scale, block, fmt in (*fp8_weight(96, 384, 128, g), 128, "fp8"), (*fp4_weight(96, 384, g), 32, "fp4"):
+        x = torch.randn(50, 384, generator=g)
+        w_ref = reference_weight(data, scale, fmt, block)
+        y = qlinear(x, qw(data, scale, block), act_quant=True, cpu=kernel)
+        assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant=True), x, w_ref, act_quant=True)
 
 
 # ---------------------------------------------------------------- inside compiled graphs

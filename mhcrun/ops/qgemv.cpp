@@ -40,7 +40,7 @@ extern "C" int mhc_qgemv_isa(void);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
 
 namespace {
 
@@ -493,6 +493,97 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
 }
 
 }  // namespace avx512bf16
+
+// ---------------------------------------------------------------- prefill GEMM by BF16 dot products
+// y [M, N] = x [M, K] . W^T for a chunk of many rows: W decoded (value times scale) into bf16 panels of NB output
+// columns, each panel once, then multiplied into every row of x by vdpbf16ps (MR rows by 2 x 16 columns a
+// micro-tile, all of K), sums in fp32. Exact up to the summation order, as the GEMV rows are, when `gemm_takes`:
+// x exact in bf16 with every value zero or at least 2**-40 in magnitude (each a multiple of 2**-47), and every scale
+// a power of two of at least 2**-70 (each weight value then a multiple of 2**-79 and exact in bf16): every product
+// and sum is a multiple of 2**-126, zero or normal, so the flushing of subnormals changes nothing. The activation
+// rounding's x always qualifies (its values are at least 2**-31).
+
+namespace gemm {
+
+constexpr int NB = 32, MR = 8;
+
+// Whether x [n] qualifies (see above).
+inline bool x_takes(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = bits_of(x[i]), a = u & 0x7FFFFFFFu;
+        if ((u & 0xFFFFu) || (a && (a < (87u << 23) || a >= 0x7F800000u))) return false;  // 87: 2**-40 biased
+    }
+    return true;
+}
+
+// Whether every scale of the job's grid qualifies (see above).
+inline bool scales_take(const Job& j, int64_t grid_rows) {
+    for (int64_t i = 0; i < grid_rows * j.s_cols; i++) {
+        const uint32_t u = j.scale_kind == 0 ? uint32_t(static_cast<const uint8_t*>(j.s)[i]) << 23
+                                             : bits_of(static_cast<const float*>(j.s)[i]);
+        if ((u & 0x807FFFFFu) || (u >> 23) < 57 || (u >> 23) == 255) return false;  // 57: 2**-70 biased
+    }
+    return true;
+}
+
+// Rows [n0, n0 + cols) of W, decoded with their scales (bitwise the reference's dequantisation, AVX-512) through
+// `row` [K], into the panel: dword p * NB + c holds row n0 + c's values 2p and 2p + 1 in bf16 (exact), zero past
+// the row (odd K) and past `cols`.
+AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* row, uint32_t* panel, int64_t k2) {
+    std::memset(panel, 0, sizeof(uint32_t) * NB * k2);
+    for (int c = 0; c < cols; c++) {
+        const int64_t r = n0 + c;
+        const uint8_t* src = j.w + r * j.row_bytes;
+        const int64_t srow = j.fmt == FMT_FP8 ? r / j.block : r;
+        row[j.k] = 0.0f;  // odd K: the last pair's second value
+        for (int64_t c0 = 0, g = 0; c0 < j.k; c0 += j.block, g++) {
+            const int64_t c1 = c0 + j.block < j.k ? c0 + j.block : j.k;
+            if (j.fmt == FMT_FP8) avx512::fp8_decode_block(src, row, c0, c1, scale_at(j, srow, g));
+            else avx512::fp4_decode_block(src, row, c0, c1, scale_at(j, srow, g), VALUES.e2m1);
+        }
+        for (int64_t p = 0; p < k2; p++)
+            panel[p * NB + c] = (bits_of(row[2 * p]) >> 16) | (bits_of(row[2 * p + 1]) & 0xFFFF0000u);
+    }
+}
+
+// R rows of x (bf16 pairs, `k2` a row) by the panel's NB columns into y (`ldy` a row; `cols` of them stored).
+template <int R>
+AVX512BF16 void tile(const uint32_t* a, int64_t k2, const uint32_t* panel, float* y, int64_t ldy, int cols) {
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k2; p++) {
+        const __m512bh b0 = avx512bf16::as_bh(_mm512_loadu_si512(panel + p * NB));
+        const __m512bh b1 = avx512bf16::as_bh(_mm512_loadu_si512(panel + p * NB + 16));
+        for (int r = 0; r < R; r++) {
+            const __m512bh av = avx512bf16::as_bh(_mm512_set1_epi32(int(a[r * k2 + p])));
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], av, b0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
+        }
+    }
+    const __mmask16 m0 = avx512::tail16(cols), m1 = avx512::tail16(cols > 16 ? cols - 16 : 0);
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, acc0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc1[r]);
+    }
+}
+
+AVX512BF16 void tiles(const uint32_t* a, int64_t m, int64_t k2, const uint32_t* panel, float* y, int64_t ldy,
+                      int cols) {
+    int64_t m0 = 0;
+    for (; m0 + MR <= m; m0 += MR) tile<MR>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols);
+    switch (m - m0) {
+        case 7: tile<7>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 6: tile<6>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 5: tile<5>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 4: tile<4>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 3: tile<3>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 2: tile<2>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        case 1: tile<1>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
+        default: break;
+    }
+}
+
+}  // namespace gemm
 
 // ---------------------------------------------------------------- AVX2 (+F16C, FMA): the same sums, 8 lanes
 // Tails (a tile, group or row that ends inside a vector) are copied into zero-padded buffers and take the same
@@ -1016,6 +1107,51 @@ int mhc_qgemv_default_isa(void) {
     const int best = mhc_qgemv_isa();
     __builtin_cpu_init();
     return best == 3 && !__builtin_cpu_is("amd") ? 2 : best;
+}
+
+// y [M, N] = x [M, K] . W^T for an fp8 / fp4 weight (see the top of this file) and a chunk of rows (namespace gemm:
+// bf16 panels by vdpbf16ps; isa 3 only). Returns 7, leaving y as it was, where x or the scales do not qualify
+// (gemm::x_takes, gemm::scales_take: the caller then takes its fp32 path); 3, 4, 5 as mhc_qgemv.
+int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
+                   int64_t n, int64_t k, int64_t block, int isa, int threads) {
+    if (isa != 3 || isa > mhc_qgemv_isa() || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 3;
+    if (fmt == FMT_FP4 && block % 2) return 7;
+    if (flushes_denormals()) return 5;
+    const Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
+    const int64_t grid_rows = fmt == FMT_FP8 ? (n + block - 1) / block : n;
+    if (!gemm::scales_take(j, grid_rows) || !gemm::x_takes(x, m * k)) return 7;
+    const int64_t k2 = (k + 1) / 2, panels = (n + gemm::NB - 1) / gemm::NB;
+    std::vector<uint16_t> xb;
+    try {
+        xb.assign(m * 2 * k2, 0);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xb[r * 2 * k2 + i] = uint16_t(bits_of(x[r * k + i]) >> 16);
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(xb.data());
+    int oom = 0, flush = 0;
+#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
+    {
+        flush |= flushes_denormals() ? 1 : 0;
+        std::vector<uint32_t> panel;
+        std::vector<float> row;
+        try {
+            panel.resize(gemm::NB * k2);
+            row.resize(2 * k2 + 16);
+        } catch (const std::bad_alloc&) {
+            oom = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            if (oom || flush) continue;
+            const int64_t n0 = pi * gemm::NB;
+            const int cols = n - n0 < gemm::NB ? int(n - n0) : gemm::NB;
+            gemm::decode_panel(j, n0, cols, row.data(), panel.data(), k2);
+            gemm::tiles(a, m, k2, panel.data(), y + n0, n, cols);
+        }
+    }
+    return oom ? 4 : flush ? 5 : 0;
 }
 
 // y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are reordered here (`prepare_x`).

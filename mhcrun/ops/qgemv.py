@@ -14,6 +14,9 @@ Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kern
 False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
 (a model built without a runner) the kernel is `KERNEL_OFF`.
 
+With avx512bf16 it also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32
+output rows, each decoded once, by BF16 dot products.
+
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu").
 
@@ -112,6 +115,23 @@ class CpuKernel:
         rc = load_library(self.library).mhc_qgemv_experts(
             fmt, table.data_ptr(), ids.data_ptr(), kind, xf.data_ptr(), y.data_ptr(), b, kk, xf.shape[1], n,
             xf.shape[2], block, self.isa, torch.get_num_threads())
+        return None if rc else y
+
+    def qgemm(self, x2: Tensor, w: QWeight) -> Tensor | None:
+        """y [M, out] fp32 = x2 [M, in] times an FP8/FP4 weight the kernel takes, by BF16 dot products (isa
+        avx512bf16): a prefill chunk's GEMM, each block of 32 output rows decoded into a bf16 panel once
+        (`mhc_qgemm_bf16`, exact up to the summation order where x and the scales qualify); None where it does not
+        apply (another instruction set, a float weight, x or the scales that do not qualify): the caller then
+        takes its fp32 path."""
+        if self.isa != ISAS["avx512bf16"] or not w.kernel or w.fmt == "float" or x2.device.type != "cpu":
+            return None
+        m, k = x2.shape
+        scale, kind = _scale_arg(w)
+        x = x2.float().contiguous()
+        y = torch.empty(m, w.out_features, dtype=torch.float32)
+        rc = load_library(self.library).mhc_qgemm_bf16(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
+                                                       x.data_ptr(), y.data_ptr(), m, w.out_features, k, w.block,
+                                                       self.isa, torch.get_num_threads())
         return None if rc else y
 
     def takes_bf16(self, x: Tensor) -> bool:
@@ -222,6 +242,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.mhc_qgemv_isa.restype = ctypes.c_int
     lib.mhc_qgemv_default_isa.restype = ctypes.c_int
+    lib.mhc_qgemm_bf16.restype = ctypes.c_int
+    lib.mhc_qgemm_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_takes_bf16.restype = ctypes.c_int
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mhc_qgemv.restype = ctypes.c_int

@@ -9,7 +9,9 @@ block scale: one rounding, the same as the reference's), and the GEMM accumulate
 
 CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kernel of `mhcrun.ops.qgemv` (C++,
 AVX-512 or AVX2, opened once per run and passed in as `cpu`, a `qgemv.CpuKernel`) reads each weight byte once and
-decodes it in registers; where it does not apply (prefill, the kernel off: no compiler, neither instruction set,
+decodes it in registers; with more rows (a prefill chunk) and the kernel in avx512bf16, an FP8/FP4 weight whose
+x qualifies (as the FP8 activation rounding leaves it) is multiplied by bf16 panels (`CpuKernel.qgemm`: each 32
+output rows decoded once, BF16 dot products, fp32 sums); where neither applies (prefill otherwise, the kernel off: no compiler, neither instruction set,
 MHCRUN_CPU_KERNEL=0 or no run opened it; scales that could overflow), the torch chunk decoders are the path (and
 the reference the kernel is tested against): the output rows are taken in chunks of about `CHUNK_BYTES` of fp32;
 each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small buffer that
@@ -449,6 +451,9 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int, cpu: CpuKernel) -> Tensor:
     m, n_in = x3.shape[0], x3.shape[2]
     r = w.out_features // groups
     fast = cpu.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
+    if fast is None and groups == 1:  # a prefill chunk: bf16 panels by BF16 dot products, where x qualifies
+        fast = cpu.qgemm(x3[:, 0], w)
+        fast = None if fast is None else fast.unsqueeze(1)
     if fast is not None:
         return fast
     if not _denormals_ok():
