@@ -11,8 +11,9 @@ CPU eager path: with at most `qgemv.MAX_ROWS` rows of x (decode), the fused kern
 AVX-512 or AVX2, opened once per run and passed in as `cpu`, a `qgemv.CpuKernel`) reads each weight byte once and
 decodes it in registers; with more rows (a prefill chunk) and the kernel in avx512bf16, an FP8/FP4 weight whose
 x qualifies (as the FP8 activation rounding leaves it) is multiplied by bf16 panels (`CpuKernel.qgemm`: each 32
-output rows decoded once, BF16 dot products, fp32 sums); where neither applies (prefill otherwise, the kernel off: no compiler, neither instruction set,
-MHCRUN_CPU_KERNEL=0 or no run opened it; scales that could overflow), the torch chunk decoders are the path (and
+output rows decoded once, BF16 dot products, fp32 sums); where neither applies (prefill otherwise, the kernel
+off: no compiler, neither instruction set, MHCRUN_CPU_KERNEL=0 or no run opened it; scales that could overflow),
+the torch chunk decoders are the path (and
 the reference the kernel is tested against): the output rows are taken in chunks of about `CHUNK_BYTES` of fp32;
 each chunk is decoded with integer bit tricks (much faster than torch's fp8 -> fp32 cast) into a small buffer that
 stays in cache and multiplied right away (`F.linear` on the chunk), so no fp32 copy of the weight is ever made.
