@@ -567,6 +567,23 @@ def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly():
 
 
 @needs_kernel
+def test_bf16_gemm_keeps_nan_codes_and_empty_inputs():
+    """NaN codes give NaN columns exactly where dequantise-then-matmul does; K = 0 gives zeros."""
+    kernel, g = bf16_kernel(), gen(3650)
+    w, s = fp8_weight(70, 256, 128, g)
+    bad = w.view(torch.uint8).clone()
+    bad[5, 3], bad[40, 255] = 0x7F, 0xFF
+    bad = bad.view(torch.float8_e4m3fn)
+    x = act_rounded(20, 256, g=g)
+    y = kernel.qgemm(x, qw(bad, s, 128))
+    assert torch.equal(torch.isnan(y), torch.isnan(F.linear(x, reference_weight(bad, s, "fp8", 128))))
+    assert torch.isnan(y).any(dim=0).nonzero().flatten().tolist() == [5, 40]
+    empty = kernel.qgemm(torch.zeros(20, 0), qw(torch.zeros(70, 0).to(torch.float8_e4m3fn),
+                                                 float_to_e8m0(torch.ones(1, 0)), 128))
+    assert empty is not None and torch.equal(empty, torch.zeros(20, 70))
+
+
+@needs_kernel
 def test_prefill_qlinear_takes_the_bf16_gemm():
     """qlinear of a chunk of rows with the activation rounding, through the avx512bf16 kernel: the reference's
     values within the two-orders bound, for FP8 and FP4 weights."""
