@@ -327,14 +327,17 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 namespace avx512bf16 {
 
-// Whether the x values [0, n) qualify (see above).
-inline bool takes_bf16(const float* x, int64_t n) {
+// Whether every x value [0, n) is exact in bf16 and zero, or finite with a biased exponent of at least `min_exp`.
+inline bool exact_in_bf16(const float* x, int64_t n, uint32_t min_exp) {
     for (int64_t i = 0; i < n; i++) {
         const uint32_t u = bits_of(x[i]), a = u & 0x7FFFFFFFu;
-        if ((u & 0xFFFFu) || (a && (a < (17u << 23) || a >= 0x7F800000u))) return false;  // 17: 2**-110 biased
+        if ((u & 0xFFFFu) || (a && (a < (min_exp << 23) || a >= 0x7F800000u))) return false;
     }
     return true;
 }
+
+// Whether the x values [0, n) qualify (see above).
+inline bool takes_bf16(const float* x, int64_t n) { return exact_in_bf16(x, n, 17); }  // 17: 2**-110 biased
 
 // The bf16 bytes (low, high) of each e4m3 magnitude code (0x7F: NaN) and of each e2m1 code.
 struct Bf16Tables {
@@ -497,7 +500,8 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
 // ---------------------------------------------------------------- prefill GEMM by BF16 dot products
 // y [M, N] = x [M, K] . W^T for a chunk of many rows: W decoded (value times scale) into bf16 panels of NB output
 // columns, each panel once, then multiplied into every row of x by vdpbf16ps (MR rows by 2 x 16 columns a
-// micro-tile, all of K), sums in fp32. Exact up to the summation order, as the GEMV rows are, when `gemm_takes`:
+// micro-tile, all of K), sums in fp32. Exact up to the summation order, as the GEMV rows are, when `x_takes` and
+// `scales_take`:
 // x exact in bf16 with every value zero or at least 2**-40 in magnitude (each a multiple of 2**-47), and every scale
 // a power of two of at least 2**-70 (each weight value then a multiple of 2**-79 and exact in bf16): every product
 // and sum is a multiple of 2**-126, zero or normal, so the flushing of subnormals changes nothing. The activation
@@ -508,13 +512,7 @@ namespace gemm {
 constexpr int NB = 32, MR = 8;
 
 // Whether x [n] qualifies (see above).
-inline bool x_takes(const float* x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t u = bits_of(x[i]), a = u & 0x7FFFFFFFu;
-        if ((u & 0xFFFFu) || (a && (a < (87u << 23) || a >= 0x7F800000u))) return false;  // 87: 2**-40 biased
-    }
-    return true;
-}
+inline bool x_takes(const float* x, int64_t n) { return avx512bf16::exact_in_bf16(x, n, 87); }  // 87: 2**-40 biased
 
 // Whether every scale of the job's grid qualifies (see above).
 inline bool scales_take(const Job& j, int64_t grid_rows) {
@@ -1155,8 +1153,8 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
 }
 
 // y [M, N] = x [M, G, K] . W^T (see the top of this file). x: fp32; fp4 rows are reordered here (`prepare_x`).
-// isa: 3 AVX-512 with BF16 dot products where x qualifies, 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads: how many OpenMP threads to use (torch's intra-op
-// count).
+// isa: 3 AVX-512 with BF16 dot products where x qualifies, 2 AVX-512, 1 AVX2 (at most mhc_qgemv_isa()). threads:
+// how many OpenMP threads to use (torch's intra-op count).
 int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
               int64_t n, int64_t k, int64_t block, int64_t groups, int isa, int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
