@@ -10,8 +10,10 @@ import torch
 from mhcrun.ops.quant import (
     FP4_MAX,
     FP8_MAX,
+    dequantize_act,
     dequantize_fp4,
     dequantize_fp8,
+    e4m3_to_float,
     e8m0_to_float,
     float_to_e8m0,
     fp4_simulate,
@@ -19,6 +21,7 @@ from mhcrun.ops.quant import (
     hadamard,
     pack_fp4,
     pow2_ceil,
+    quantize_act_fp8,
     quantize_weight_fp4,
     quantize_weight_fp8,
     round_e2m1,
@@ -401,3 +404,26 @@ def test_hadamard_preserves_dot_products_and_is_involution():
 def test_hadamard_rejects_non_power_of_two():
     with pytest.raises(ValueError):
         hadamard(torch.ones(3, 12))
+
+
+def test_e4m3_to_float_is_the_cast_bitwise_for_every_code():
+    """The bit-operation decode (CPU eager) equals torch's cast for all 256 codes, NaN codes included, in a
+    non-contiguous view too."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    grid = codes.view(16, 16)
+    for c in (codes, grid, grid.t(), grid[:, ::3], codes[:0]):
+        got, want = e4m3_to_float(c), c.float()
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    sub = codes.view(torch.uint8)[1:8].view(torch.float8_e4m3fn)  # the subnormal codes: 2**-9 .. 7 * 2**-9
+    assert torch.equal(e4m3_to_float(sub), torch.arange(1, 8) * 2.0**-9)
+
+
+def test_dequantize_act_decodes_fp8_codes_as_the_cast():
+    x = torch.randn(3, 5, 200) * torch.logspace(-30, 10, 200)
+    codes, scale = quantize_act_fp8(x, 64)
+    vb = codes.float().nan_to_num(0.0)
+    want = (torch.nn.functional.pad(vb, (0, 56)).view(3, 5, 4, 64) * scale.unsqueeze(-1)).view(3, 5, 256)[..., :200]
+    assert torch.equal(dequantize_act(codes, scale, 64), want)
+    assert torch.equal(dequantize_act(codes, scale, 64), fp8_simulate(x, 64))

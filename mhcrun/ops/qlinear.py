@@ -42,7 +42,7 @@ Decoders (`decode`, and the chunk kernels under it):
   are the e2m1 values times 2**-126. Converted to fp32 (exact) and multiplied by scale * 2**126 (folded as
   for fp8, unfolded above 2**1).
 Subnormal fp32 intermediates need the CPU's denormal support on (the default; `torch.set_flush_denormal(True)`
-would zero them): `_denormals_ok` checks this and falls back to the reference dequantisation when it is off.
+would zero them): `denormals_ok` checks this and falls back to the reference dequantisation when it is off.
 """
 
 from __future__ import annotations
@@ -57,7 +57,18 @@ from torch import Tensor
 
 from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
-from mhcrun.ops.quant import fp8_simulate, quantize_act_fp8, scale_tiles, scale_to_float, unpack_fp4
+from mhcrun.ops.quant import (
+    E4M3_BITS,
+    E4M3_UNSCALE_LOG2,
+    denormals_ok,
+    e4m3_unscaled_,
+    fp8_simulate,
+    has_e4m3_nan,
+    quantize_act_fp8,
+    scale_tiles,
+    scale_to_float,
+    unpack_fp4,
+)
 from mhcrun.ops.qweight import QWeight
 
 # fp32 bytes of one dequantised chunk of rows. Each chunk costs ~10 torch ops, whose dispatch overhead dominates
@@ -66,8 +77,6 @@ from mhcrun.ops.qweight import QWeight
 CHUNK_BYTES = 4 << 20
 CHUNK_SPANS_BLOCKS = False  # fp8: chunks of at most one block row (so x can take the scales) unless tiny
 
-_E4M3_BITS = 0x87F00000 - (1 << 32)  # sign bit + the 7 exponent/mantissa bits after << 20, as int32
-_E4M3_UNSCALE_LOG2 = 120  # (int8 << 20 & mask) as fp32 == e4m3 value * 2**-120
 _E2M1_MAG = (1 << 5) + (1 << 17)  # t * this: low nibble's magnitude bits at 5..7, high nibble's at 21..23
 _E2M1_SGN = (1 << 11) + (1 << 23)  # (t & 0x88) * this: sign bits 3 / 7 at 14 / 30
 _E2M1_KEEP = 0x40E040E0  # the fields above; << 1 then makes two bf16 patterns
@@ -94,7 +103,7 @@ def dequantize(w: QWeight, cpu: CpuKernel = KERNEL_OFF) -> Tensor:
     .item(), no data-dependent branches); in CPU eager mode it runs the fast decoders matrix by matrix (`decode`,
     the kernel's C++ pass where `cpu` takes the weight).
     """
-    if w.fmt == "float" or torch.compiler.is_compiling() or w.data.device.type != "cpu" or not _denormals_ok():
+    if w.fmt == "float" or torch.compiler.is_compiling() or w.data.device.type != "cpu" or not denormals_ok():
         return dequantize_reference(w)
     data, scale = w.data, w.scale
     out = torch.empty(*data.shape[:-2], w.out_features, w.in_features, dtype=torch.float32)
@@ -137,8 +146,8 @@ def gemv_fused(x: Tensor, w: QWeight) -> Tensor:
     n, k = w.out_features, w.in_features
     s = scale_to_float(w.scale)
     if fmt == "fp8":  # e4m3 byte -> fp32 holding value * 2**-120 (module docstring), rescaled exactly
-        bits = (data.view(torch.int8).to(torch.int32) << 20) & -2014314496  # 0x87F00000
-        v = bits.view(torch.float32) * 2.0**120
+        bits = (data.view(torch.int8).to(torch.int32) << 20) & E4M3_BITS
+        v = bits.view(torch.float32) * 2.0**E4M3_UNSCALE_LOG2
         v = v.unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))  # [..., n/b, b, k/b, b]
         v = (v * s[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1)
         return (v * x).sum(-1)
@@ -155,15 +164,6 @@ def gemv_fused(x: Tensor, w: QWeight) -> Tensor:
 
 
 # ---------------------------------------------------------------- fast CPU decoders (chunk kernels)
-
-
-_SUBNORMAL = 2.0**-1060  # a float64 subnormal
-
-
-def _denormals_ok() -> bool:
-    """Whether subnormals survive arithmetic on this thread: torch.set_flush_denormal(True) sets the CPU's
-    flush-to-zero flags, which Python's own float arithmetic obeys too (no tensor made, nothing synchronised)."""
-    return _SUBNORMAL * 0.5 != 0.0
 
 
 def _folded_scales(scale: Tensor, unscale_log2: int) -> tuple[Tensor, float | None]:
@@ -216,11 +216,6 @@ def _scale_tiles_(v: Tensor, fcol: Tensor, r0: int, br: int) -> None:
         a = b
 
 
-def _fp8_nan_codes(codes: Tensor) -> bool:
-    """Whether int8 e4m3 codes hold a NaN (0x7F or 0xFF): two max reductions, no temporaries."""
-    return bool(codes.max() == 127) or bool(codes.view(torch.uint8).max() == 255)
-
-
 def _fp8_chunk(codes: Tensor, fcol: Tensor, pre: float | None, r0: int, block: int, dst: Tensor,
                check_nan: bool = True, scaled: bool = True) -> bool:
     """codes int8 [r, C] (rows r0.. of an e4m3 weight) -> dst fp32 [r, C] (contiguous), dequantised.
@@ -229,15 +224,12 @@ def _fp8_chunk(codes: Tensor, fcol: Tensor, pre: float | None, r0: int, block: i
     at e4m3 value * 2**-120 (the caller scales x instead). Returns whether NaN codes were found (and written as
     NaN); with check_nan=False the caller knows there are none.
     """
-    t = dst.view(torch.int32)
-    t.copy_(codes)  # sign-extends
-    t.bitwise_left_shift_(20)
-    t.bitwise_and_(_E4M3_BITS)
+    e4m3_unscaled_(dst, codes)
     if scaled:
         if pre is not None:
             dst.mul_(pre)
         _scale_tiles_(dst, fcol, r0, block)
-    if check_nan and _fp8_nan_codes(codes):
+    if check_nan and has_e4m3_nan(codes):
         dst.masked_fill_(codes.bitwise_and(0x7F) == 0x7F, math.nan)
         return True
     return False
@@ -290,7 +282,7 @@ class _RowDecoder:
         """The torch chunk decoders' folded scales and scratch (only where the C++ pass does not decode)."""
         self.native = False
         data, scale, block = self.w.data, self.w.scale, self.w.block
-        self.f, self.pre = _folded_scales(scale, _E4M3_UNSCALE_LOG2 if self.fmt == "fp8" else _E2M1_UNSCALE_LOG2)
+        self.f, self.pre = _folded_scales(scale, E4M3_UNSCALE_LOG2 if self.fmt == "fp8" else _E2M1_UNSCALE_LOG2)
         if self.fmt == "fp8":
             self.codes = data.view(torch.int8)
             self.fcol = self.f.repeat_interleave(block, dim=1)[:, : self.n_in].contiguous()
@@ -351,7 +343,7 @@ def decode(w: QWeight, out: Tensor | None = None, cpu: CpuKernel = KERNEL_OFF) -
         raise ValueError(f"out must be a contiguous fp32 [{n_out}, {n_in}] tensor")
     if out.numel() == 0:
         return out
-    if w.data.device.type != "cpu" or not _denormals_ok():
+    if w.data.device.type != "cpu" or not denormals_ok():
         out.copy_(dequantize_reference(w))
         return out
     rows = _chunk_rows(n_out, n_in, w.grid[0])
@@ -457,7 +449,7 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int, cpu: CpuKernel) -> Tensor:
         fast = None if fast is None else fast.unsqueeze(1)
     if fast is not None:
         return fast
-    if not _denormals_ok():
+    if not denormals_ok():
         return torch.einsum("mgd,grd->mgr", x3, dequantize_reference(w).view(groups, r, n_in))
     y = torch.empty(groups, m, r, dtype=torch.float32)
     if r and m:
