@@ -348,11 +348,17 @@ class Attention(nn.Module):
             if n_sel:  # CSA: the chosen entries, gathered (and dequantised) per query
                 sel = self.compressor.cache.read((rows.view(-1, 1, 1), chosen[:, sl]), dtype)
                 sel_mask = valid[:, sl]
-            o[:, sl] = sparse_attn(q[:, sl], torch.cat(keys, dim=1), torch.cat(km, dim=-1), self.attn_sink,
+            o[:, sl] = self.attend(q[:, sl], torch.cat(keys, dim=1), torch.cat(km, dim=-1), self.attn_sink,
                                    self.scale, sel, sel_mask)
         last = slice(max(0, s - win), s)  # the chunk's last `window` tokens go into the ring
         self.ring.store((rows.view(-1, 1), pos[:, last] % win), {p: t[:, last] for p, t in stored.items()})
         return self.output(o, cos, sin)
+
+    def attend(self, *args) -> torch.Tensor:
+        """`sparse_attn(*args)`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.attend`, within
+        rounding of it)."""
+        fast = None if torch.compiler.is_compiling() else self.opts.cpu.attend(*args)
+        return sparse_attn(*args) if fast is None else fast
 
 
 class Expert(nn.Module):

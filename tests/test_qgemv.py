@@ -30,6 +30,7 @@ from test_qlinear import (
 )
 
 from mhcrun.ops import native, qgemv
+from mhcrun.ops.attention import sparse_attn
 from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
 from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
@@ -733,3 +734,60 @@ def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     c["x"][1, 0, 2, 5] = float("nan")
     got, want = k.hc_post(c["y"], c["x"], c["post"], c["comb"]), ref.hc_post(c["y"], c["x"], c["post"], c["comb"])
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+# ---------------------------------------------------------------- attention of decode rows
+
+
+def attn_case(b: int, s: int, h: int, n: int, k: int, d: int, seed: int = 0) -> tuple:
+    """sparse_attn's arguments: queries, window/compressed keys with a mask (each query sees its first key), gathered
+    keys with a validity mask (k = 0: none), a sink per head."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(b, s, h, d, generator=g), torch.randn(b, n, d, generator=g)
+    mask = torch.rand(b, s, n, generator=g) > 0.3
+    mask[..., 0] = True
+    sel = torch.randn(b, s, k, d, generator=g) if k else None
+    sel_mask = torch.rand(b, s, k, generator=g) > 0.3 if k else None
+    return q, kv, mask, torch.randn(h, generator=g), d ** -0.5, sel, sel_mask
+
+
+@pytest.mark.parametrize("b, s, h, n, k, d", [(1, 1, 16, 162, 64, 512), (2, 1, 16, 129, 0, 512), (2, 3, 3, 7, 0, 72),
+                                              (2, 1, 13, 9, 4, 13), (1, 2, 9, 1, 0, 8), (1, 1, 1, 1, 1, 1)])
+def test_attend_against_sparse_attn(b, s, h, n, k, d):
+    """The C++ attention of decode rows (`CpuKernel.attend`) is within rounding of the reference sparse_attn: the
+    decode shapes of CSA (window + compressed + gathered) and of the window alone, batch > 1, several queries a row,
+    heads not a multiple of the eight taken together, dims not a multiple of the eight lanes, a single key. A row
+    whose gathered keys are all invalid, and gathered keys that hold the largest scores, included."""
+    k_ = cpu_kernel()
+    if not k_.on:
+        pytest.skip(k_.status())
+    args = list(attn_case(b, s, h, n, k, d))
+    if k:
+        args[6][0, 0] = False  # no gathered key valid
+        args[5][-1, -1] *= 4.0  # the largest scores among the gathered ones
+    got, want = k_.attend(*args), sparse_attn(*args)
+    assert got is not None and got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_declines_what_it_does_not_take_and_keeps_nan():
+    """bf16 tensors, more than MAX_ROWS queries a row and the kernel off: None (the caller takes sparse_attn). NaN
+    comes out where the reference puts it: a NaN in a key nobody sees (its channel: 0 * NaN), a query with no valid key
+    (all of it)."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    q, kv, mask, sink, scale, sel, sm = attn_case(2, 1, 4, 6, 3, 16)
+    assert k.attend(q.bfloat16(), kv.bfloat16(), mask, sink, scale, sel.bfloat16(), sm) is None
+    assert k.attend(q, kv, mask, sink, scale, sel.bfloat16(), sm) is None
+    big = attn_case(1, qgemv.MAX_ROWS + 1, 2, 4, 0, 8)
+    assert k.attend(*big) is None
+    assert cpu_kernel("0").attend(q, kv, mask, sink, scale, sel, sm) is None
+    mask[1, 0, 5] = False
+    kv[1, 5, 3] = float("nan")  # masked: its probability is 0, and 0 * NaN is NaN
+    mask[0, 0] = False
+    sm[0, 0] = False  # query 0 sees no key
+    got, want = k.attend(q, kv, mask, sink, scale, sel, sm), sparse_attn(q, kv, mask, sink, scale, sel, sm)
+    assert want[0].isnan().all() and want[1, ..., 3].isnan().all() and want.isnan().sum() == 4 * 16 + 4
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-6)

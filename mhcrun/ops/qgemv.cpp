@@ -913,6 +913,103 @@ float dot8(const float* a, const float* b, int64_t k) {
 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
+// ---------------------------------------------------------------- attention of decode rows (mhc_attend)
+
+namespace attend {
+
+constexpr int HG = 8;  // heads of a query taken together: each key is read once for all of them
+
+// The key j of a query: kv row j < n, else sel row j - n.
+inline const float* key_at(const float* kv, int64_t n, const float* sel, int64_t j, int64_t d) {
+    return j < n ? kv + j * d : sel + (j - n) * d;
+}
+
+// sc[hh * nk + j] = q[hh] . key j for the HN heads at q (rows of d) and the nk = n + k keys (one 8-lane FMA chain a
+// head, then its lanes, then the tail).
+template <int HN>
+AVX2 void scores(const float* q, const float* kv, int64_t n, const float* sel, int64_t nk, int64_t d, float* sc) {
+    const int64_t d8 = d / 8 * 8;
+    for (int64_t j = 0; j < nk; j++) {
+        const float* key = key_at(kv, n, sel, j, d);
+        __m256 acc[HN];
+        for (int hh = 0; hh < HN; hh++) acc[hh] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d8; i += 8) {
+            const __m256 kc = _mm256_loadu_ps(key + i);
+            for (int hh = 0; hh < HN; hh++) acc[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q + hh * d + i), kc, acc[hh]);
+        }
+        for (int hh = 0; hh < HN; hh++) {
+            float t = avx2::hsum(acc[hh]);
+            for (int64_t i = d8; i < d; i++) t += q[hh * d + i] * key[i];
+            sc[hh * nk + j] = t;
+        }
+    }
+}
+
+// o[hh] = sum over the nk keys of p[hh * nk + j] * key j, for HN heads (o rows of d).
+template <int HN>
+AVX2 void weighted(const float* p, const float* kv, int64_t n, const float* sel, int64_t nk, int64_t d, float* o) {
+    const int64_t d8 = d / 8 * 8;
+    for (int64_t i = 0; i < d8; i += 8) {
+        __m256 acc[HN];
+        for (int hh = 0; hh < HN; hh++) acc[hh] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 kc = _mm256_loadu_ps(key_at(kv, n, sel, j, d) + i);
+            for (int hh = 0; hh < HN; hh++) acc[hh] = _mm256_fmadd_ps(_mm256_set1_ps(p[hh * nk + j]), kc, acc[hh]);
+        }
+        for (int hh = 0; hh < HN; hh++) _mm256_storeu_ps(o + hh * d + i, acc[hh]);
+    }
+    for (int64_t i = d8; i < d; i++)
+        for (int hh = 0; hh < HN; hh++) {
+            float t = 0.0f;
+            for (int64_t j = 0; j < nk; j++) t += p[hh * nk + j] * key_at(kv, n, sel, j, d)[i];
+            o[hh * d + i] = t;
+        }
+}
+
+// The larger of m and v, NaN once either is NaN (as torch's amax).
+inline float nan_max(float m, float v) { return (v > m || v != v) ? v : m; }
+
+// One head's scores sc[nk] (valid: mask[j] for j < n, smask[j - n] after) -> its probabilities in place: softmax over
+// the valid keys (the others 0), the sink adding exp(sink - max) to the denominator only.
+inline void softmax(float* sc, const uint8_t* mask, int64_t n, const uint8_t* smask, int64_t nk, float sink,
+                    float scale) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < nk; j++) {
+        const bool valid = j < n ? mask[j] : smask[j - n];
+        m = nan_max(m, sc[j] = valid ? sc[j] * scale : -INFINITY);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < nk; j++) sum += (sc[j] = std::exp(sc[j] - m));  // masked keys: exp(-inf) = 0
+    const float denom = sum + std::exp(sink - m);
+    for (int64_t j = 0; j < nk; j++) sc[j] /= denom;
+}
+
+template <int HN>
+AVX2 void heads(const float* q, const float* kv, const uint8_t* mask, int64_t n, const float* sel,
+                const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d, float* sc, float* o) {
+    scores<HN>(q, kv, n, sel, nk, d, sc);
+    for (int hh = 0; hh < HN; hh++) softmax(sc + hh * nk, mask, n, smask, nk, sink[hh], scale);
+    weighted<HN>(sc, kv, n, sel, nk, d, o);  // masked keys too: 0 * a NaN key is NaN, as in the reference
+}
+
+// Heads [h0, h0 + hn) (hn <= HG) of one query: q, o at head h0, sink at h0.
+inline void head_group(int hn, const float* q, const float* kv, const uint8_t* mask, int64_t n, const float* sel,
+                       const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d, float* sc,
+                       float* o) {
+    switch (hn) {
+        case 8: heads<8>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 7: heads<7>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 6: heads<6>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 5: heads<5>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 4: heads<4>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 3: heads<3>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 2: heads<2>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        default: heads<1>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+    }
+}
+
+}  // namespace attend
+
 // ---------------------------------------------------------------- GEMV jobs: one weight and its rows of x
 
 // 3 the instruction set asked for is not this CPU's; 6 fp4 on AVX2 with a block that is not a multiple of 32.
@@ -1081,6 +1178,40 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
         for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
     }
     return 0;
+}
+
+// mhcrun.ops.attention.sparse_attn for fp32 CPU tensors in one call, within rounding of it (its sums in another
+// order): q [b, s, h, d], kv [b, n, d] with mask [b, s, n] (bool bytes), sel [b, s, k, d] with smask [b, s, k] (k may
+// be 0: both null), sink [h] -> o [b, s, h, d]. Per query and head: p = softmax over the valid keys of both sets of
+// q.key * scale, the sink adding exp(sink - max) to the denominator only; o = sum of p * key. A query with no valid
+// key gets NaN (as the reference's exp(-inf - -inf)); NaN scores propagate. The (query, head) pairs go to `threads`
+// threads, eight heads a task (each key read once for them). Returns 4 out of memory, 5 where a thread flushes
+// subnormals.
+int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float* sel, const uint8_t* smask,
+               const float* sink, float* o, int64_t b, int64_t s, int64_t h, int64_t n, int64_t k, int64_t d,
+               float scale, int threads) {
+    int oom = 0, flush = 0;
+    const int64_t groups = (h + attend::HG - 1) / attend::HG, nk = n + k;
+#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
+    {
+        flush |= flushes_denormals() ? 1 : 0;
+        std::vector<float> sc;
+        try {
+            sc.resize(attend::HG * nk);
+        } catch (const std::bad_alloc&) {
+            oom = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < b * s * groups; t++) {
+            if (oom || flush) continue;
+            const int64_t row = t / groups, bi = row / s, h0 = t % groups * attend::HG;  // row: query (bi, si)
+            const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
+            attend::head_group(hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
+                               k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale,
+                               d, sc.data(), o + (row * h + h0) * d);
+        }
+    }
+    return oom ? 4 : flush ? 5 : 0;
 }
 
 // The best instruction set of this CPU the kernel has: 3 AVX-512 with BF16 dot products (also VBMI, BMI2), 2

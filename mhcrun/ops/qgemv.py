@@ -18,7 +18,8 @@ With avx512bf16 it also multiplies a prefill chunk's rows by FP8/FP4 weights (`q
 output rows, each decoded once, by BF16 dot products.
 
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
-instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu").
+instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") and their attention
+(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -214,6 +215,29 @@ class CpuKernel:
                                                    eps, norm_eps, work.data_ptr())
         return None if rc else (h, post, comb)
 
+    def attend(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None = None,
+               sel_mask: Tensor | None = None) -> Tensor | None:
+        """mhcrun.ops.attention.sparse_attn (same arguments) in one call (`mhc_attend`), within rounding of it (its
+        sums in another order), for fp32 CPU tensors and at most MAX_ROWS queries a batch row (decode); None where
+        it does not apply (the caller then takes sparse_attn)."""
+        ts = (q, kv) if sel is None else (q, kv, sel)
+        if not self.on or q.shape[1] > MAX_ROWS or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+            return None
+        b, s, h, d = q.shape
+        k = 0 if sel is None else sel.shape[2]
+        q, kv = q.contiguous(), kv.contiguous()
+        mask = mask.to(torch.bool).contiguous()
+        sel = None if sel is None else sel.contiguous()
+        sel_mask = None if sel_mask is None else sel_mask.to(torch.bool).contiguous()
+        sink = sink.float().contiguous()
+        o = torch.empty_like(q)
+        rc = load_library(self.library).mhc_attend(q.data_ptr(), kv.data_ptr(), mask.data_ptr(),
+                                                   None if sel is None else sel.data_ptr(),
+                                                   None if sel_mask is None else sel_mask.data_ptr(), sink.data_ptr(),
+                                                   o.data_ptr(), b, s, h, kv.shape[1], k, d, scale,
+                                                   torch.get_num_threads())
+        return None if rc else o
+
 
 KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
@@ -260,6 +284,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_hc_post.restype = ctypes.c_int
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lib.mhc_attend.restype = ctypes.c_int
+    lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
