@@ -198,8 +198,15 @@ class Compressor(nn.Module):
             first = slot * r
         cos, sin = self.rope.at(first)
         out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: apply_rope_tail(t, cos, sin, self.rope_dim), self.rotate)
+                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotate)
         self.cache.store((at, slot), kvcache.encode(self.cache.fmt, out))
+
+
+def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+           inverse: bool = False) -> torch.Tensor:
+    """`apply_rope_tail`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.rope_tail`, bitwise)."""
+    fast = None if torch.compiler.is_compiling() else cpu.rope_tail(x, cos, sin, rope_dim, inverse)
+    return apply_rope_tail(x, cos, sin, rope_dim, inverse) if fast is None else fast
 
 
 def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
@@ -227,7 +234,7 @@ class Indexer(nn.Module):
         """qr [b, s, q_lora] -> index queries [b, s, heads, ihd] as they are scored: RoPE on the tail, the
         Hadamard rotation, and with the simulation on the reference's FP4 rounding."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = hadamard(apply_rope_tail(q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
+        q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
         return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
@@ -297,14 +304,14 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # weightless per-head norm
-        q = apply_rope_tail(q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim)
-        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
+        q = rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim)
+        kv = rotate(self.opts.cpu, self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
         return qr, q, kv
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """De-rotate, then the grouped low-rank output: o [b,s,H,hd] -> [b,s,d]."""
         b, s = o.shape[:2]
-        o = apply_rope_tail(o, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim, inverse=True)
+        o = rotate(self.opts.cpu, o, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
         o = qlinear_grouped(o, self.wo_a.w, self.n_groups, self.opts.cpu)  # [b, s, G, o_lora_rank]
         return all_reduce(self.wo_b(o.flatten(2)), self.opts.tp)  # this rank's o_groups -> every rank's

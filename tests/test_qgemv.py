@@ -35,6 +35,7 @@ from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
 from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
 from mhcrun.ops.qweight import QWeight
+from mhcrun.ops.rope import apply_rope_tail
 from mhcrun.settings import Env
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel().on, reason=f"CPU kernel {cpu_kernel().status()}")
@@ -791,3 +792,42 @@ def test_attend_declines_what_it_does_not_take_and_keeps_nan():
     assert want[0].isnan().all() and want[1, ..., 3].isnan().all() and want.isnan().sum() == 4 * 16 + 4
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- RoPE of decode rows
+
+
+@pytest.mark.parametrize("x_shape, c_shape", [((1, 1, 16, 512), (1, 1, 1, 32)), ((2, 1, 512), (2, 1, 32)),
+                                              ((3, 128), (3, 32)), ((2, 2, 4, 72), (2, 2, 1, 16)),
+                                              ((1, 1, 3, 2), (1, 1, 1, 1))])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_equals_the_reference_bitwise(x_shape, c_shape, inverse):
+    """`CpuKernel.rope_tail` equals apply_rope_tail bit for bit (queries with a shared head dim, kv rows, compressed
+    entries, batch > 1, odd head counts, the whole vector rotated), forwards and inverse, NaN and infinities where
+    the reference puts them."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(x_shape, generator=g) * 100
+    cos, sin = torch.randn(c_shape, generator=g), torch.randn(c_shape, generator=g)
+    x.view(-1)[-1], x.view(-1)[-4] = float("nan"), float("inf")
+    got, want = k.rope_tail(x, cos, sin, 2 * c_shape[-1], inverse), apply_rope_tail(x, cos, sin, 2 * c_shape[-1],
+                                                                                       inverse)
+    assert got is not None and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_rope_tail_declines_what_it_does_not_take():
+    """bf16, tables that do not broadcast as a shared head dim, more than MAX_ROWS rows, the kernel off: None."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    x, c = torch.randn(2, 1, 4, 64), torch.randn(2, 1, 1, 16)
+    assert k.rope_tail(x.bfloat16(), c, c, 32) is None
+    assert k.rope_tail(x, c[:, :, :, :8], c[:, :, :, :8], 32) is None  # tables for another rope_dim
+    assert k.rope_tail(x, c.squeeze(2), c.squeeze(2), 32) is None  # not x's rank: torch would broadcast otherwise
+    assert k.rope_tail(x, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), 32) is None  # a table per head
+    big = torch.randn(qgemv.MAX_ROWS + 1, 64)
+    assert k.rope_tail(big, torch.randn(qgemv.MAX_ROWS + 1, 16), torch.randn(qgemv.MAX_ROWS + 1, 16), 32) is None
+    assert cpu_kernel("0").rope_tail(x, c, c, 32) is None

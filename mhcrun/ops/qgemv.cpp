@@ -1180,6 +1180,29 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     return 0;
 }
 
+// mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
+// elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
+// rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.
+int mhc_rope_tail(const float* x, const float* cos, const float* sin, float* out, int64_t rows, int64_t g,
+                  int64_t dim, int64_t rd, int inverse) {
+    const int64_t half = rd / 2, nope = dim - rd;
+    for (int64_t r = 0; r < rows; r++) {
+        const float* c = cos + r * half;
+        const float* s = sin + r * half;
+        for (int64_t v = 0; v < g; v++) {
+            const float* src = x + (r * g + v) * dim;
+            float* dst = out + (r * g + v) * dim;
+            std::memcpy(dst, src, sizeof(float) * nope);
+            for (int64_t i = 0; i < half; i++) {
+                const float a = src[nope + 2 * i], b = src[nope + 2 * i + 1], si = inverse ? -s[i] : s[i];
+                dst[nope + 2 * i] = a * c[i] - b * si;
+                dst[nope + 2 * i + 1] = a * si + b * c[i];
+            }
+        }
+    }
+    return 0;
+}
+
 // mhcrun.ops.attention.sparse_attn for fp32 CPU tensors in one call, within rounding of it (its sums in another
 // order): q [b, s, h, d], kv [b, n, d] with mask [b, s, n] (bool bytes), sel [b, s, k, d] with smask [b, s, k] (k may
 // be 0: both null), sink [h] -> o [b, s, h, d]. Per query and head: p = softmax over the valid keys of both sets of

@@ -18,8 +18,8 @@ With avx512bf16 it also multiplies a prefill chunk's rows by FP8/FP4 weights (`q
 output rows, each decoded once, by BF16 dot products.
 
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
-instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") and their attention
-(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call).
+instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
+(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call) and RoPE (`rope_tail`: ~14 ops in one call).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +239,28 @@ class CpuKernel:
                                                    torch.get_num_threads())
         return None if rc else o
 
+    def rope_tail(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, inverse: bool = False) -> Tensor | None:
+        """mhcrun.ops.rope.apply_rope_tail, bitwise, in one call (`mhc_rope_tail`): fp32 CPU x [..., dim], cos and sin
+        [..., rope_dim // 2] of x's rank whose leading dims are x's first ones followed by ones (a head dim they
+        share), at most MAX_ROWS rows of them (decode); None where it does not apply."""
+        ts = (x, cos, sin)
+        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) \
+                or cos.shape != sin.shape or cos.dim() != x.dim() or 2 * cos.shape[-1] != rope_dim \
+                or not 0 < rope_dim <= x.shape[-1]:
+            return None
+        lead = tuple(cos.shape[:-1])
+        while lead and lead[-1] == 1:
+            lead = lead[:-1]
+        rows = math.prod(lead)
+        if tuple(x.shape[:len(lead)]) != lead or rows > MAX_ROWS or not x.numel():
+            return None
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(x)
+        load_library(self.library).mhc_rope_tail(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows,
+                                                 x.numel() // (rows * x.shape[-1]), x.shape[-1], rope_dim,
+                                                 int(inverse))
+        return out
+
 
 KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
@@ -286,6 +309,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     lib.mhc_attend.restype = ctypes.c_int
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.mhc_rope_tail.restype = ctypes.c_int
+    lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
