@@ -43,7 +43,7 @@ from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped
-from mhcrun.ops.quant import INDEX_FP4_BLOCK, fp4_simulate, hadamard
+from mhcrun.ops.quant import INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
@@ -106,6 +106,10 @@ class Cache(nn.Module):
     """Stored entries [B, n, ...] in a `CacheFormat`: one buffer per part (`mhcrun.ops.kvcache`), read and
     written by (rows, slots)."""
 
+    def __init__(self, opts: RunOptions):
+        super().__init__()
+        self.opts = opts
+
     def allocate(self, fmt: CacheFormat, lead: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self._buffers.clear()
@@ -118,10 +122,21 @@ class Cache(nn.Module):
 
     def read(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The entries at `index`, decoded (only those entries are read)."""
-        return kvcache.read(self.parts(), self.fmt, index, dtype)
+        return decode_entries(self.opts.cpu, self.fmt, {name: p[index] for name, p in self.parts().items()}, dtype)
 
     def store(self, index: tuple, encoded: dict[str, torch.Tensor]) -> None:
         kvcache.store(self.parts(), index, encoded)
+
+
+def decode_entries(cpu: CpuKernel, fmt: CacheFormat, parts: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`kvcache.decode`; in CPU eager the run's kernel decodes fp32 fp8 entries in one call (`CpuKernel.kv_fp8`,
+    bitwise)."""
+    if fmt.kind == "fp8" and dtype == torch.float32 and not torch.compiler.is_compiling():
+        fast = cpu.kv_fp8(parts["fp8"], parts["scale"], parts["rope"], KV_FP8_BLOCK)
+        if fast is not None:
+            return fast
+    return kvcache.decode(fmt, parts, dtype)
 
 
 class Rope(nn.Module):
@@ -151,7 +166,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
         self.wgate = Linear(opts)
         self.norm = RMSNorm(cfg.norm_eps)
-        self.cache = Cache()
+        self.cache = Cache(opts)
         self.rope = Rope()
         self.n_entries = 0
         self.keep_chunk = False  # a speculative verify: keep each chunk's kv, score to rewind the open group
@@ -276,7 +291,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(cfg.norm_eps)
         self.wo_a = Linear(opts)
         self.wo_b = Linear(opts)
-        self.ring = Cache()  # the window: token p in slot p % window
+        self.ring = Cache(opts)  # the window: token p in slot p % window
         self.rope = Rope()
         if self.ratio:
             self.compressor = Compressor(cfg, self.ratio, self.head_dim, opts)
@@ -326,7 +341,7 @@ class Attention(nn.Module):
         cos, sin = self.rope.at(pos)  # [b, s, rd/2]
         qr, q, kv = self.project(x, cos, sin)
         stored = kvcache.encode(self.ring.fmt, kv)
-        kv = kvcache.decode(self.ring.fmt, stored, dtype)  # what the cache gives back: the reference's rounding
+        kv = decode_entries(self.opts.cpu, self.ring.fmt, stored, dtype)  # what the cache gives back
         ring = self.ring.read((rows,), dtype)  # [b, window, hd]
         chosen = valid = None
         if self.ratio == 4:

@@ -831,3 +831,45 @@ def test_rope_tail_declines_what_it_does_not_take():
     big = torch.randn(qgemv.MAX_ROWS + 1, 64)
     assert k.rope_tail(big, torch.randn(qgemv.MAX_ROWS + 1, 16), torch.randn(qgemv.MAX_ROWS + 1, 16), 32) is None
     assert cpu_kernel("0").rope_tail(x, c, c, 32) is None
+
+
+# ---------------------------------------------------------------- fp8 kv cache entries
+
+
+@pytest.mark.parametrize("lead, nope, rd", [((1, 128), 448, 64), ((2, 1), 448, 64), ((3, 5), 100, 6), ((1,), 64, 0)])
+def test_kv_fp8_decodes_entries_bitwise(lead, nope, rd):
+    """`CpuKernel.kv_fp8` equals kvcache.decode of the fp8 format bit for bit: every code (NaN codes included, with
+    scales from 2**-60 to 2**60), a window of entries (threads) and single ones, a last block that is partial, no
+    rope channels."""
+    from mhcrun.ops import kvcache
+    from mhcrun.ops.quant import KV_FP8_BLOCK
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    g = torch.Generator().manual_seed(11)
+    fmt = kvcache.CacheFormat("fp8", nope + rd, rd)
+    codes = torch.randint(0, 256, (*lead, nope), generator=g, dtype=torch.uint8)
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: codes.numel()]
+    blocks = -(-nope // KV_FP8_BLOCK)
+    scale = 2.0 ** torch.randint(-60, 61, (*lead, blocks), generator=g).float()
+    parts = {"fp8": codes.view(torch.float8_e4m3fn), "scale": scale, "rope": torch.randn(*lead, rd, generator=g)}
+    got, want = k.kv_fp8(parts["fp8"], scale, parts["rope"], KV_FP8_BLOCK), kvcache.decode(fmt, parts,
+                                                                                           torch.float32)
+    assert got is not None and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
+
+
+def test_kv_fp8_declines_what_it_does_not_take():
+    """bf16 rope channels or scales, scales for another block, other code dtypes, the kernel off: None."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    codes = torch.zeros(2, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale, rope = torch.ones(2, 2), torch.zeros(2, 64)
+    assert k.kv_fp8(codes, scale, rope, 64) is not None
+    assert k.kv_fp8(codes, scale, rope.bfloat16(), 64) is None
+    assert k.kv_fp8(codes, scale.bfloat16(), rope, 64) is None
+    assert k.kv_fp8(codes, scale, rope, 32) is None
+    assert k.kv_fp8(codes.view(torch.uint8), scale, rope, 64) is None
+    assert cpu_kernel("0").kv_fp8(codes, scale, rope, 64) is None

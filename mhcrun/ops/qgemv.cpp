@@ -1180,6 +1180,34 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     return 0;
 }
 
+// mhcrun.ops.kvcache.decode of the fp8 format (the kv cache with the quantisation simulated) in fp32, bitwise: each
+// row's e4m3 codes [nope] times their block's scale (scales [rows, ceil(nope / block)] fp32: one rounding, as
+// torch's product; NaN codes give NaN), then its rope channels [rd] copied: out [rows, nope + rd]. isa >= 2: the
+// AVX-512 block decoder (fp8_decode_block) where scale * 2**8 is finite, else a table. Rows split over `threads`.
+int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rope, float* out, int64_t rows,
+                      int64_t nope, int64_t block, int64_t rd, int isa, int threads) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    const int64_t sb = (nope + block - 1) / block, width = nope + rd;
+    int flush = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
+    for (int64_t r = 0; r < rows; r++) {
+        flush |= flushes_denormals() ? 1 : 0;
+        const uint8_t* c = codes + r * nope;
+        float* dst = out + r * width;
+        for (int64_t c0 = 0, g = 0; c0 < nope; c0 += block, g++) {
+            const int64_t c1 = c0 + block < nope ? c0 + block : nope;
+            const float sc = scale[r * sb + g];
+            if (isa >= 2 && std::isfinite(sc * 256.0f)) {
+                avx512::fp8_decode_block(c, dst, c0, c1, sc);
+            } else {
+                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[c[i]] * sc;
+            }
+        }
+        std::memcpy(dst + nope, rope + r * rd, sizeof(float) * rd);
+    }
+    return flush ? 5 : 0;
+}
+
 // mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
 // elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
 // rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.

@@ -19,7 +19,8 @@ output rows, each decoded once, by BF16 dot products.
 
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
-(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call) and RoPE (`rope_tail`: ~14 ops in one call).
+(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call), RoPE (`rope_tail`: ~14 ops in one call)
+and the decoding of fp8 kv cache entries (`kv_fp8`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -261,6 +262,26 @@ class CpuKernel:
                                                  int(inverse))
         return out
 
+    def kv_fp8(self, codes: Tensor, scale: Tensor, rope: Tensor, block: int) -> Tensor | None:
+        """mhcrun.ops.kvcache.decode of the fp8 format in fp32, bitwise, in one call (`mhc_kv_fp8_decode`): codes
+        float8_e4m3fn [..., nope], scale fp32 [..., ceil(nope / block)], rope fp32 [..., rd], CPU tensors ->
+        fp32 [..., nope + rd]; None where it does not apply."""
+        ts = (codes, scale, rope)
+        if not self.on or codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 \
+                or rope.dtype != torch.float32 or any(t.device.type != "cpu" for t in ts):
+            return None
+        lead, nope, rd = codes.shape[:-1], codes.shape[-1], rope.shape[-1]
+        rows = math.prod(lead)
+        if not rows or not nope or scale.shape != (*lead, -(-nope // block)) or rope.shape[:-1] != lead:
+            return None
+        codes, scale, rope = (t.contiguous() for t in ts)
+        out = torch.empty(*lead, nope + rd)
+        rc = load_library(self.library).mhc_kv_fp8_decode(codes.data_ptr(), scale.data_ptr(), rope.data_ptr(),
+                                                          out.data_ptr(), rows, nope, block, rd,
+                                                          2 if self.isa >= 2 else 0,
+                                                          torch.get_num_threads() if rows >= 16 else 1)
+        return None if rc else out
+
 
 KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
@@ -311,6 +332,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
     lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.mhc_kv_fp8_decode.restype = ctypes.c_int
+    lib.mhc_kv_fp8_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
