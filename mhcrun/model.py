@@ -128,6 +128,16 @@ class Cache(nn.Module):
         kvcache.store(self.parts(), index, encoded)
 
 
+def encode_entries(cpu: CpuKernel, fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`kvcache.encode`; in CPU eager the run's kernel encodes fp32 entries of the fp8 format (power-of-two scales)
+    in one call (`CpuKernel.kv_fp8_encode`, bitwise)."""
+    if fmt.kind == "fp8" and fmt.pow2 and not torch.compiler.is_compiling():
+        fast = cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK)
+        if fast is not None:
+            return fast
+    return kvcache.encode(fmt, x)
+
+
 def decode_entries(cpu: CpuKernel, fmt: CacheFormat, parts: dict[str, torch.Tensor],
                    dtype: torch.dtype) -> torch.Tensor:
     """`kvcache.decode`; in CPU eager the run's kernel decodes fp32 fp8 entries in one call (`CpuKernel.kv_fp8`,
@@ -214,7 +224,7 @@ class Compressor(nn.Module):
         cos, sin = self.rope.at(first)
         out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
                            lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotate)
-        self.cache.store((at, slot), kvcache.encode(self.cache.fmt, out))
+        self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
 
 
 def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
@@ -340,7 +350,7 @@ class Attention(nn.Module):
         pos = start.view(-1, 1) + torch.arange(s, device=dev)
         cos, sin = self.rope.at(pos)  # [b, s, rd/2]
         qr, q, kv = self.project(x, cos, sin)
-        stored = kvcache.encode(self.ring.fmt, kv)
+        stored = encode_entries(self.opts.cpu, self.ring.fmt, kv)
         kv = decode_entries(self.opts.cpu, self.ring.fmt, stored, dtype)  # what the cache gives back
         ring = self.ring.read((rows,), dtype)  # [b, window, hd]
         chosen = valid = None

@@ -873,3 +873,38 @@ def test_kv_fp8_declines_what_it_does_not_take():
     assert k.kv_fp8(codes, scale, rope, 32) is None
     assert k.kv_fp8(codes.view(torch.uint8), scale, rope, 64) is None
     assert cpu_kernel("0").kv_fp8(codes, scale, rope, 64) is None
+
+
+def test_kv_fp8_encode_is_the_reference_bitwise():
+    """`CpuKernel.kv_fp8_encode` gives kvcache.encode's codes, scales and rope channels bit for bit: every e4m3
+    value of both signs, the midpoints between neighbours (ties to even) and values just off them, -0.0, blocks
+    below the amax floor, subnormal results, random rows at scales 2**-40 .. 2**40; non-finite x and other
+    formats are declined."""
+    from mhcrun.ops import kvcache
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    fmt = kvcache.kv_format(512, 64, True, True)
+    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (values[:-1] + values[1:]) / 2
+    probe = torch.cat([values, -values, mids, -mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(
+        torch.tensor(1e9)), torch.tensor([-0.0])])
+    blocks = probe.split(63)
+    x = torch.cat([torch.cat([torch.tensor([448.0]), b, torch.zeros(63 - b.numel())]) for b in blocks])  # scale 1
+    x = torch.cat([x, torch.zeros(-x.numel() % 448)]).view(-1, 448)
+    x = torch.cat([x, torch.randn(x.shape[0], 64)], dim=-1)  # [rows, 512]: every block scaled by 448 -> 1
+    g = torch.Generator().manual_seed(5)
+    rnd = torch.randn(6, 512, generator=g) * 2.0 ** torch.randint(-40, 41, (6, 1), generator=g).float()
+    rnd[0, :64] *= 1e-30  # below the amax floor: subnormal codes
+    rnd[1, :448] = 0.0
+    for xs in (x, rnd.view(2, 3, 512), rnd[:1]):
+        got, want = k.kv_fp8_encode(xs, 64, 64), kvcache.encode(fmt, xs)
+        assert got is not None and got.keys() == want.keys()
+        assert torch.equal(got["fp8"].view(torch.uint8), want["fp8"].view(torch.uint8))
+        assert torch.equal(got["scale"], want["scale"]) and torch.equal(got["rope"], want["rope"])
+    bad = rnd.clone()
+    bad[2, 3] = float("inf")
+    assert k.kv_fp8_encode(bad, 64, 64) is None
+    assert k.kv_fp8_encode(rnd.bfloat16(), 64, 64) is None
+    assert cpu_kernel("0").kv_fp8_encode(rnd, 64, 64) is None

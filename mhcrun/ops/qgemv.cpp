@@ -1429,6 +1429,44 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int thre
     return 0;
 }
 
+// mhcrun.ops.kvcache.encode of the fp8 format (pow2 scales) in fp32, bitwise: each row of x [rows, nope + rd] ->
+// its e4m3 codes [rows, nope] and block scales [rows, ceil(nope / block)] as quantize_act_fp8(x, block) gives them
+// (mhc_act_quant_fp8's rounding, the rounded value / scale written as its code), and its rope channels copied to
+// rope [rows, rd]. Returns 1, writing nothing, when x holds a non-finite value or a thread flushes subnormals (the
+// caller then takes torch's path).
+int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope, int64_t rows, int64_t nope,
+                      int64_t block, int64_t rd) {
+    const int64_t width = nope + rd, sb = (nope + block - 1) / block;
+    if (flushes_denormals()) return 1;
+    for (int64_t i = 0; i < rows * width; i++)
+        if (!std::isfinite(x[i])) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float* v = x + r * width;
+        for (int64_t k0 = 0, g = 0; k0 < nope; k0 += block, g++) {
+            const int64_t len = k0 + block < nope ? block : nope - k0;
+            float amax = 1e-4f;
+            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[k0 + i]));
+            const uint32_t sbits = bits_of(amax / 448.0f);  // as mhc_act_quant_fp8
+            const uint32_t se = (sbits & 0x7FFFFF) ? (sbits >> 23) + 1 : sbits >> 23;
+            const float inv = float_of((254 - se) << 23);
+            scales[r * sb + g] = float_of(se << 23);
+            for (int64_t i = 0; i < len; i++) {
+                const float q = v[k0 + i] * inv;  // exact, |q| <= 448
+                const float a = std::fabs(q);
+                const uint32_t e = bits_of(a) >> 23;
+                const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
+                const uint32_t t = uint32_t((a * inv_step + 0x1p23f) - 0x1p23f);  // the rounded value in steps, <= 16
+                // e4m3: below 2**-6 (e < 121) t is the code (a subnormal mantissa, or 8: the smallest normal, 2**-6);
+                // else t in [8, 16] steps of 2**(e-130): exponent field e - 120 and mantissa t - 8, 16 the next one's 8
+                const uint32_t code = e < 121 ? t : t == 16 ? (e - 119) << 3 : ((e - 120) << 3) | (t - 8);
+                codes[r * nope + k0 + i] = uint8_t(code | (std::signbit(q) ? 0x80 : 0));
+            }
+        }
+        std::memcpy(rope + r * rd, v + nope, sizeof(float) * rd);
+    }
+    return 0;
+}
+
 // Rows [r0, r1) of an fp8 or fp4 weight [N, K] dequantised into out [r1 - r0, K] fp32: each value times its
 // scale, one fp32 multiply, bitwise equal to mhcrun.ops.quant.dequantize_fp8 / dequantize_fp4 (e4m3 NaN codes give
 // NaN). The torch chunk decoders of qlinear take ~9 passes over a chunk; this is one. For the prefill GEMMs

@@ -20,7 +20,7 @@ output rows, each decoded once, by BF16 dot products.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
 (`attend`: sparse_attn's ~20 ops and four small GEMMs in one call), RoPE (`rope_tail`: ~14 ops in one call)
-and the decoding of fp8 kv cache entries (`kv_fp8`).
+and the encoding and decoding of fp8 kv cache entries (`kv_fp8_encode`, `kv_fp8`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -282,6 +282,24 @@ class CpuKernel:
                                                           torch.get_num_threads() if rows >= 16 else 1)
         return None if rc else out
 
+    def kv_fp8_encode(self, x: Tensor, rope_dim: int, block: int) -> dict[str, Tensor] | None:
+        """mhcrun.ops.kvcache.encode of the fp8 format with power-of-two scales, bitwise, in one call
+        (`mhc_kv_fp8_encode`): fp32 CPU x [..., nope + rope_dim] -> {"fp8": codes, "scale", "rope"} as it gives them,
+        for decode's few entries (at most MAX_ROWS * 16); None where it does not apply (non-finite x included)."""
+        if not self.on or x.dtype != torch.float32 or x.device.type != "cpu" or not 0 <= rope_dim < x.shape[-1]:
+            return None
+        lead, nope = x.shape[:-1], x.shape[-1] - rope_dim
+        rows = math.prod(lead)
+        if not rows or rows > MAX_ROWS * 16:
+            return None
+        x = x.contiguous()
+        codes = torch.empty(*lead, nope, dtype=torch.uint8)
+        scale, rope = torch.empty(*lead, -(-nope // block)), torch.empty(*lead, rope_dim)
+        if load_library(self.library).mhc_kv_fp8_encode(x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
+                                                        rope.data_ptr(), rows, nope, block, rope_dim):
+            return None
+        return {"fp8": codes.view(torch.float8_e4m3fn), "scale": scale, "rope": rope}
+
 
 KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's path
 
@@ -334,6 +352,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.mhc_kv_fp8_decode.restype = ctypes.c_int
     lib.mhc_kv_fp8_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_kv_fp8_encode.restype = ctypes.c_int
+    lib.mhc_kv_fp8_encode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
