@@ -260,7 +260,10 @@ class Indexer(nn.Module):
         Hadamard rotation, and with the simulation on the reference's FP4 rounding."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
-        return fp4_simulate(q, INDEX_FP4_BLOCK) if self.opts.quant_sim else q
+        if not self.opts.quant_sim:
+            return q
+        fast = None if torch.compiler.is_compiling() else self.opts.cpu.fp4_simulate(q, INDEX_FP4_BLOCK)
+        return fp4_simulate(q, INDEX_FP4_BLOCK) if fast is None else fast
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -908,3 +908,45 @@ def test_kv_fp8_encode_is_the_reference_bitwise():
     assert k.kv_fp8_encode(bad, 64, 64) is None
     assert k.kv_fp8_encode(rnd.bfloat16(), 64, 64) is None
     assert cpu_kernel("0").kv_fp8_encode(rnd, 64, 64) is None
+
+
+# ---------------------------------------------------------------- FP4 rounding of indexer queries
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16, 128), (2, 1, 3, 100), (1, 5)])
+def test_fp4_simulate_is_the_reference_bitwise(shape):
+    """`CpuKernel.fp4_simulate` equals quant.fp4_simulate bit for bit: the e2m1 grid, its midpoints (ties to the even
+    mantissa) and their neighbours, both signs and -0.0, blocks at scales 2**-130 .. 2**125 (subnormal inputs, the
+    amax floor, the largest scales), a partial last block."""
+    from mhcrun.ops.quant import fp4_simulate
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    g = torch.Generator().manual_seed(13)
+    grid = torch.tensor([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6])
+    for trial in range(40):
+        x = torch.randn(shape, generator=g)
+        x *= 2.0 ** torch.randint(-130, 126, (*shape[:-1], 1), generator=g).float()
+        flat = x.view(-1)
+        if trial % 2 == 0 and flat.numel() >= 64:
+            flat[:15], flat[15:30], flat[31] = grid, -grid, 6.0
+            flat[32:47], flat[47] = grid.nextafter(torch.tensor(10.0)), 6.0
+        flat[min(3, flat.numel() - 1)] = -0.0
+        got, want = k.fp4_simulate(x, 32), fp4_simulate(x, 32)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_fp4_simulate_declines_what_it_does_not_take():
+    """Non-finite x (torch's own rules apply there), bf16, more rows than decode's, the kernel off: None."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    x = torch.randn(1, 1, 16, 128)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[0, 0, 2, 7] = bad
+        assert k.fp4_simulate(y, 32) is None
+    assert k.fp4_simulate(x.bfloat16(), 32) is None
+    assert k.fp4_simulate(torch.randn(qgemv.MAX_ROWS * 64 + 1, 32), 32) is None
+    assert cpu_kernel("0").fp4_simulate(x, 32) is None

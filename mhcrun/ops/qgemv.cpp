@@ -1429,6 +1429,38 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int thre
     return 0;
 }
 
+// mhcrun.ops.quant.fp4_simulate(x, block) in place on fp32 rows [rows, k], bitwise: per block of `block` values (the
+// last may be partial), scale = pow2_ceil(max(amax, 6 * 2**-126) / 6) (a normal power of two: the one division
+// rounds as torch's), q = x / scale (as x times the inverse: the same correctly rounded product), rounded to the
+// e2m1 grid with ties to the even mantissa (round_e2m1: half-to-even on the binade's step, saturating at 6, the
+// sign kept, -0.0 included), times the scale (exact). Returns 1, leaving x as it was, when x holds a non-finite value
+// or the thread flushes subnormals (the caller then takes torch's path).
+int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
+    if (flushes_denormals()) return 1;
+    for (int64_t i = 0; i < rows * k; i++)
+        if (!std::isfinite(x[i])) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k0 = 0; k0 < k; k0 += block) {
+            float* v = x + r * k + k0;
+            const int64_t len = k0 + block < k ? block : k - k0;
+            float amax = 6.0f * 0x1p-126f;
+            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
+            const uint32_t sbits = bits_of(amax / 6.0f);  // normal: >= 2**-126
+            const uint32_t se = (sbits & 0x7FFFFF) ? (sbits >> 23) + 1 : sbits >> 23;
+            const float scale = float_of(se << 23);
+            const float inv = se >= 254 ? 0x1p-127f : float_of((254 - se) << 23);  // 1 / scale, exact
+            for (int64_t i = 0; i < len; i++) {
+                const float q = std::fmin(std::fmax(v[i] * inv, -6.0f), 6.0f);
+                const float a = std::fabs(q);
+                const float step = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f;
+                const float t = a / step;  // exact: a power of two
+                const float rounded = std::fmin(((t + 0x1p23f) - 0x1p23f) * step, 6.0f);  // half to even
+                v[i] = std::copysign(rounded, q) * scale;
+            }
+        }
+    return 0;
+}
+
 // mhcrun.ops.kvcache.encode of the fp8 format (pow2 scales) in fp32, bitwise: each row of x [rows, nope + rd] ->
 // its e4m3 codes [rows, nope] and block scales [rows, ceil(nope / block)] as quantize_act_fp8(x, block) gives them
 // (mhc_act_quant_fp8's rounding, the rounded value / scale written as its code), and its rope channels copied to

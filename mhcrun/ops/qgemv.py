@@ -145,6 +145,17 @@ class CpuKernel:
         return self.isa == ISAS["avx512bf16"] and bool(load_library(self.library).mhc_takes_bf16(xf.data_ptr(),
                                                                                                  xf.numel()))
 
+    def fp4_simulate(self, x: Tensor, block: int) -> Tensor | None:
+        """mhcrun.ops.quant.fp4_simulate(x, block), bitwise, in one call (`mhc_fp4_simulate`), for a CPU fp32 x of
+        decode's few rows (at most MAX_ROWS * 64: an indexer query's heads); None where it does not apply (non-finite
+        x included)."""
+        k = x.shape[-1] if x.dim() else 0
+        if not self.on or x.dtype != torch.float32 or x.device.type != "cpu" or not k \
+                or x.numel() // k > MAX_ROWS * 64:
+            return None
+        y = x.clone(memory_format=torch.contiguous_format)
+        return None if load_library(self.library).mhc_fp4_simulate(y.data_ptr(), y.numel() // k, k, block) else y
+
     def decodes(self, w: QWeight) -> bool:
         """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
         return w.kernel and w.fmt != "float" and self.on
@@ -354,6 +365,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_kv_fp8_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_kv_fp8_encode.restype = ctypes.c_int
     lib.mhc_kv_fp8_encode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.mhc_fp4_simulate.restype = ctypes.c_int
+    lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
