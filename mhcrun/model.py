@@ -140,13 +140,13 @@ def encode_entries(cpu: CpuKernel, fmt: CacheFormat, x: torch.Tensor) -> dict[st
 
 def decode_entries(cpu: CpuKernel, fmt: CacheFormat, parts: dict[str, torch.Tensor],
                    dtype: torch.dtype) -> torch.Tensor:
-    """`kvcache.decode`; in CPU eager the run's kernel decodes fp32 fp8 entries in one call (`CpuKernel.kv_fp8`,
-    bitwise)."""
-    if fmt.kind == "fp8" and dtype == torch.float32 and not torch.compiler.is_compiling():
-        fast = cpu.kv_fp8(parts["fp8"], parts["scale"], parts["rope"], KV_FP8_BLOCK)
-        if fast is not None:
-            return fast
-    return kvcache.decode(fmt, parts, dtype)
+    """`kvcache.decode`; in CPU eager the run's kernel decodes fp32 fp8 and fp4 entries in one call
+    (`CpuKernel.kv_fp8`, `CpuKernel.kv_fp4`, bitwise)."""
+    fast = None
+    if fmt.kind != "plain" and dtype == torch.float32 and not torch.compiler.is_compiling():
+        fast = (cpu.kv_fp8(parts["fp8"], parts["scale"], parts["rope"], KV_FP8_BLOCK) if fmt.kind == "fp8"
+                else cpu.kv_fp4(parts["fp4"], parts["scale"], INDEX_FP4_BLOCK))
+    return kvcache.decode(fmt, parts, dtype) if fast is None else fast
 
 
 class Rope(nn.Module):

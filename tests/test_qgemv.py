@@ -950,3 +950,25 @@ def test_fp4_simulate_declines_what_it_does_not_take():
     assert k.fp4_simulate(x.bfloat16(), 32) is None
     assert k.fp4_simulate(torch.randn(qgemv.MAX_ROWS * 64 + 1, 32), 32) is None
     assert cpu_kernel("0").fp4_simulate(x, 32) is None
+
+
+@pytest.mark.parametrize("lead, k", [((1, 40), 128), ((2, 3), 100), ((1,), 32)])
+def test_kv_fp4_decodes_entries_bitwise(lead, k):
+    """`CpuKernel.kv_fp4` equals kvcache.decode of the fp4 format (indexer keys) bit for bit: every byte, scales
+    from 2**-126 to 2**60, a partial last block; other dtypes and the kernel off are declined."""
+    from mhcrun.ops import kvcache
+
+    kern = cpu_kernel()
+    if not kern.on:
+        pytest.skip(kern.status())
+    g = torch.Generator().manual_seed(17)
+    packed = torch.randint(0, 256, (*lead, k // 2), generator=g, dtype=torch.uint8)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: packed.numel()]
+    scale = 2.0 ** torch.randint(-126, 61, (*lead, -(-k // 32)), generator=g).float()
+    got = kern.kv_fp4(packed, scale, 32)
+    want = kvcache.decode(kvcache.CacheFormat("fp4", k), {"fp4": packed, "scale": scale}, torch.float32)
+    assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert kern.kv_fp4(packed.view(torch.int8), scale, 32) is None
+    assert kern.kv_fp4(packed, scale.bfloat16(), 32) is None
+    assert kern.kv_fp4(packed, scale, 8) is None  # scales for another block
+    assert cpu_kernel("0").kv_fp4(packed, scale, 32) is None

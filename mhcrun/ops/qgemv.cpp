@@ -1208,6 +1208,17 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
     return flush ? 5 : 0;
 }
 
+// mhcrun.ops.kvcache.decode of the fp4 format (indexer keys) in fp32, bitwise: each row's packed e2m1 codes [k / 2]
+// (low nibble first) times their block's scale (scales [rows, ceil(k / block)] fp32: one rounding, as torch's
+// product) -> out [rows, k].
+int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int64_t rows, int64_t k, int64_t block) {
+    const int64_t sb = (k + block - 1) / block;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++)
+            out[r * k + i] = VALUES.e2m1[(packed[r * (k / 2) + i / 2] >> ((i & 1) * 4)) & 15] * scale[r * sb + i / block];
+    return 0;
+}
+
 // mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
 // elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
 // rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.

@@ -20,7 +20,7 @@ output rows, each decoded once, by BF16 dot products.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
 (`attend`: sparse_attn's ~20 ops and four small GEMMs in one call), RoPE (`rope_tail`: ~14 ops in one call)
-and the encoding and decoding of fp8 kv cache entries (`kv_fp8_encode`, `kv_fp8`).
+and the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -293,6 +293,23 @@ class CpuKernel:
                                                           torch.get_num_threads() if rows >= 16 else 1)
         return None if rc else out
 
+    def kv_fp4(self, packed: Tensor, scale: Tensor, block: int) -> Tensor | None:
+        """mhcrun.ops.kvcache.decode of the fp4 format (indexer keys) in fp32, bitwise, in one call
+        (`mhc_kv_fp4_decode`): packed uint8 [..., k / 2], scale fp32 [..., ceil(k / block)], CPU tensors -> fp32
+        [..., k]; None where it does not apply."""
+        if not self.on or packed.dtype != torch.uint8 or scale.dtype != torch.float32 \
+                or packed.device.type != "cpu" or scale.device.type != "cpu":
+            return None
+        lead, k = packed.shape[:-1], 2 * packed.shape[-1]
+        rows = math.prod(lead)
+        if not rows or not k or scale.shape != (*lead, -(-k // block)):
+            return None
+        packed, scale = packed.contiguous(), scale.contiguous()
+        out = torch.empty(*lead, k)
+        load_library(self.library).mhc_kv_fp4_decode(packed.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, k,
+                                                     block)
+        return out
+
     def kv_fp8_encode(self, x: Tensor, rope_dim: int, block: int) -> dict[str, Tensor] | None:
         """mhcrun.ops.kvcache.encode of the fp8 format with power-of-two scales, bitwise, in one call
         (`mhc_kv_fp8_encode`): fp32 CPU x [..., nope + rope_dim] -> {"fp8": codes, "scale", "rope"} as it gives them,
@@ -367,6 +384,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_kv_fp8_encode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.mhc_fp4_simulate.restype = ctypes.c_int
     lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.mhc_kv_fp4_decode.restype = ctypes.c_int
+    lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
