@@ -366,7 +366,8 @@ class Attention(nn.Module):
             n = self.compressor.n_entries if static else int((start + s).max()) // self.ratio
             comp = self.compressor.cache.read((rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
             comp_mask = closed_mask(start, s, n, self.ratio)
-        mask = window_mask(start, s, win)
+        mask = None if torch.compiler.is_compiling() else self.opts.cpu.window_mask(start, s, win)
+        mask = window_mask(start, s, win) if mask is None else mask
         o = torch.empty_like(q)
         n_sel = 0 if chosen is None else chosen.size(-1)
         n_comp = 0 if comp is None else comp.size(1)

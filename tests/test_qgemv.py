@@ -972,3 +972,22 @@ def test_kv_fp4_decodes_entries_bitwise(lead, k):
     assert kern.kv_fp4(packed, scale.bfloat16(), 32) is None
     assert kern.kv_fp4(packed, scale, 8) is None  # scales for another block
     assert cpu_kernel("0").kv_fp4(packed, scale, 32) is None
+
+
+def test_window_mask_is_the_reference():
+    """`CpuKernel.window_mask` equals attention.window_mask: sequences starting, inside the first window, on and
+    around window edges, rows at different positions, chunks of several tokens, a window of one; more rows than
+    decode's and other dtypes are declined."""
+    from mhcrun.ops.attention import window_mask
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    for start in ([0], [1], [5], [127], [128], [129], [300], [0, 5, 37], [255, 256]):
+        for s in (1, 2, 3):
+            for w in (1, 4, 128):
+                got = k.window_mask(torch.tensor(start), s, w)
+                assert got is not None and torch.equal(got, window_mask(torch.tensor(start), s, w)), (start, s, w)
+    assert k.window_mask(torch.zeros(qgemv.MAX_ROWS + 1, dtype=torch.int64), 1, 8) is None
+    assert k.window_mask(torch.tensor([3], dtype=torch.int32), 1, 8) is None
+    assert cpu_kernel("0").window_mask(torch.tensor([3]), 1, 8) is None

@@ -62,7 +62,7 @@ def compress_chunk(kv_state: torch.Tensor, score_state: torch.Tensor, kv: torch.
 def stays_open(start: torch.Tensor, s: int, ratio: int) -> bool:
     """Whether a chunk of s tokens at positions start [b] + [0, s) closes no group and begins no sequence in any
     row: then all compress_chunk does is `add_to_open_group` (most decode steps)."""
-    return not bool(((start % ratio + s >= ratio) | (start == 0)).any())
+    return all(p % ratio + s < ratio and p != 0 for p in start.tolist())  # Python ints: a decode step's few rows
 
 
 def add_to_open_group(kv_state: torch.Tensor, score_state: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,

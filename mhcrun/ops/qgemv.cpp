@@ -1219,6 +1219,24 @@ int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int
     return 0;
 }
 
+// mhcrun.ops.attention.window_mask: which window keys each query of a chunk of s tokens at positions start[i] + [0, s)
+// sees -> out [b, s, window + s] (bool bytes): the ring's slots (slot j holds the latest position before start that is
+// j mod window) within the query's window, then the chunk's own entries t' <= t within it.
+int mhc_window_mask(const int64_t* start, uint8_t* out, int64_t b, int64_t s, int64_t window) {
+    const int64_t width = window + s;
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t t = 0; t < s; t++) {
+            uint8_t* m = out + (i * s + t) * width;
+            for (int64_t j = 0; j < window; j++) {
+                const int64_t back = ((start[i] - 1 - j) % window + window) % window;  // Python's modulo
+                const int64_t held = start[i] - 1 - back;
+                m[j] = held >= 0 && held > start[i] + t - window;
+            }
+            for (int64_t u = 0; u < s; u++) m[window + u] = t - u >= 0 && t - u < window;
+        }
+    return 0;
+}
+
 // mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
 // elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
 // rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.

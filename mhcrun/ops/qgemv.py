@@ -20,7 +20,8 @@ output rows, each decoded once, by BF16 dot products.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
 (`attend`: sparse_attn's ~20 ops and four small GEMMs in one call), RoPE (`rope_tail`: ~14 ops in one call)
-and the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`).
+the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`) and the window mask
+(`window_mask`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -310,6 +311,17 @@ class CpuKernel:
                                                      block)
         return out
 
+    def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
+        """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
+        of decode's few rows and chunks; None where it does not apply."""
+        if not self.on or start.dtype != torch.int64 or start.device.type != "cpu" or start.dim() != 1 \
+                or start.numel() * s > MAX_ROWS or s < 1 or window < 1:
+            return None
+        start = start.contiguous()
+        out = torch.empty(start.numel(), s, window + s, dtype=torch.bool)
+        load_library(self.library).mhc_window_mask(start.data_ptr(), out.data_ptr(), start.numel(), s, window)
+        return out
+
     def kv_fp8_encode(self, x: Tensor, rope_dim: int, block: int) -> dict[str, Tensor] | None:
         """mhcrun.ops.kvcache.encode of the fp8 format with power-of-two scales, bitwise, in one call
         (`mhc_kv_fp8_encode`): fp32 CPU x [..., nope + rope_dim] -> {"fp8": codes, "scale", "rope"} as it gives them,
@@ -386,6 +398,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.mhc_kv_fp4_decode.restype = ctypes.c_int
     lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.mhc_window_mask.restype = ctypes.c_int
+    lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p]
