@@ -1416,14 +1416,14 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
-// in place on fp32 rows [rows, k], rows split over `threads` threads: per block of `block` values (the last may
-// be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
+// fp32 rows x [rows, k] -> y (x itself allowed), rows split over `threads` threads: per block of `block` values (the
+// last may be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
 // e4m3(value / scale) * scale, rounded to nearest even (|value / scale| <= 448, so nothing saturates). Every step
 // is exact but the one rounding (the divisions by powers of two are multiplications by their inverses, exact
-// too), so the result equals torch's bitwise. Returns 1, leaving x as it was, when x holds a non-finite value
+// too), so the result equals torch's bitwise. Returns 1, writing nothing, when x holds a non-finite value
 // (torch's NaN/inf rules then apply, on the torch path), or when a thread flushes subnormals (a subnormal x
 // would then round otherwise than torch rounds it).
-int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int threads) {
+int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int threads) {
     if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
     int bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
@@ -1435,7 +1435,8 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int thre
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t k0 = 0; k0 < k; k0 += block) {
-            float* v = x + r * k + k0;
+            const float* v = x + r * k + k0;
+            float* out = y + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
             float amax = 1e-4f;
             for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
@@ -1451,7 +1452,7 @@ int mhc_act_quant_fp8(float* x, int64_t rows, int64_t k, int64_t block, int thre
                 const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
                 const float t = a * inv_step;  // exact, <= 16
                 const float rounded = (t + 0x1p23f) - 0x1p23f;  // to nearest even integer
-                v[i] = std::copysign(rounded * step, q) * scale;
+                out[i] = std::copysign(rounded * step, q) * scale;
             }
         }
     }

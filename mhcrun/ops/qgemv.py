@@ -181,11 +181,12 @@ class CpuKernel:
         k = x.shape[-1]
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not self.on:
             return None
-        y = x.to(torch.float32, copy=True).contiguous()
-        if load_library(self.library).mhc_act_quant_fp8(y.data_ptr(), x.numel() // k, k, block,
+        src = x.float().contiguous()
+        y = torch.empty_like(src)
+        if load_library(self.library).mhc_act_quant_fp8(src.data_ptr(), y.data_ptr(), x.numel() // k, k, block,
                                                         torch.get_num_threads()):
             return None
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def hc_takes(self, streams: Tensor, *ts: Tensor) -> bool:
         """Whether the mHC steps' C++ (`hc_post`, `hc_pre`) takes streams [..., n, d] (and ts): the kernel on, CPU
@@ -383,7 +384,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
-    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_hc_post.restype = ctypes.c_int
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     lib.mhc_attend.restype = ctypes.c_int
