@@ -913,6 +913,39 @@ float dot8(const float* a, const float* b, int64_t k) {
 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
+// ---------------------------------------------------------------- the FP8 activation rounding (fp8_simulate, pow2)
+// Every step is exact but the one rounding: the divisions by powers of two are multiplications by their inverses,
+// exact too, so the results equal torch's bitwise (mhc_act_quant_fp8 gives the values, mhc_kv_fp8_encode the codes).
+
+// A block's scale, the smallest power of two >= max(amax, 1e-4) / 448 (2**-22 <= scale < 2**121), and its inverse.
+struct Fp8Scale {
+    float scale, inv;
+};
+
+inline Fp8Scale fp8_scale(const float* v, int64_t len) {
+    float amax = 1e-4f;
+    for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
+    const uint32_t sb = bits_of(amax / 448.0f);  // a normal fp32: amax >= 1e-4
+    const uint32_t se = (sb & 0x7FFFFF) ? (sb >> 23) + 1 : sb >> 23;  // pow2 ceil: its biased exponent
+    return {float_of(se << 23), float_of((254 - se) << 23)};
+}
+
+// q = value * inv (|q| <= 448, so nothing saturates) rounded to e4m3, to nearest even: e, the biased fp32 exponent of
+// |q| (|q| in [2**(e-127), 2**(e-126))), and t, |rounded q| in e4m3 steps of that binade (2**(e-130); 2**-9 below
+// 2**-6), an integer <= 16.
+struct E4m3Round {
+    uint32_t e;
+    float t;
+    float step() const { return e < 121 ? 0x1p-9f : float_of((e - 3) << 23); }
+};
+
+inline E4m3Round e4m3_round(float q) {
+    const float a = std::fabs(q);
+    const uint32_t e = bits_of(a) >> 23;
+    const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
+    return {e, (a * inv_step + 0x1p23f) - 0x1p23f};  // a * inv_step exact, <= 16; + 2**23 - 2**23: to nearest even
+}
+
 // ---------------------------------------------------------------- attention of decode rows (mhc_attend)
 
 namespace attend {
@@ -1214,8 +1247,10 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
 int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int64_t rows, int64_t k, int64_t block) {
     const int64_t sb = (k + block - 1) / block;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i++)
-            out[r * k + i] = VALUES.e2m1[(packed[r * (k / 2) + i / 2] >> ((i & 1) * 4)) & 15] * scale[r * sb + i / block];
+        for (int64_t i = 0; i < k; i++) {
+            const int code = (packed[r * (k / 2) + i / 2] >> ((i & 1) * 4)) & 15;
+            out[r * k + i] = VALUES.e2m1[code] * scale[r * sb + i / block];
+        }
     return 0;
 }
 
@@ -1418,11 +1453,9 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
 // fp32 rows x [rows, k] -> y (x itself allowed), rows split over `threads` threads: per block of `block` values (the
 // last may be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
-// e4m3(value / scale) * scale, rounded to nearest even (|value / scale| <= 448, so nothing saturates). Every step
-// is exact but the one rounding (the divisions by powers of two are multiplications by their inverses, exact
-// too), so the result equals torch's bitwise. Returns 1, writing nothing, when x holds a non-finite value
-// (torch's NaN/inf rules then apply, on the torch path), or when a thread flushes subnormals (a subnormal x
-// would then round otherwise than torch rounds it).
+// e4m3(value / scale) * scale, rounded to nearest even (fp8_scale, e4m3_round: bitwise torch's). Returns 1, writing
+// nothing, when x holds a non-finite value (torch's NaN/inf rules then apply, on the torch path), or when a thread
+// flushes subnormals (a subnormal x would then round otherwise than torch rounds it).
 int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int threads) {
     if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
     int bad = 0;
@@ -1438,21 +1471,11 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
             const float* v = x + r * k + k0;
             float* out = y + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
-            float amax = 1e-4f;
-            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
-            const uint32_t sb = bits_of(amax / 448.0f);  // a normal fp32: amax >= 1e-4
-            const uint32_t se = (sb & 0x7FFFFF) ? (sb >> 23) + 1 : sb >> 23;  // pow2 ceil: its biased exponent
-            const float scale = float_of(se << 23), inv = float_of((254 - se) << 23);  // 2**-22 <= scale < 2**121
+            const Fp8Scale sc = fp8_scale(v, len);
             for (int64_t i = 0; i < len; i++) {
-                const float q = v[i] * inv;  // exact: a power of two, |q| <= 448
-                const float a = std::fabs(q);
-                const uint32_t e = bits_of(a) >> 23;  // biased exponent: a in [2**(e-127), 2**(e-126))
-                // e4m3 spacing there, and its inverse (powers of two)
-                const float step = e < 121 ? 0x1p-9f : float_of((e - 3) << 23);
-                const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
-                const float t = a * inv_step;  // exact, <= 16
-                const float rounded = (t + 0x1p23f) - 0x1p23f;  // to nearest even integer
-                out[i] = std::copysign(rounded * step, q) * scale;
+                const float q = v[i] * sc.inv;
+                const E4m3Round rq = e4m3_round(q);
+                out[i] = std::copysign(rq.t * rq.step(), q) * sc.scale;
             }
         }
     }
@@ -1493,9 +1516,9 @@ int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
 
 // mhcrun.ops.kvcache.encode of the fp8 format (pow2 scales) in fp32, bitwise: each row of x [rows, nope + rd] ->
 // its e4m3 codes [rows, nope] and block scales [rows, ceil(nope / block)] as quantize_act_fp8(x, block) gives them
-// (mhc_act_quant_fp8's rounding, the rounded value / scale written as its code), and its rope channels copied to
-// rope [rows, rd]. Returns 1, writing nothing, when x holds a non-finite value or a thread flushes subnormals (the
-// caller then takes torch's path).
+// (fp8_scale, e4m3_round: mhc_act_quant_fp8's rounding, the rounded value / scale written as its code), and its rope
+// channels copied to rope [rows, rd]. Returns 1, writing nothing, when x holds a non-finite value or a thread flushes
+// subnormals (the caller then takes torch's path).
 int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope, int64_t rows, int64_t nope,
                       int64_t block, int64_t rd) {
     const int64_t width = nope + rd, sb = (nope + block - 1) / block;
@@ -1506,18 +1529,12 @@ int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope
         const float* v = x + r * width;
         for (int64_t k0 = 0, g = 0; k0 < nope; k0 += block, g++) {
             const int64_t len = k0 + block < nope ? block : nope - k0;
-            float amax = 1e-4f;
-            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[k0 + i]));
-            const uint32_t sbits = bits_of(amax / 448.0f);  // as mhc_act_quant_fp8
-            const uint32_t se = (sbits & 0x7FFFFF) ? (sbits >> 23) + 1 : sbits >> 23;
-            const float inv = float_of((254 - se) << 23);
-            scales[r * sb + g] = float_of(se << 23);
+            const Fp8Scale sc = fp8_scale(v + k0, len);
+            scales[r * sb + g] = sc.scale;
             for (int64_t i = 0; i < len; i++) {
-                const float q = v[k0 + i] * inv;  // exact, |q| <= 448
-                const float a = std::fabs(q);
-                const uint32_t e = bits_of(a) >> 23;
-                const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
-                const uint32_t t = uint32_t((a * inv_step + 0x1p23f) - 0x1p23f);  // the rounded value in steps, <= 16
+                const float q = v[k0 + i] * sc.inv;
+                const E4m3Round rq = e4m3_round(q);
+                const uint32_t e = rq.e, t = uint32_t(rq.t);
                 // e4m3: below 2**-6 (e < 121) t is the code (a subnormal mantissa, or 8: the smallest normal, 2**-6);
                 // else t in [8, 16] steps of 2**(e-130): exponent field e - 120 and mantissa t - 8, 16 the next one's 8
                 const uint32_t code = e < 121 ? t : t == 16 ? (e - 119) << 3 : ((e - 120) << 3) | (t - 8);
