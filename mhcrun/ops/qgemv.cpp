@@ -917,18 +917,22 @@ float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 // Every step is exact but the one rounding: the divisions by powers of two are multiplications by their inverses,
 // exact too, so the results equal torch's bitwise (mhc_act_quant_fp8 gives the values, mhc_kv_fp8_encode the codes).
 
-// A block's scale, the smallest power of two >= max(amax, 1e-4) / 448 (2**-22 <= scale < 2**121), and its inverse.
-struct Fp8Scale {
+// A block's scale, the smallest power of two >= max(amax, floor) / qmax (the one division rounded as torch's; floor /
+// qmax >= 2**-126: a normal power of two), and its inverse (exact; 2**-127 for the scale 2**127).
+struct Pow2Scale {
     float scale, inv;
 };
 
-inline Fp8Scale fp8_scale(const float* v, int64_t len) {
-    float amax = 1e-4f;
+inline Pow2Scale pow2_scale(const float* v, int64_t len, float floor, float qmax) {
+    float amax = floor;
     for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
-    const uint32_t sb = bits_of(amax / 448.0f);  // a normal fp32: amax >= 1e-4
+    const uint32_t sb = bits_of(amax / qmax);
     const uint32_t se = (sb & 0x7FFFFF) ? (sb >> 23) + 1 : sb >> 23;  // pow2 ceil: its biased exponent
-    return {float_of(se << 23), float_of((254 - se) << 23)};
+    return {float_of(se << 23), se >= 254 ? 0x1p-127f : float_of((254 - se) << 23)};
 }
+
+// The FP8 activation rounding's block scale: floor 1e-4, 448 (2**-22 <= scale < 2**121).
+inline Pow2Scale fp8_scale(const float* v, int64_t len) { return pow2_scale(v, len, 1e-4f, 448.0f); }
 
 // q = value * inv (|q| <= 448, so nothing saturates) rounded to e4m3, to nearest even: e, the biased fp32 exponent of
 // |q| (|q| in [2**(e-127), 2**(e-126))), and t, |rounded q| in e4m3 steps of that binade (2**(e-130); 2**-9 below
@@ -1471,7 +1475,7 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
             const float* v = x + r * k + k0;
             float* out = y + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
-            const Fp8Scale sc = fp8_scale(v, len);
+            const Pow2Scale sc = fp8_scale(v, len);
             for (int64_t i = 0; i < len; i++) {
                 const float q = v[i] * sc.inv;
                 const E4m3Round rq = e4m3_round(q);
@@ -1496,19 +1500,14 @@ int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
         for (int64_t k0 = 0; k0 < k; k0 += block) {
             float* v = x + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
-            float amax = 6.0f * 0x1p-126f;
-            for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
-            const uint32_t sbits = bits_of(amax / 6.0f);  // normal: >= 2**-126
-            const uint32_t se = (sbits & 0x7FFFFF) ? (sbits >> 23) + 1 : sbits >> 23;
-            const float scale = float_of(se << 23);
-            const float inv = se >= 254 ? 0x1p-127f : float_of((254 - se) << 23);  // 1 / scale, exact
+            const Pow2Scale sc = pow2_scale(v, len, 6.0f * 0x1p-126f, 6.0f);
             for (int64_t i = 0; i < len; i++) {
-                const float q = std::fmin(std::fmax(v[i] * inv, -6.0f), 6.0f);
+                const float q = std::fmin(std::fmax(v[i] * sc.inv, -6.0f), 6.0f);
                 const float a = std::fabs(q);
                 const float step = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f;
                 const float t = a / step;  // exact: a power of two
                 const float rounded = std::fmin(((t + 0x1p23f) - 0x1p23f) * step, 6.0f);  // half to even
-                v[i] = std::copysign(rounded, q) * scale;
+                v[i] = std::copysign(rounded, q) * sc.scale;
             }
         }
     return 0;
@@ -1529,7 +1528,7 @@ int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope
         const float* v = x + r * width;
         for (int64_t k0 = 0, g = 0; k0 < nope; k0 += block, g++) {
             const int64_t len = k0 + block < nope ? block : nope - k0;
-            const Fp8Scale sc = fp8_scale(v + k0, len);
+            const Pow2Scale sc = fp8_scale(v + k0, len);
             scales[r * sb + g] = sc.scale;
             for (int64_t i = 0; i < len; i++) {
                 const float q = v[k0 + i] * sc.inv;
