@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,9 @@ from mhcrun.weights import TensorSpec, dequantized_dtype, mtp_tensor_specs, tens
 # Compiled regions run under the same names (`mhcrun.regions`), so two paths can be compared region by region.
 Probe = Callable[[str, torch.Tensor], None]
 ATTN_KINDS = {0: "window", 4: "csa"}
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -128,25 +131,33 @@ class Cache(nn.Module):
         kvcache.store(self.parts(), index, encoded)
 
 
+def eager_first(fast: Callable[[], T | None], ref: Callable[[], T]) -> T:
+    """fast() outside graphs where it applies, else ref(): `fast` is the run's CPU kernel doing a reference op in one
+    call (a `CpuKernel` method, None where it does not apply); graphs trace the reference, which inductor fuses."""
+    out = None if torch.compiler.is_compiling() else fast()
+    return ref() if out is None else out
+
+
 def encode_entries(cpu: CpuKernel, fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """`kvcache.encode`; in CPU eager the run's kernel encodes fp32 entries of the fp8 format (power-of-two scales)
     in one call (`CpuKernel.kv_fp8_encode`, bitwise)."""
-    if fmt.kind == "fp8" and fmt.pow2 and not torch.compiler.is_compiling():
-        fast = cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK)
-        if fast is not None:
-            return fast
-    return kvcache.encode(fmt, x)
+    fp8 = fmt.kind == "fp8" and fmt.pow2
+    return eager_first(lambda: cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK) if fp8 else None,
+                       lambda: kvcache.encode(fmt, x))
 
 
 def decode_entries(cpu: CpuKernel, fmt: CacheFormat, parts: dict[str, torch.Tensor],
                    dtype: torch.dtype) -> torch.Tensor:
     """`kvcache.decode`; in CPU eager the run's kernel decodes fp32 fp8 and fp4 entries in one call
     (`CpuKernel.kv_fp8`, `CpuKernel.kv_fp4`, bitwise)."""
-    fast = None
-    if fmt.kind != "plain" and dtype == torch.float32 and not torch.compiler.is_compiling():
-        fast = (cpu.kv_fp8(parts["fp8"], parts["scale"], parts["rope"], KV_FP8_BLOCK) if fmt.kind == "fp8"
-                else cpu.kv_fp4(parts["fp4"], parts["scale"], INDEX_FP4_BLOCK))
-    return kvcache.decode(fmt, parts, dtype) if fast is None else fast
+    def fast() -> torch.Tensor | None:
+        if fmt.kind == "plain" or dtype != torch.float32:
+            return None
+        if fmt.kind == "fp8":
+            return cpu.kv_fp8(parts["fp8"], parts["scale"], parts["rope"], KV_FP8_BLOCK)
+        return cpu.kv_fp4(parts["fp4"], parts["scale"], INDEX_FP4_BLOCK)
+
+    return eager_first(fast, lambda: kvcache.decode(fmt, parts, dtype))
 
 
 class Rope(nn.Module):
@@ -230,8 +241,8 @@ class Compressor(nn.Module):
 def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
            inverse: bool = False) -> torch.Tensor:
     """`apply_rope_tail`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.rope_tail`, bitwise)."""
-    fast = None if torch.compiler.is_compiling() else cpu.rope_tail(x, cos, sin, rope_dim, inverse)
-    return apply_rope_tail(x, cos, sin, rope_dim, inverse) if fast is None else fast
+    return eager_first(lambda: cpu.rope_tail(x, cos, sin, rope_dim, inverse),
+                       lambda: apply_rope_tail(x, cos, sin, rope_dim, inverse))
 
 
 def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
@@ -262,8 +273,8 @@ class Indexer(nn.Module):
         q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
         if not self.opts.quant_sim:
             return q
-        fast = None if torch.compiler.is_compiling() else self.opts.cpu.fp4_simulate(q, INDEX_FP4_BLOCK)
-        return fp4_simulate(q, INDEX_FP4_BLOCK) if fast is None else fast
+        return eager_first(lambda: self.opts.cpu.fp4_simulate(q, INDEX_FP4_BLOCK),
+                           lambda: fp4_simulate(q, INDEX_FP4_BLOCK))
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,8 +377,7 @@ class Attention(nn.Module):
             n = self.compressor.n_entries if static else int((start + s).max()) // self.ratio
             comp = self.compressor.cache.read((rows.view(-1, 1), torch.arange(n, device=dev)), dtype)
             comp_mask = closed_mask(start, s, n, self.ratio)
-        mask = None if torch.compiler.is_compiling() else self.opts.cpu.window_mask(start, s, win)
-        mask = window_mask(start, s, win) if mask is None else mask
+        mask = eager_first(lambda: self.opts.cpu.window_mask(start, s, win), lambda: window_mask(start, s, win))
         o = torch.empty_like(q)
         n_sel = 0 if chosen is None else chosen.size(-1)
         n_comp = 0 if comp is None else comp.size(1)
@@ -393,8 +403,7 @@ class Attention(nn.Module):
     def attend(self, *args) -> torch.Tensor:
         """`sparse_attn(*args)`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.attend`, within
         rounding of it)."""
-        fast = None if torch.compiler.is_compiling() else self.opts.cpu.attend(*args)
-        return sparse_attn(*args) if fast is None else fast
+        return eager_first(lambda: self.opts.cpu.attend(*args), lambda: sparse_attn(*args))
 
 
 class Expert(nn.Module):
