@@ -772,7 +772,8 @@ def test_attend_against_sparse_attn(b, s, h, n, k, d):
 
 
 def test_attend_declines_what_it_does_not_take_and_keeps_nan():
-    """bf16 tensors, more than MAX_ROWS queries a row and the kernel off: None (the caller takes sparse_attn). NaN
+    """bf16 tensors, more than MAX_ROWS queries a row, shapes other than the ones it reads (a broadcast mask, gathered
+    keys without their mask) and the kernel off: None (the caller takes sparse_attn). NaN
     comes out where the reference puts it: a NaN in a key nobody sees (its channel: 0 * NaN), a query with no valid key
     (all of it)."""
     k = cpu_kernel()
@@ -783,6 +784,8 @@ def test_attend_declines_what_it_does_not_take_and_keeps_nan():
     assert k.attend(q, kv, mask, sink, scale, sel.bfloat16(), sm) is None
     big = attn_case(1, qgemv.MAX_ROWS + 1, 2, 4, 0, 8)
     assert k.attend(*big) is None
+    assert k.attend(q, kv, mask[:1], sink, scale, sel, sm) is None  # a mask torch would broadcast: not read as is
+    assert k.attend(q, kv, mask, sink, scale, sel, None) is None
     assert cpu_kernel("0").attend(q, kv, mask, sink, scale, sel, sm) is None
     mask[1, 0, 5] = False
     kv[1, 5, 3] = float("nan")  # masked: its probability is 0, and 0 * NaN is NaN

@@ -18,9 +18,10 @@ With avx512bf16 it also multiplies a prefill chunk's rows by FP8/FP4 weights (`q
 output rows, each decoded once, by BF16 dot products.
 
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
-instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu") , their attention
-(`attend`: sparse_attn's ~20 ops and four small GEMMs in one call), RoPE (`rope_tail`: ~14 ops in one call)
-the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`) and the window mask
+instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
+other small steps, each in one call (`mhcrun.model.eager_first` picks them outside graphs): attention (`attend`:
+sparse_attn's ~20 ops and four small GEMMs), RoPE (`rope_tail`), the encoding and decoding of kv cache entries
+(`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding (`fp4_simulate`) and the window mask
 (`window_mask`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
@@ -236,10 +237,16 @@ class CpuKernel:
         sums in another order), for fp32 CPU tensors and at most MAX_ROWS queries a batch row (decode); None where
         it does not apply (the caller then takes sparse_attn)."""
         ts = (q, kv) if sel is None else (q, kv, sel)
-        if not self.on or q.shape[1] > MAX_ROWS or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+        if not self.on or q.dim() != 4 or q.shape[1] > MAX_ROWS or (sel is None) != (sel_mask is None) \
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
             return None
         b, s, h, d = q.shape
-        k = 0 if sel is None else sel.shape[2]
+        n, k = kv.shape[1], 0 if sel is None else sel.shape[2]
+        shapes = [(kv, (b, n, d)), (mask, (b, s, n)), (sink, (h,))]
+        if sel is not None:
+            shapes += [(sel, (b, s, k, d)), (sel_mask, (b, s, k))]
+        if any(tuple(t.shape) != want for t, want in shapes):  # the C++ reads these shapes as they are, no broadcast
+            return None
         q, kv = q.contiguous(), kv.contiguous()
         mask = mask.to(torch.bool).contiguous()
         sel = None if sel is None else sel.contiguous()
@@ -249,7 +256,7 @@ class CpuKernel:
         rc = load_library(self.library).mhc_attend(q.data_ptr(), kv.data_ptr(), mask.data_ptr(),
                                                    None if sel is None else sel.data_ptr(),
                                                    None if sel_mask is None else sel_mask.data_ptr(), sink.data_ptr(),
-                                                   o.data_ptr(), b, s, h, kv.shape[1], k, d, scale,
+                                                   o.data_ptr(), b, s, h, n, k, d, scale,
                                                    torch.get_num_threads())
         return None if rc else o
 
