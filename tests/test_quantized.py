@@ -114,6 +114,77 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
+BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "fp4_simulate", "window_mask")
+
+
+def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: bool = True) -> list[torch.Tensor]:
+    """Each decode step's logits [rows, V] of the kept-quantised model on the run's CPU kernel, every row fed the same
+    teacher-forced tokens after its own prompt (rows at different positions)."""
+    from mhcrun.generate import Stepper
+
+    model, _ = models(path)
+    model.opts.cpu, model.opts.quant_sim = cpu_kernel(), quant_sim
+    model.setup_caches(len(prompts), 64)
+    st = Stepper(model, 8)
+    for row, ids in enumerate(prompts):
+        st.prefill(row, ids)
+    rows = list(range(len(prompts)))
+    return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
+
+
+KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, "attend")}  # as defined
+
+
+def small_steps(monkeypatch, names: tuple[str, ...], on: bool) -> dict[str, int]:
+    """The CPU kernel's one-call steps `names` counted as they run (on), or declining so that torch runs (off)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(self, *args, _f=KERNEL_STEPS[name], _n=name, **kw):
+            out = _f(self, *args, **kw) if on else None
+            calls[_n] += out is not None
+            return out
+        monkeypatch.setattr(qgemv.CpuKernel, name, counted)
+    return calls
+
+
+DECODE_PROMPTS = [[0, 5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
+
+
+@torch.inference_mode()
+def test_eager_decode_bitwise_small_steps_give_the_torch_ops_logits(tiny_fp8, monkeypatch):
+    """Eager decode with the CPU kernel's bitwise one-call steps (RoPE, kv cache coding, FP4 rounding, the window
+    mask: `model.eager_first`) gives bit for bit the logits of the same decode on their torch references (attention
+    on torch in both), with the quantisation simulation on: 30 steps of 2 rows at different positions, across the
+    window's edge (16) and the compressors' group edges (4, 16)."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    small_steps(monkeypatch, ("attend",), on=False)
+    calls = small_steps(monkeypatch, BITWISE_STEPS, on=True)
+    fast = decode_logits(tiny_fp8, DECODE_PROMPTS, 30)
+    assert all(calls.values()), calls  # every one-call step ran
+    small_steps(monkeypatch, BITWISE_STEPS, on=False)
+    ref = decode_logits(tiny_fp8, DECODE_PROMPTS, 30)
+    for step, (f, r) in enumerate(zip(fast, ref, strict=True)):
+        assert torch.equal(f, r), f"step {step}"
+
+
+@torch.inference_mode()
+def test_eager_decode_attention_call_is_within_rounding(tiny_fp8, monkeypatch):
+    """The one-call attention (`CpuKernel.attend`) against sparse_attn inside the model's decode: without the FP8
+    simulation (which can turn a last-bit difference into a flipped FP8 rounding, as any summation order can:
+    docs/quantized.md) the logits stay within rounding over 30 steps of 2 rows across the window's and the groups'
+    edges; with it, the first steps agree as closely."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    for quant_sim, steps in ((False, 30), (True, 8)):
+        calls = small_steps(monkeypatch, ("attend",), on=True)
+        fast = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
+        assert calls["attend"] > 0
+        small_steps(monkeypatch, ("attend",), on=False)
+        ref = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
+        for step, (f, r) in enumerate(zip(fast, ref, strict=True)):
+            torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
 def test_mid_size_kept_quantised_matches_dequantised(mid2):
     """Full-width mid-size shapes (FP8 block 128, e8m0 scales, 64 FP4 experts) through the CLI with --layers."""
     args = ("-m", mid2, "--layers", 2, "--prompt-ids", "0,5,6,7,8,9,10", "-n", 6, "--ignore-eos")
