@@ -314,6 +314,21 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 }  // namespace avx512
 
+// Values [c0, c1) of one block of a row of fp8 bytes or packed fp4 codes at src into dst, times the block's scale sc:
+// one rounding each, bitwise the reference's dequantisation (NaN codes give NaN). isa >= 2: the AVX-512 block
+// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0), else the value tables.
+void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, int64_t c1, float sc) {
+    if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) {
+        avx512::fp8_decode_block(src, dst, c0, c1, sc);
+    } else if (fmt == FMT_FP8) {
+        for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
+    } else if (isa >= 2 && c0 % 2 == 0) {
+        avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
+    } else {
+        for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
+    }
+}
+
 // ---------------------------------------------------------------- AVX-512 with BF16 dot products (vdpbf16ps)
 // Where x is exact in bf16, as DeepSeek's FP8 activation rounding leaves it before every FP8 / FP4 GEMM, the weights
 // are decoded to bf16 (exact: e4m3 and e2m1 values have at most four significant bits) and multiplied by
@@ -537,8 +552,7 @@ AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* row, uint32_
         row[j.k] = 0.0f;  // odd K: the last pair's second value
         for (int64_t c0 = 0, g = 0; c0 < j.k; c0 += j.block, g++) {
             const int64_t c1 = c0 + j.block < j.k ? c0 + j.block : j.k;
-            if (j.fmt == FMT_FP8) avx512::fp8_decode_block(src, row, c0, c1, scale_at(j, srow, g));
-            else avx512::fp4_decode_block(src, row, c0, c1, scale_at(j, srow, g), VALUES.e2m1);
+            decode_block(j.fmt, 2, src, row, c0, c1, scale_at(j, srow, g));
         }
         for (int64_t p = 0; p < k2; p++)
             panel[p * NB + c] = (bits_of(row[2 * p]) >> 16) | (bits_of(row[2 * p + 1]) & 0xFFFF0000u);
@@ -1219,8 +1233,8 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
 
 // mhcrun.ops.kvcache.decode of the fp8 format (the kv cache with the quantisation simulated) in fp32, bitwise: each
 // row's e4m3 codes [nope] times their block's scale (scales [rows, ceil(nope / block)] fp32: one rounding, as
-// torch's product; NaN codes give NaN), then its rope channels [rd] copied: out [rows, nope + rd]. isa >= 2: the
-// AVX-512 block decoder (fp8_decode_block) where scale * 2**8 is finite, else a table. Rows split over `threads`.
+// torch's product; NaN codes give NaN: decode_block), then its rope channels [rd] copied: out [rows, nope + rd]. Rows
+// split over `threads`.
 int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rope, float* out, int64_t rows,
                       int64_t nope, int64_t block, int64_t rd, int isa, int threads) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
@@ -1233,12 +1247,7 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
         float* dst = out + r * width;
         for (int64_t c0 = 0, g = 0; c0 < nope; c0 += block, g++) {
             const int64_t c1 = c0 + block < nope ? c0 + block : nope;
-            const float sc = scale[r * sb + g];
-            if (isa >= 2 && std::isfinite(sc * 256.0f)) {
-                avx512::fp8_decode_block(c, dst, c0, c1, sc);
-            } else {
-                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[c[i]] * sc;
-            }
+            decode_block(FMT_FP8, isa, c, dst, c0, c1, scale[r * sb + g]);
         }
         std::memcpy(dst + nope, rope + r * rd, sizeof(float) * rd);
     }
@@ -1247,14 +1256,16 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
 
 // mhcrun.ops.kvcache.decode of the fp4 format (indexer keys) in fp32, bitwise: each row's packed e2m1 codes [k / 2]
 // (low nibble first) times their block's scale (scales [rows, ceil(k / block)] fp32: one rounding, as torch's
-// product) -> out [rows, k].
-int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int64_t rows, int64_t k, int64_t block) {
+// product: decode_block) -> out [rows, k]. Returns 5 where the thread flushes subnormals.
+int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int64_t rows, int64_t k, int64_t block,
+                      int isa) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    if (flushes_denormals()) return 5;
     const int64_t sb = (k + block - 1) / block;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i++) {
-            const int code = (packed[r * (k / 2) + i / 2] >> ((i & 1) * 4)) & 15;
-            out[r * k + i] = VALUES.e2m1[code] * scale[r * sb + i / block];
-        }
+        for (int64_t c0 = 0, g = 0; c0 < k; c0 += block, g++)
+            decode_block(FMT_FP4, isa, packed + r * (k / 2), out + r * k, c0, c0 + block < k ? c0 + block : k,
+                         scale[r * sb + g]);
     return 0;
 }
 
@@ -1565,16 +1576,7 @@ int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float
         const int64_t srow = fmt == FMT_FP8 ? r / block : r;
         for (int64_t c0 = 0, c = 0; c0 < k; c0 += block, c++) {
             const int64_t c1 = c0 + block < k ? c0 + block : k;
-            const float sc = scale_at(j, srow, c);
-            if (isa >= 2 && fmt == FMT_FP8) {
-                avx512::fp8_decode_block(src, dst, c0, c1, sc);
-            } else if (isa >= 2 && c0 % 2 == 0) {
-                avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
-            } else if (fmt == FMT_FP8) {
-                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
-            } else {
-                for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
-            }
+            decode_block(fmt, isa, src, dst, c0, c1, scale_at(j, srow, c));
         }
     }
     return flush ? 5 : 0;

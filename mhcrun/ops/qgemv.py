@@ -315,9 +315,9 @@ class CpuKernel:
             return None
         packed, scale = packed.contiguous(), scale.contiguous()
         out = torch.empty(*lead, k)
-        load_library(self.library).mhc_kv_fp4_decode(packed.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, k,
-                                                     block)
-        return out
+        rc = load_library(self.library).mhc_kv_fp4_decode(packed.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, k,
+                                                          block, 2 if self.isa >= 2 else 0)
+        return None if rc else out
 
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
@@ -405,7 +405,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_fp4_simulate.restype = ctypes.c_int
     lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.mhc_kv_fp4_decode.restype = ctypes.c_int
-    lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
