@@ -51,7 +51,7 @@ class Env:
     graph_mode: str | None = None  # MHCRUN_GRAPH_MODE: --graph-mode's default
     hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference
     nki_sim: str | None = None  # MHCRUN_NKI_SIM: 1|exact or device runs the NKI kernels in the simulator
-    cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off, avx2|avx512|avx512bf16 caps the instruction set, else the default
+    cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off; avx2|avx512|avx512bf16|amx caps the kernel; else its default
     scaled_mm: bool = False  # MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM on cuda
     kernel_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "mhcrun" / "kernels")
     cxx: str = "g++"  # CXX: the compiler of the C++ kernels

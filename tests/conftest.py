@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mhcrun.ops.qgemv import CpuKernel, open_cpu_kernel  # noqa: E402
+from mhcrun.ops.qgemv import GEMMS, CpuKernel, open_cpu_kernel  # noqa: E402
 from mhcrun.settings import Env  # noqa: E402
 
 
@@ -54,6 +54,15 @@ def kernel_in(isa: str) -> CpuKernel:
     kernel = cpu_kernel(isa)
     if kernel.status() != isa:
         pytest.skip(f"CPU kernel {isa}: {kernel.status()}")
+    return kernel
+
+
+def gemm_in(engine: str) -> CpuKernel:
+    """The fused kernel whose prefill GEMM (`CpuKernel.qgemm`) runs on `engine` ("amx" or "avx512bf16"; skipping
+    where this CPU lacks it)."""
+    kernel = cpu_kernel(engine)
+    if kernel.gemm != GEMMS[engine]:
+        pytest.skip(f"prefill GEMM on {engine}: CPU kernel {kernel.status()}")
     return kernel
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_kernel, kernel_in
+from conftest import cpu_kernel, gemm_in, kernel_in
 from test_qlinear import (
     assert_gemm_close,
     fp4_weight,
@@ -79,9 +79,12 @@ def test_kernel_builds_where_it_can():
     if shutil.which(Env.read().cxx) is None:
         pytest.skip("no C++ compiler")
     bf16 = {"avx512_bf16", "avx512vbmi", "bmi2"} <= cpu_flags()
+    amx = " + amx" if bf16 and {"amx_tile", "amx_bf16"} <= cpu_flags() else ""  # prefill chunks by AMX tiles
     assert cpu_kernel().on and cpu_kernel().status() == ("avx512bf16" if bf16 and cpu_vendor() == "AuthenticAMD"
-                                                          else "avx512")
+                                                          else "avx512") + amx
     assert cpu_kernel("avx512bf16").status() == ("avx512bf16" if bf16 else "avx512")  # asked for: where it runs
+    assert cpu_kernel("amx").status() == ("avx512bf16" if bf16 else "avx512") + amx
+    assert cpu_kernel().gemm == (4 if amx else 3 if cpu_kernel().isa == 3 else 0)
 
 
 def test_kernel_isa_can_be_capped():
@@ -89,7 +92,8 @@ def test_kernel_isa_can_be_capped():
     if not best.on:
         pytest.skip(f"CPU kernel {best.status()}")
     assert cpu_kernel("avx2").status() == "avx2"
-    assert cpu_kernel("avx512").status() == ("avx512" if best.status() == "avx512bf16" else best.status())
+    assert cpu_kernel("avx512").status() == ("avx512" if best.isa >= 2 else best.status())
+    assert cpu_kernel("avx512").gemm == 0 and cpu_kernel("avx2").gemm == 0  # capped below the prefill GEMMs
     assert cpu_kernel("avx2").library == best.library  # one library, another instruction set
 
 
@@ -108,7 +112,7 @@ def test_the_kernel_setting_is_read_only_through_env(monkeypatch):
     on = open_cpu_kernel(replace(Env.read(), cpu_kernel="1"))
     assert on == cpu_kernel()
     if on.on:
-        assert on.qgemv(x[:, None], wq, 1) is not None and on.status() in qgemv.ISAS
+        assert on.qgemv(x[:, None], wq, 1) is not None and on.isa in qgemv.ISAS.values()
     for ops_file in Path(qgemv.__file__).parent.glob("*.py"):
         source = ops_file.read_text()
         assert "os.environ" not in source and "getenv" not in source, ops_file.name
@@ -511,17 +515,22 @@ def test_bf16_dot_refuses_x_it_would_not_multiply_exactly():
     assert kernel.takes_bf16(small) and 0 < small.abs().max() < 1e-4
 
 
+GEMM_ENGINES = ["avx512bf16", "amx"]  # what multiplies a prefill chunk: BF16 dot products, AMX tiles
+
+
 @needs_kernel
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
 @pytest.mark.parametrize("fmt, block", [("fp8", 128), ("fp8", 64), ("fp4", 32), ("fp4", 64)])
 @pytest.mark.parametrize("m, n, k", [(37, 70, 200), (64, 128, 256), (100, 33, 96), (17, 40, 77), (9, 5, 2),
-                                     (40, 64, 1000)])
-def test_bf16_gemm_against_reference(fmt, block, m, n, k):
-    """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`): panels of 32 output rows that end early, row tiles
-    of 8 that end early, an odd K (fp8), tiles and groups that end inside the row, both scale encodings (fp32 powers
-    of two too), every code; 1 and 2 threads bitwise alike."""
+                                     (40, 64, 1000), (33, 600, 256), (70, 300, 2048)])
+def test_bf16_gemm_against_reference(engine, fmt, block, m, n, k):
+    """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`), by BF16 dot products or AMX tiles: panels of 32
+    output rows that end early, row tiles of 8 (AMX: blocks of 32) that end early, an odd K (fp8), K that ends inside
+    an AMX tile step, tiles and groups that end inside the row, several groups of AMX panels a thread, both scale
+    encodings (fp32 powers of two too), every code; 1 and 2 threads bitwise alike."""
     if fmt == "fp4" and k % 2:
         pytest.skip("FP4 rows hold an even number of values")
-    kernel, g = bf16_kernel(), gen(3500 + m + n + k)
+    kernel, g = gemm_in(engine), gen(3500 + m + n + k)
     e8m0 = bool((m + k) % 2)
     if fmt == "fp8":
         data = every_code_fp8(n, k)
@@ -544,11 +553,12 @@ def test_bf16_gemm_against_reference(fmt, block, m, n, k):
 
 
 @needs_kernel
-def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly():
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
+def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly(engine):
     """x not exact in bf16 or with a value below 2**-40; a scale that is not a power of two, below 2**-70 (e8m0
     byte 0 among them) or a float weight: qgemm declines (None) and qlinear takes its fp32 path, whose result it
     gives; the avx512 kernel never takes it."""
-    kernel, g = bf16_kernel(), gen(3600)
+    kernel, g = gemm_in(engine), gen(3600)
     w, s = fp8_weight(64, 256, 128, g)
     x = act_rounded(20, 256, g=g)
     assert kernel.qgemm(x, qw(w, s, 128)) is not None and kernel_in("avx512").qgemm(x, qw(w, s, 128)) is None
@@ -569,9 +579,10 @@ def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly():
 
 
 @needs_kernel
-def test_bf16_gemm_keeps_nan_codes_and_empty_inputs():
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
+def test_bf16_gemm_keeps_nan_codes_and_empty_inputs(engine):
     """NaN codes give NaN columns exactly where dequantise-then-matmul does; K = 0 gives zeros."""
-    kernel, g = bf16_kernel(), gen(3650)
+    kernel, g = gemm_in(engine), gen(3650)
     w, s = fp8_weight(70, 256, 128, g)
     bad = w.view(torch.uint8).clone()
     bad[5, 3], bad[40, 255] = 0x7F, 0xFF
@@ -586,10 +597,11 @@ def test_bf16_gemm_keeps_nan_codes_and_empty_inputs():
 
 
 @needs_kernel
-def test_prefill_qlinear_takes_the_bf16_gemm():
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
+def test_prefill_qlinear_takes_the_bf16_gemm(engine):
     """qlinear of a chunk of rows with the activation rounding, through the avx512bf16 kernel: the reference's
     values within the two-orders bound, for FP8 and FP4 weights."""
-    kernel, g = bf16_kernel(), gen(3700)
+    kernel, g = gemm_in(engine), gen(3700)
     for data, scale, block, fmt in (*fp8_weight(96, 384, 128, g), 128, "fp8"), (*fp4_weight(96, 384, g), 32, "fp4"):
         x = torch.randn(50, 384, generator=g)
         w_ref = reference_weight(data, scale, fmt, block)

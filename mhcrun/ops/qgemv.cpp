@@ -27,12 +27,16 @@
 // Also here, the mHC steps of decode rows (mhc_hc_post, mhc_hc_pre: see them below), the library being the run's
 // one CPU kernel.
 
+#include <algorithm>
 #include <cmath>
+#include <cpuid.h>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
 #include <new>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <unordered_map>
 #include <vector>
 
@@ -41,6 +45,7 @@ extern "C" int mhc_qgemv_isa(void);
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,f16c,fma")))
 
 namespace {
 
@@ -540,22 +545,70 @@ inline bool scales_take(const Job& j, int64_t grid_rows) {
     return true;
 }
 
+// A panel's rows are decoded 16 at a time into a buffer of ROW_WORDS(k2p) floats a row (`rows`: 16 of them).
+inline int64_t row_words(int64_t k2p) { return 2 * k2p + 32; }
+
+// 16 x 16 dwords, r[c] holding row c's dwords 0..15, transposed in registers: r[p] then holds dword p of every row.
+AVX512 INLINE void transpose16(__m512i (&r)[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  // u[g + j], 128-bit lane L: rows g .. g + 3 at dword 4L + j
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {  // the 4 x 4 lanes of u[j], u[4 + j], u[8 + j], u[12 + j]
+        const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
 // Rows [n0, n0 + cols) of W, decoded with their scales (bitwise the reference's dequantisation, AVX-512) through
-// `row` [K], into the panel: dword p * NB + c holds row n0 + c's values 2p and 2p + 1 in bf16 (exact), zero past
-// the row (odd K) and past `cols`.
-AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* row, uint32_t* panel, int64_t k2) {
-    std::memset(panel, 0, sizeof(uint32_t) * NB * k2);
-    for (int c = 0; c < cols; c++) {
-        const int64_t r = n0 + c;
-        const uint8_t* src = j.w + r * j.row_bytes;
-        const int64_t srow = j.fmt == FMT_FP8 ? r / j.block : r;
-        row[j.k] = 0.0f;  // odd K: the last pair's second value
-        for (int64_t c0 = 0, g = 0; c0 < j.k; c0 += j.block, g++) {
-            const int64_t c1 = c0 + j.block < j.k ? c0 + j.block : j.k;
-            decode_block(j.fmt, 2, src, row, c0, c1, scale_at(j, srow, g));
+// `rows` (16 x row_words(k2p) floats), into the panel of `k2p` >= k2 pairs: dword p * NB + c holds row n0 + c's
+// values 2p and 2p + 1 in bf16 (their high halves: exact), zero past the row (odd K, pairs k2 .. k2p) and past
+// `cols`. Sixteen rows at a time, sixteen pairs of each made one vector (a word permute) and transposed.
+AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* rows, uint32_t* panel, int64_t k2, int64_t k2p) {
+    const int64_t words = row_words(k2p);
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int c0 = 0; c0 < NB; c0 += 16) {
+        for (int c = 0; c < 16; c++) {
+            float* row = rows + c * words;
+            const int64_t r = n0 + c0 + c;
+            if (c0 + c >= cols) {
+                std::memset(row, 0, sizeof(float) * words);
+                continue;
+            }
+            const uint8_t* src = j.w + r * j.row_bytes;
+            const int64_t srow = j.fmt == FMT_FP8 ? r / j.block : r;
+            for (int64_t c0k = 0, g = 0; c0k < j.k; c0k += j.block, g++)
+                decode_block(j.fmt, 2, src, row, c0k, std::min(c0k + j.block, j.k), scale_at(j, srow, g));
+            std::memset(row + j.k, 0, sizeof(float) * (words - j.k));
         }
-        for (int64_t p = 0; p < k2; p++)
-            panel[p * NB + c] = (bits_of(row[2 * p]) >> 16) | (bits_of(row[2 * p + 1]) & 0xFFFF0000u);
+        int64_t p0 = 0;
+        for (; p0 + 16 <= k2p; p0 += 16) {
+            __m512i v[16];
+            for (int c = 0; c < 16; c++) {
+                const float* f = rows + c * words + 2 * p0;
+                v[c] = _mm512_permutex2var_epi16(_mm512_loadu_si512(f), odd, _mm512_loadu_si512(f + 16));
+            }
+            transpose16(v);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(panel + (p0 + p) * NB + c0, v[p]);
+        }
+        for (; p0 < k2p; p0++)
+            for (int c = 0; c < 16; c++) {
+                const float* f = rows + c * words + 2 * p0;
+                panel[p0 * NB + c0 + c] = (bits_of(f[0]) >> 16) | (bits_of(f[1]) & 0xFFFF0000u);
+            }
     }
 }
 
@@ -597,6 +650,116 @@ AVX512BF16 void tiles(const uint32_t* a, int64_t m, int64_t k2, const uint32_t* 
 }
 
 }  // namespace gemm
+
+// ---------------------------------------------------------------- AMX: the same GEMM by tile dot products
+// The panels above are already the B operand of an AMX tile (16 pairs of K a tile row, 16 columns of 4 bytes), and x
+// in bf16 pairs its A operand. TDPBF16PS multiplies bf16 pairs exactly into fp32 sums with subnormals flushed, as
+// vdpbf16ps does, so the same x and scales qualify (gemm::x_takes, gemm::scales_take); only the order of the fp32
+// sums differs. Each thread decodes a group of panels (at most ~1 MB, kept in its L2) and multiplies every block of
+// 32 rows of x by each of them: 8 tiles, two of x, two of the panel, four of sums (32 x 32).
+
+namespace amx {
+
+constexpr int MT = 32;               // rows of x a block (two A tiles)
+constexpr int KT = 16;               // pairs of K a tile step
+constexpr int64_t GROUP_BYTES = 1 << 20;
+
+// Whether this CPU has AMX tiles with BF16 (CPUID leaf 7: EDX bits 22, 24) and Linux lets this process use them
+// (arch_prctl ARCH_REQ_XCOMP_PERM for the tile data, XFEATURE 18), asked once per process.
+bool usable() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return ok;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// This thread's tiles: eight of 16 rows x 64 bytes (tiles 0-3 sums, 4-5 x, 6-7 the panel).
+AMX void configure() {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+// out [32, 32] (`ldo` floats a row) = 32 rows of x (bf16 pairs, k2p a row, a multiple of KT) . the panel's 32 columns.
+AMX void block(const uint32_t* a, int64_t k2p, const uint32_t* panel, float* out, int64_t ldo) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < k2p; p += KT) {
+        _tile_loadd(4, a + p, k2p * 4);
+        _tile_loadd(5, a + 16 * k2p + p, k2p * 4);
+        _tile_loadd(6, panel + p * gemm::NB, gemm::NB * 4);
+        _tile_loadd(7, panel + p * gemm::NB + 16, gemm::NB * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
+    _tile_stored(2, out + 16 * ldo, ldo * 4);
+    _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
+}
+
+// y [m, n] = a (x as bf16 pairs, mp rows (a multiple of MT, zero past m) of k2p pairs) . W^T on `threads` threads.
+// Returns 0, 4 (out of memory) or 5 (a thread flushes subnormals).
+AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_t k2p, int threads) {
+    const int64_t panels = (j.n + gemm::NB - 1) / gemm::NB, panel_words = gemm::NB * k2p;
+    const int64_t per_group = std::clamp<int64_t>(GROUP_BYTES / std::max<int64_t>(1, panel_words * 4), 1, 8);
+    const int64_t groups = (panels + per_group - 1) / per_group;
+    int oom = 0, flush = 0;
+#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
+    {
+        flush |= flushes_denormals() ? 1 : 0;
+        std::vector<uint32_t> pans;
+        std::vector<float> row;
+        alignas(64) float edge[MT * gemm::NB];
+        try {
+            pans.resize(per_group * panel_words);
+            row.resize(16 * gemm::row_words(k2p));
+        } catch (const std::bad_alloc&) {
+            oom = 1;
+        }
+        configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < groups; g++) {
+            if (oom || flush) continue;
+            const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
+            for (int64_t pi = p0; pi < p1; pi++) {
+                const int64_t n0 = pi * gemm::NB;
+                gemm::decode_panel(j, n0, int(std::min<int64_t>(gemm::NB, j.n - n0)), row.data(),
+                                   pans.data() + (pi - p0) * panel_words, k2, k2p);
+            }
+            for (int64_t m0 = 0; m0 < mp; m0 += MT)
+                for (int64_t pi = p0; pi < p1; pi++) {
+                    const int64_t n0 = pi * gemm::NB;
+                    const int64_t rows = std::min<int64_t>(MT, j.m - m0), cols = std::min<int64_t>(gemm::NB, j.n - n0);
+                    const uint32_t* panel = pans.data() + (pi - p0) * panel_words;
+                    if (rows == MT && cols == gemm::NB) {
+                        block(a + m0 * k2p, k2p, panel, j.y + m0 * j.n + n0, j.n);
+                        continue;
+                    }
+                    block(a + m0 * k2p, k2p, panel, edge, gemm::NB);
+                    for (int64_t r = 0; r < rows; r++)
+                        std::memcpy(j.y + (m0 + r) * j.n + n0, edge + r * gemm::NB, sizeof(float) * cols);
+                }
+        }
+        _tile_release();
+    }
+    return oom ? 4 : flush ? 5 : 0;
+}
+
+}  // namespace amx
 
 // ---------------------------------------------------------------- AVX2 (+F16C, FMA): the same sums, 8 lanes
 // Tails (a tile, group or row that ends inside a vector) are copied into zero-padded buffers and take the same
@@ -1369,27 +1532,37 @@ int mhc_qgemv_default_isa(void) {
     return best == 3 && !__builtin_cpu_is("amd") ? 2 : best;
 }
 
-// y [M, N] = x [M, K] . W^T for an fp8 / fp4 weight (see the top of this file) and a chunk of rows (namespace gemm:
-// bf16 panels by vdpbf16ps; isa 3 only). Returns 7, leaving y as it was, where x or the scales do not qualify
-// (gemm::x_takes, gemm::scales_take: the caller then takes its fp32 path); 3, 4, 5 as mhc_qgemv.
+// Whether this CPU and process multiply prefill chunks by AMX tiles (mhc_qgemm_bf16 with isa 4). 1 or 0.
+int mhc_qgemm_amx(void) { return mhc_qgemv_isa() == 3 && amx::usable() ? 1 : 0; }
+
+// y [M, N] = x [M, K] . W^T for an fp8 / fp4 weight (see the top of this file) and a chunk of rows: bf16 panels
+// (namespace gemm) multiplied by vdpbf16ps (isa 3) or by AMX tiles (isa 4, namespace amx). Returns 7, leaving y as
+// it was, where x or the scales do not qualify (gemm::x_takes, gemm::scales_take: the caller then takes its fp32
+// path); 3 (the instruction set is not this CPU's or process's), 4, 5 as mhc_qgemv.
 int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
                    int64_t n, int64_t k, int64_t block, int isa, int threads) {
-    if (isa != 3 || isa > mhc_qgemv_isa() || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 3;
+    if ((isa != 3 && isa != 4) || mhc_qgemv_isa() != 3 || (isa == 4 && !amx::usable()) ||
+        (fmt != FMT_FP8 && fmt != FMT_FP4))
+        return 3;
     if (fmt == FMT_FP4 && block % 2) return 7;
     if (flushes_denormals()) return 5;
     const Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
     const int64_t grid_rows = fmt == FMT_FP8 ? (n + block - 1) / block : n;
     if (!gemm::scales_take(j, grid_rows) || !gemm::x_takes(x, m * k)) return 7;
+    // x in bf16 pairs, k2s pairs a row (AMX: a whole number of tile steps), ms rows (AMX: whole blocks), zero-padded
     const int64_t k2 = (k + 1) / 2, panels = (n + gemm::NB - 1) / gemm::NB;
+    const int64_t k2s = isa == 4 ? (k2 + amx::KT - 1) / amx::KT * amx::KT : k2;
+    const int64_t ms = isa == 4 ? (m + amx::MT - 1) / amx::MT * amx::MT : m;
     std::vector<uint16_t> xb;
     try {
-        xb.assign(m * 2 * k2, 0);
+        xb.assign(ms * 2 * k2s, 0);
     } catch (const std::bad_alloc&) {
         return 4;
     }
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xb[r * 2 * k2 + i] = uint16_t(bits_of(x[r * k + i]) >> 16);
+        for (int64_t i = 0; i < k; i++) xb[r * 2 * k2s + i] = uint16_t(bits_of(x[r * k + i]) >> 16);
     const uint32_t* a = reinterpret_cast<const uint32_t*>(xb.data());
+    if (isa == 4) return amx::multiply(j, a, ms, k2, k2s, threads);
     int oom = 0, flush = 0;
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
@@ -1398,7 +1571,7 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
         std::vector<float> row;
         try {
             panel.resize(gemm::NB * k2);
-            row.resize(2 * k2 + 16);
+            row.resize(16 * gemm::row_words(k2));
         } catch (const std::bad_alloc&) {
             oom = 1;
         }
@@ -1407,7 +1580,7 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
             if (oom || flush) continue;
             const int64_t n0 = pi * gemm::NB;
             const int cols = n - n0 < gemm::NB ? int(n - n0) : gemm::NB;
-            gemm::decode_panel(j, n0, cols, row.data(), panel.data(), k2);
+            gemm::decode_panel(j, n0, cols, row.data(), panel.data(), k2, k2);
             gemm::tiles(a, m, k2, panel.data(), y + n0, n, cols);
         }
     }

@@ -14,8 +14,9 @@ Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kern
 False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
 (a model built without a runner) the kernel is `KERNEL_OFF`.
 
-With avx512bf16 it also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32
-output rows, each decoded once, by BF16 dot products.
+It also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32 output rows, each
+decoded once, by AMX tiles where the CPU has them (Intel's Sapphire Rapids and later), else by the BF16 dot
+products of avx512bf16.
 
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
@@ -50,26 +51,32 @@ FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
 # weights by BF16 dot products where x is exact in bf16 (after the FP8 activation rounding), else as avx512
 ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
+# what multiplies a prefill chunk by FP8/FP4 weights (`qgemm`): AMX tiles, or the BF16 dot products of avx512bf16
+GEMMS = {"amx": 4, "avx512bf16": 3}
+CAPS = {"amx": 4, **ISAS}  # MHCRUN_CPU_KERNEL's names, best first
 
 
 @dataclass(frozen=True)
 class CpuKernel:
-    """The fused kernel as a run uses it: the built library's path and the instruction set its GEMVs run in
-    (`ISAS`, 0 off: then `why` is the status line). Made by `open_cpu_kernel`; a custom op rebuilds
-    it from (library, isa)."""
+    """The fused kernel as a run uses it: the built library's path, the instruction set its GEMVs run in
+    (`ISAS`, 0 off: then `why` is the status line) and what multiplies prefill chunks (`GEMMS`, 0: torch's fp32
+    path). Made by `open_cpu_kernel`; a custom op rebuilds it from (library, isa)."""
 
     library: str = ""
     isa: int = 0
     why: str = ""
+    gemm: int = 0
 
     @property
     def on(self) -> bool:
         return self.isa > 0
 
     def status(self) -> str:
-        """One line: the instruction set decode GEMVs on quantised CPU weights run in, or why they take torch's
-        path ("avx512bf16", "avx512", "avx2", "off (MHCRUN_CPU_KERNEL=0)", "off: <why>")."""
-        return next((name for name, isa in ISAS.items() if isa == self.isa), self.why)
+        """One line: the instruction set decode GEMVs on quantised CPU weights run in, and the AMX tiles where
+        prefill chunks take them, or why they take torch's path ("avx512bf16", "avx512 + amx", "avx2",
+        "off (MHCRUN_CPU_KERNEL=0)", "off: <why>")."""
+        name = next((name for name, isa in ISAS.items() if isa == self.isa), self.why)
+        return f"{name} + amx" if self.gemm == GEMMS["amx"] else name
 
     def takes(self, w: QWeight, rows: int) -> bool:
         """Whether `qgemv` takes this weight for `rows` rows of x: the weight's own answer (`QWeight.kernel`,
@@ -123,12 +130,12 @@ class CpuKernel:
         return None if rc else y
 
     def qgemm(self, x2: Tensor, w: QWeight) -> Tensor | None:
-        """y [M, out] fp32 = x2 [M, in] times an FP8/FP4 weight the kernel takes, by BF16 dot products (isa
-        avx512bf16): a prefill chunk's GEMM, each block of 32 output rows decoded into a bf16 panel once
+        """y [M, out] fp32 = x2 [M, in] times an FP8/FP4 weight the kernel takes, by AMX tiles or BF16 dot products
+        (`gemm`): a prefill chunk's GEMM, each block of 32 output rows decoded into a bf16 panel once
         (`mhc_qgemm_bf16`, exact up to the summation order where x and the scales qualify); None where it does not
-        apply (another instruction set, a float weight, x or the scales that do not qualify): the caller then
-        takes its fp32 path."""
-        if self.isa != ISAS["avx512bf16"] or not w.kernel or w.fmt == "float" or x2.device.type != "cpu":
+        apply (no GEMM engine, a float weight, x or the scales that do not qualify): the caller then takes its fp32
+        path."""
+        if not self.gemm or not w.kernel or w.fmt == "float" or x2.device.type != "cpu":
             return None
         m, k = x2.shape
         scale, kind = _scale_arg(w)
@@ -136,7 +143,7 @@ class CpuKernel:
         y = torch.empty(m, w.out_features, dtype=torch.float32)
         rc = load_library(self.library).mhc_qgemm_bf16(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
                                                        x.data_ptr(), y.data_ptr(), m, w.out_features, k, w.block,
-                                                       self.isa, torch.get_num_threads())
+                                                       self.gemm, torch.get_num_threads())
         return None if rc else y
 
     def takes_bf16(self, x: Tensor) -> bool:
@@ -353,21 +360,25 @@ KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's 
 
 
 def open_cpu_kernel(env: Env) -> CpuKernel:
-    """The kernel as `env` asks for it: built (once per source and compiler) and loaded, in the instruction set
-    MHCRUN_CPU_KERNEL names (avx2 / avx512 / avx512bf16, capped by what this CPU has; 0: off), else this CPU's
-    default (its best, but avx512 rather than avx512bf16 where the CPU is not AMD's: `mhc_qgemv_default_isa` says
-    why); off, saying why, where it cannot run."""
+    """The kernel as `env` asks for it: built (once per source and compiler) and loaded, capped at the
+    instruction set MHCRUN_CPU_KERNEL names (`CAPS`: amx / avx512bf16 / avx512 / avx2, capped by what this CPU has;
+    0: off), else this CPU's default: its best, but GEMVs in avx512 rather than avx512bf16 where the CPU is not
+    AMD's (`mhc_qgemv_default_isa` says why); prefill chunks by AMX tiles where the CPU and the cap allow them, else
+    by the BF16 dot products where the GEMVs take them. Off, saying why, where it cannot run."""
     if env.cpu_kernel == "0":
         return CpuKernel(why="off (MHCRUN_CPU_KERNEL=0)")
     try:
         path = str(native.build(SOURCE, env.kernel_cache, env.cxx))
         lib = load_library(path)
-        best, default = lib.mhc_qgemv_isa(), lib.mhc_qgemv_default_isa()
+        best, default, amx = lib.mhc_qgemv_isa(), lib.mhc_qgemv_default_isa(), lib.mhc_qgemm_amx()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return CpuKernel(why=f"off: not built ({e})")
     if not best:
         return CpuKernel(why="off: this CPU lacks AVX2/AVX-512 with F16C and FMA")
-    return CpuKernel(path, min(ISAS[env.cpu_kernel], best) if env.cpu_kernel in ISAS else default)
+    cap = CAPS.get(env.cpu_kernel, CAPS["amx"])
+    isa = min(cap, best) if env.cpu_kernel in CAPS else default
+    gemm = GEMMS["amx"] if amx and cap >= GEMMS["amx"] else GEMMS["avx512bf16"] if isa == ISAS["avx512bf16"] else 0
+    return CpuKernel(path, isa, gemm=gemm)
 
 
 @functools.cache
@@ -379,6 +390,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qgemm_bf16.restype = ctypes.c_int
     lib.mhc_qgemm_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_qgemm_amx.restype = ctypes.c_int
     lib.mhc_takes_bf16.restype = ctypes.c_int
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mhc_qgemv.restype = ctypes.c_int
