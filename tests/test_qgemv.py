@@ -311,11 +311,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+ACT_QUANT_PATHS = ["avx512", "avx2"]  # the AVX-512 blocks, the scalar loop
+
+
 @needs_kernel
+@pytest.mark.parametrize("path", ACT_QUANT_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_act_quant_bitwise_equal_to_fp8_simulate(dtype):
-    """Random magnitudes from 2**-30 to 2**30, zeros, values far below their block's amax (subnormal e4m3
-    codes), partial last blocks, several rows."""
+def test_act_quant_bitwise_equal_to_fp8_simulate(path, dtype):
+    """Random magnitudes from 2**-30 to 2**30, zeros of both signs, values far below their block's amax (subnormal
+    e4m3 codes, and quotients that are subnormal floats or round to -0.0), partial last blocks, several rows."""
     g = gen(1200)
     for trial in range(120):
         k = int(torch.randint(1, 700, (1,), generator=g))
@@ -325,12 +329,16 @@ def test_act_quant_bitwise_equal_to_fp8_simulate(dtype):
             x[..., ::7] *= 1e-6
         if trial % 5 == 0:
             x[..., ::3] = 0
+            x[..., 1::3] = -0.0
+        if trial % 4 == 1:
+            x[..., ::5] = -(2.0**-140)
         x = x.to(dtype)
-        assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, 128)), bits(fp8_simulate(x, 128, pow2_scale=True)))
+        assert torch.equal(bits(kernel_in(path).act_quant_fp8(x, 128)), bits(fp8_simulate(x, 128, pow2_scale=True)))
 
 
 @needs_kernel
-def test_act_quant_rounds_every_e4m3_value_and_tie_like_torch():
+@pytest.mark.parametrize("path", ACT_QUANT_PATHS)
+def test_act_quant_rounds_every_e4m3_value_and_tie_like_torch(path):
     """Every finite e4m3 value, every midpoint between neighbours (ties to even) and the floats either side of
     each midpoint, in one block whose amax is 448 (scale 1)."""
     vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -340,29 +348,32 @@ def test_act_quant_rounds_every_e4m3_value_and_tie_like_torch():
     x = x[x.abs() <= 448][None]
     assert float(x.abs().max()) == 448.0
     want = fp8_simulate(x, x.shape[1], pow2_scale=True)
-    assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, x.shape[1])), bits(want))
+    assert torch.equal(bits(kernel_in(path).act_quant_fp8(x, x.shape[1])), bits(want))
 
 
 @needs_kernel
-def test_act_quant_leaves_non_finite_x_to_torch():
+@pytest.mark.parametrize("path", ACT_QUANT_PATHS)
+def test_act_quant_leaves_non_finite_x_to_torch(path):
     x = torch.randn(2, 256)
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), -float("inf")):
         y = x.clone()
         y[1, 5] = bad
-        assert cpu_kernel().act_quant_fp8(y, 128) is None
+        assert kernel_in(path).act_quant_fp8(y, 128) is None
+        assert kernel_in(path).act_quant_fp8(y[:, :250], 128) is None  # in a partial block
         w, s = fp8_weight(64, 256, 128, gen(1300))
         w_ref = reference_weight(w, s, "fp8", 128)
         ref = F.linear(fp8_simulate(y, 128, pow2_scale=True), w_ref)  # torch's rules for NaN / inf blocks
         out = qlinear(y, qw(w, s, 128), True, cpu=cpu_kernel())
         assert torch.equal(out.isnan(), ref.isnan())
         assert_gemm_close(out[:1], ref[:1], y[:1], w_ref, act_quant=True)  # the clean row
-        if bad == float("inf"):  # torch's rounding clamps inf to 448 at scale 1: a finite row
+        if bad > 0:  # torch's rounding clamps inf to 448 at scale 1: a finite row
             xq = fp8_simulate(y[1:], 128, pow2_scale=True)
             assert_gemm_close(out[1:], ref[1:], xq, w_ref)
 
 
 @needs_kernel
-def test_act_quant_of_a_prefill_chunk_on_any_thread_count():
+@pytest.mark.parametrize("path", ACT_QUANT_PATHS)
+def test_act_quant_of_a_prefill_chunk_on_any_thread_count(path):
     """A prefill chunk's rows (far more than decode's), split over threads: bitwise fp8_simulate's on 1 and 2
     threads, a partial last block included."""
     g = gen(1310)
@@ -373,7 +384,7 @@ def test_act_quant_of_a_prefill_chunk_on_any_thread_count():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            assert torch.equal(bits(cpu_kernel().act_quant_fp8(x, 128)), want)
+            assert torch.equal(bits(kernel_in(path).act_quant_fp8(x, 128)), want)
     finally:
         torch.set_num_threads(before)
 

@@ -521,8 +521,8 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
 // ---------------------------------------------------------------- prefill GEMM by BF16 dot products
 // y [M, N] = x [M, K] . W^T for a chunk of many rows: W decoded (value times scale) into bf16 panels of NB output
 // columns, each panel once, then multiplied into every row of x by vdpbf16ps (MR rows by 2 x 16 columns a
-// micro-tile, all of K), sums in fp32. Exact up to the summation order, as the GEMV rows are, when `x_takes` and
-// `scales_take`:
+// micro-tile, all of K), sums in fp32. Exact up to the summation order, as the GEMV rows are, when x qualifies
+// (`pack_row`) and `scales_take`:
 // x exact in bf16 with every value zero or at least 2**-40 in magnitude (each a multiple of 2**-47), and every scale
 // a power of two of at least 2**-70 (each weight value then a multiple of 2**-79 and exact in bf16): every product
 // and sum is a multiple of 2**-126, zero or normal, so the flushing of subnormals changes nothing. The activation
@@ -532,8 +532,35 @@ namespace gemm {
 
 constexpr int NB = 32, MR = 8;
 
-// Whether x [n] qualifies (see above).
-inline bool x_takes(const float* x, int64_t n) { return avx512bf16::exact_in_bf16(x, n, 87); }  // 87: 2**-40 biased
+// The word indexes of the high halves of 32 floats in two vectors (word 2i + 1 of each float i), for vpermt2w: 16
+// bf16 pairs of exact values out of 32 floats.
+AVX512 INLINE __m512i high_halves() {
+    return _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+                            19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+}
+
+// Row xr [k] of x written as bf16 pairs, sixteen pairs (a chunk) at a time, chunk c at out + c * chunk_stride, `k2s`
+// pairs in all (zero past k; a last chunk that ends early is stored masked); false where a value does not qualify
+// (see above: exact in bf16, zero or finite and at least 2**-40 in magnitude).
+AVX512 bool pack_row(const float* xr, int64_t k, int64_t k2s, uint32_t* out, int64_t chunk_stride) {
+    const __m512i pick = high_halves(), low = _mm512_set1_epi32(0xFFFF), mag = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i least = _mm512_set1_epi32(87 << 23), inf = _mm512_set1_epi32(0x7F800000);  // 87: 2**-40 biased
+    __mmask16 bad = 0;
+    for (int64_t c = 0; 16 * c < k2s; c++) {
+        const int64_t i = 32 * c;
+        const __m512i u0 = _mm512_maskz_loadu_epi32(avx512::tail16(std::max<int64_t>(0, k - i)), xr + i);
+        const __m512i u1 = _mm512_maskz_loadu_epi32(avx512::tail16(std::max<int64_t>(0, k - i - 16)), xr + i + 16);
+        for (const __m512i u : {u0, u1}) {
+            const __m512i a = _mm512_and_si512(u, mag);
+            bad |= _mm512_test_epi32_mask(u, low) |
+                   (_mm512_test_epi32_mask(a, a) &
+                    (_mm512_cmplt_epu32_mask(a, least) | _mm512_cmpge_epu32_mask(a, inf)));
+        }
+        const __m512i pairs = _mm512_permutex2var_epi16(u0, pick, u1);
+        _mm512_mask_storeu_epi32(out + c * chunk_stride, avx512::tail16(k2s - 16 * c), pairs);
+    }
+    return !bad;
+}
 
 // Whether every scale of the job's grid qualifies (see above).
 inline bool scales_take(const Job& j, int64_t grid_rows) {
@@ -578,8 +605,7 @@ AVX512 INLINE void transpose16(__m512i (&r)[16]) {
 // `cols`. Sixteen rows at a time, sixteen pairs of each made one vector (a word permute) and transposed.
 AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* rows, uint32_t* panel, int64_t k2, int64_t k2p) {
     const int64_t words = row_words(k2p);
-    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512i odd = high_halves();
     for (int c0 = 0; c0 < NB; c0 += 16) {
         for (int c = 0; c < 16; c++) {
             float* row = rows + c * words;
@@ -654,7 +680,7 @@ AVX512BF16 void tiles(const uint32_t* a, int64_t m, int64_t k2, const uint32_t* 
 // ---------------------------------------------------------------- AMX: the same GEMM by tile dot products
 // The panels above are already the B operand of an AMX tile (16 pairs of K a tile row, 16 columns of 4 bytes), and x
 // in bf16 pairs its A operand. TDPBF16PS multiplies bf16 pairs exactly into fp32 sums with subnormals flushed, as
-// vdpbf16ps does, so the same x and scales qualify (gemm::x_takes, gemm::scales_take); only the order of the fp32
+// vdpbf16ps does, so the same x and scales qualify (gemm::pack_row, gemm::scales_take); only the order of the fp32
 // sums differs. Each thread decodes a group of panels (at most ~1 MB, kept in its L2) and multiplies every block of
 // 32 rows of x by each of them: 8 tiles, two of x, two of the panel, four of sums (32 x 32).
 
@@ -689,15 +715,22 @@ AMX void configure() {
     _tile_loadconfig(&c);
 }
 
-// out [32, 32] (`ldo` floats a row) = 32 rows of x (bf16 pairs, k2p a row, a multiple of KT) . the panel's 32 columns.
-AMX void block(const uint32_t* a, int64_t k2p, const uint32_t* panel, float* out, int64_t ldo) {
+// x as the A tiles take it: block of 32 rows mb, tile step kb (16 pairs) holds rows 0..31 of 16 pairs each,
+// contiguous (1 KB, so that a tile's 16 rows are 64 bytes apart, not a row of x apart: rows of x 4 KB apart share
+// an L1 set), `steps` of them a block. Where row r's chunk 0 starts; its chunks are TILE_WORDS apart.
+constexpr int64_t TILE_WORDS = MT * KT;
+inline int64_t row_at(int64_t r, int64_t steps) { return (r / MT) * steps * TILE_WORDS + (r % MT) * KT; }
+
+// out [32, 32] (`ldo` floats a row) = a block of 32 rows of x (`steps` tile steps: see row_at) . the panel's 32
+// columns.
+AMX void block(const uint32_t* a, int64_t steps, const uint32_t* panel, float* out, int64_t ldo) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t p = 0; p < k2p; p += KT) {
-        _tile_loadd(4, a + p, k2p * 4);
-        _tile_loadd(5, a + 16 * k2p + p, k2p * 4);
+    for (int64_t s = 0, p = 0; s < steps; s++, p += KT) {
+        _tile_loadd(4, a + s * TILE_WORDS, KT * 4);
+        _tile_loadd(5, a + s * TILE_WORDS + 16 * KT, KT * 4);
         _tile_loadd(6, panel + p * gemm::NB, gemm::NB * 4);
         _tile_loadd(7, panel + p * gemm::NB + 16, gemm::NB * 4);
         _tile_dpbf16ps(0, 4, 6);
@@ -711,7 +744,8 @@ AMX void block(const uint32_t* a, int64_t k2p, const uint32_t* panel, float* out
     _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
 }
 
-// y [m, n] = a (x as bf16 pairs, mp rows (a multiple of MT, zero past m) of k2p pairs) . W^T on `threads` threads.
+// y [m, n] = a (x as bf16 pairs in tile order (row_at), mp rows (a multiple of MT, zero past m) of k2p pairs) . W^T
+// on `threads` threads.
 // Returns 0, 4 (out of memory) or 5 (a thread flushes subnormals).
 AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_t k2p, int threads) {
     const int64_t panels = (j.n + gemm::NB - 1) / gemm::NB, panel_words = gemm::NB * k2p;
@@ -745,11 +779,12 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
                     const int64_t n0 = pi * gemm::NB;
                     const int64_t rows = std::min<int64_t>(MT, j.m - m0), cols = std::min<int64_t>(gemm::NB, j.n - n0);
                     const uint32_t* panel = pans.data() + (pi - p0) * panel_words;
+                    const uint32_t* am = a + row_at(m0, k2p / KT);
                     if (rows == MT && cols == gemm::NB) {
-                        block(a + m0 * k2p, k2p, panel, j.y + m0 * j.n + n0, j.n);
+                        block(am, k2p / KT, panel, j.y + m0 * j.n + n0, j.n);
                         continue;
                     }
-                    block(a + m0 * k2p, k2p, panel, edge, gemm::NB);
+                    block(am, k2p / KT, panel, edge, gemm::NB);
                     for (int64_t r = 0; r < rows; r++)
                         std::memcpy(j.y + (m0 + r) * j.n + n0, edge + r * gemm::NB, sizeof(float) * cols);
                 }
@@ -1100,12 +1135,17 @@ struct Pow2Scale {
     float scale, inv;
 };
 
-inline Pow2Scale pow2_scale(const float* v, int64_t len, float floor, float qmax) {
-    float amax = floor;
-    for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
+// The scale of a block whose largest magnitude (at least the floor) is amax.
+inline Pow2Scale pow2_of(float amax, float qmax) {
     const uint32_t sb = bits_of(amax / qmax);
     const uint32_t se = (sb & 0x7FFFFF) ? (sb >> 23) + 1 : sb >> 23;  // pow2 ceil: its biased exponent
     return {float_of(se << 23), se >= 254 ? 0x1p-127f : float_of((254 - se) << 23)};
+}
+
+inline Pow2Scale pow2_scale(const float* v, int64_t len, float floor, float qmax) {
+    float amax = floor;
+    for (int64_t i = 0; i < len; i++) amax = std::fmax(amax, std::fabs(v[i]));
+    return pow2_of(amax, qmax);
 }
 
 // The FP8 activation rounding's block scale: floor 1e-4, 448 (2**-22 <= scale < 2**121).
@@ -1125,6 +1165,45 @@ inline E4m3Round e4m3_round(float q) {
     const uint32_t e = bits_of(a) >> 23;
     const float inv_step = e < 121 ? 0x1p9f : float_of((257 - e) << 23);
     return {e, (a * inv_step + 0x1p23f) - 0x1p23f};  // a * inv_step exact, <= 16; + 2**23 - 2**23: to nearest even
+}
+
+// One block of the FP8 activation rounding in AVX-512 (len values, the last vector masked): fp8_scale and e4m3_round
+// above, lane by lane, the same operations on the same values (every product but the one rounding exact), so bitwise
+// the scalar loop's; x finite.
+AVX512 void act_quant_block(const float* v, float* out, int64_t len) {
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+    __m512 am = _mm512_set1_ps(1e-4f);
+    for (int64_t i = 0; i < len; i += 16)
+        am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_maskz_loadu_ps(avx512::tail16(len - i), v + i)));
+    const Pow2Scale sc = pow2_of(_mm512_reduce_max_ps(am), 448.0f);
+    const __m512 inv = _mm512_set1_ps(sc.inv), scale = _mm512_set1_ps(sc.scale), big = _mm512_set1_ps(0x1p23f);
+    const __m512i e121 = _mm512_set1_epi32(121), e257 = _mm512_set1_epi32(257), e3 = _mm512_set1_epi32(3);
+    for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 mk = avx512::tail16(len - i);
+        const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + i), inv);
+        const __m512 a = _mm512_abs_ps(q);
+        const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(a), 23);
+        const __mmask16 normal = _mm512_cmpge_epu32_mask(e, e121);
+        const __m512 inv_step = _mm512_mask_blend_ps(
+            normal, _mm512_set1_ps(0x1p9f), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e257, e), 23)));
+        const __m512 step = _mm512_mask_blend_ps(
+            normal, _mm512_set1_ps(0x1p-9f), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, e3), 23)));
+        const __m512 t = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, inv_step), big), big);
+        const __m512 r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(t, step)),
+                                                             _mm512_and_si512(_mm512_castps_si512(q), sign)));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(r, scale));
+    }
+}
+
+// Whether the values [0, n) are all finite (AVX-512).
+AVX512 bool all_finite(const float* x, int64_t n) {
+    const __m512i exp = _mm512_set1_epi32(0x7F800000);
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512i u = _mm512_and_si512(_mm512_maskz_loadu_epi32(avx512::tail16(n - i), x + i), exp);
+        bad |= _mm512_cmpeq_epi32_mask(u, exp);
+    }
+    return !bad;
 }
 
 // ---------------------------------------------------------------- attention of decode rows (mhc_attend)
@@ -1537,7 +1616,7 @@ int mhc_qgemm_amx(void) { return mhc_qgemv_isa() == 3 && amx::usable() ? 1 : 0; 
 
 // y [M, N] = x [M, K] . W^T for an fp8 / fp4 weight (see the top of this file) and a chunk of rows: bf16 panels
 // (namespace gemm) multiplied by vdpbf16ps (isa 3) or by AMX tiles (isa 4, namespace amx). Returns 7, leaving y as
-// it was, where x or the scales do not qualify (gemm::x_takes, gemm::scales_take: the caller then takes its fp32
+// it was, where x or the scales do not qualify (gemm::pack_row, gemm::scales_take: the caller then takes its fp32
 // path); 3 (the instruction set is not this CPU's or process's), 4, 5 as mhc_qgemv.
 int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m,
                    int64_t n, int64_t k, int64_t block, int isa, int threads) {
@@ -1548,20 +1627,26 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
     if (flushes_denormals()) return 5;
     const Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
     const int64_t grid_rows = fmt == FMT_FP8 ? (n + block - 1) / block : n;
-    if (!gemm::scales_take(j, grid_rows) || !gemm::x_takes(x, m * k)) return 7;
-    // x in bf16 pairs, k2s pairs a row (AMX: a whole number of tile steps), ms rows (AMX: whole blocks), zero-padded
+    if (!gemm::scales_take(j, grid_rows)) return 7;
+    // x in bf16 pairs: row-major (k2 pairs a row), or for AMX in tile order (k2s pairs a row, a whole number of tile
+    // steps; ms rows, whole blocks; zero-padded)
     const int64_t k2 = (k + 1) / 2, panels = (n + gemm::NB - 1) / gemm::NB;
     const int64_t k2s = isa == 4 ? (k2 + amx::KT - 1) / amx::KT * amx::KT : k2;
     const int64_t ms = isa == 4 ? (m + amx::MT - 1) / amx::MT * amx::MT : m;
-    std::vector<uint16_t> xb;
+    std::vector<uint32_t> xb;
     try {
-        xb.assign(ms * 2 * k2s, 0);
+        xb.assign(ms * k2s, 0);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xb[r * 2 * k2s + i] = uint16_t(bits_of(x[r * k + i]) >> 16);
-    const uint32_t* a = reinterpret_cast<const uint32_t*>(xb.data());
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
+    for (int64_t r = 0; r < m; r++) {
+        uint32_t* out = xb.data() + (isa == 4 ? amx::row_at(r, k2s / amx::KT) : r * k2);
+        bad |= gemm::pack_row(x + r * k, k, k2s, out, isa == 4 ? amx::TILE_WORDS : 16) ? 0 : 1;
+    }
+    if (bad) return 7;
+    const uint32_t* a = xb.data();
     if (isa == 4) return amx::multiply(j, a, ms, k2, k2s, threads);
     int oom = 0, flush = 0;
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
@@ -1639,17 +1724,23 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
-// fp32 rows x [rows, k] -> y (x itself allowed), rows split over `threads` threads: per block of `block` values (the
+// fp32 rows x [rows, k] -> y (x itself allowed), rows split over `threads` threads, in AVX-512 where `isa` is 2 or 3
+// (act_quant_block), else scalar (the same operations): per block of `block` values (the
 // last may be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
 // e4m3(value / scale) * scale, rounded to nearest even (fp8_scale, e4m3_round: bitwise torch's). Returns 1, writing
 // nothing, when x holds a non-finite value (torch's NaN/inf rules then apply, on the torch path), or when a thread
 // flushes subnormals (a subnormal x would then round otherwise than torch rounds it).
-int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int threads) {
+int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa, int threads) {
     if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
+    const bool vec = isa >= 2 && isa <= mhc_qgemv_isa();
     int bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
     for (int64_t r = 0; r < rows; r++) {
         bad |= flushes_denormals() ? 1 : 0;
+        if (vec) {
+            bad |= all_finite(x + r * k, k) ? 0 : 1;
+            continue;
+        }
         for (int64_t i = 0; i < k; i++) bad |= std::isfinite(x[r * k + i]) ? 0 : 1;
     }
     if (bad) return 1;
@@ -1659,6 +1750,10 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
             const float* v = x + r * k + k0;
             float* out = y + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
+            if (vec) {
+                act_quant_block(v, out, len);
+                continue;
+            }
             const Pow2Scale sc = fp8_scale(v, len);
             for (int64_t i = 0; i < len; i++) {
                 const float q = v[i] * sc.inv;

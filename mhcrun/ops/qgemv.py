@@ -192,7 +192,7 @@ class CpuKernel:
         src = x.float().contiguous()
         y = torch.empty_like(src)
         if load_library(self.library).mhc_act_quant_fp8(src.data_ptr(), y.data_ptr(), x.numel() // k, k, block,
-                                                        torch.get_num_threads()):
+                                                        self.isa, torch.get_num_threads()):
             return None
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -403,7 +403,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
-    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_hc_post.restype = ctypes.c_int
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     lib.mhc_attend.restype = ctypes.c_int
