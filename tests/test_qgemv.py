@@ -531,11 +531,12 @@ GEMM_ENGINES = ["avx512bf16", "amx"]  # what multiplies a prefill chunk: BF16 do
 
 @needs_kernel
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
-@pytest.mark.parametrize("fmt, block", [("fp8", 128), ("fp8", 64), ("fp4", 32), ("fp4", 64)])
+@pytest.mark.parametrize("fmt, block", [("fp8", 128), ("fp8", 64), ("fp8", 48), ("fp4", 32), ("fp4", 64), ("fp4", 48)])
 @pytest.mark.parametrize("m, n, k", [(37, 70, 200), (64, 128, 256), (100, 33, 96), (17, 40, 77), (9, 5, 2),
                                      (40, 64, 1000), (33, 600, 256), (70, 300, 2048)])
 def test_bf16_gemm_against_reference(engine, fmt, block, m, n, k):
-    """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`), by BF16 dot products or AMX tiles: panels of 32
+    """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`), by BF16 dot products or AMX tiles, the panels
+    decoded straight from the codes (blocks of a multiple of 32) or through fp32 rows (48): panels of 32
     output rows that end early, row tiles of 8 (AMX: blocks of 32) that end early, an odd K (fp8), K that ends inside
     an AMX tile step, tiles and groups that end inside the row, several groups of AMX panels a thread, both scale
     encodings (fp32 powers of two too), every code; 1 and 2 threads bitwise alike."""
@@ -585,7 +586,10 @@ def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly(engine):
         assert kernel.qgemm(x, qw(w, scale, 128)) is None
         w_ref = reference_weight(w, scale, "fp8", 128)
         assert_gemm_close(qlinear(x, qw(w, scale, 128), cpu=kernel), F.linear(x, w_ref), x, w_ref)
-    assert kernel.qgemm(x, qw(w, s32 * 0 + 2.0**-70, 128)) is not None
+    codes = every_code_fp8(64, 256)  # subnormal codes too, at the smallest scale it takes and at a large one
+    for scale in (s32 * 0 + 2.0**-70, float_to_e8m0(s32 * 0 + 2.0**-70), s32 * 0 + 2.0**100):
+        w_ref = reference_weight(codes, scale, "fp8", 128)
+        assert_gemm_close(kernel.qgemm(x, qw(codes, scale, 128)), F.linear(x, w_ref), x, w_ref)
     assert kernel.qgemm(x, qw(torch.randn(64, 256).to(torch.bfloat16))) is None
 
 
@@ -610,14 +614,22 @@ def test_bf16_gemm_keeps_nan_codes_and_empty_inputs(engine):
 @needs_kernel
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
 def test_prefill_qlinear_takes_the_bf16_gemm(engine):
-    """qlinear of a chunk of rows with the activation rounding, through the avx512bf16 kernel: the reference's
-    values within the two-orders bound, for FP8 and FP4 weights."""
+    """qlinear of a chunk of rows with the activation rounding, through the panels: the reference's values within
+    the two-orders bound, for FP8 and FP4 weights; with AMX from AMX_ROWS rows on (below them the GEMV rows), with
+    BF16 dot products above MAX_ROWS."""
     kernel, g = gemm_in(engine), gen(3700)
     for data, scale, block, fmt in (*fp8_weight(96, 384, 128, g), 128, "fp8"), (*fp4_weight(96, 384, g), 32, "fp4"):
-        x = torch.randn(50, 384, generator=g)
-        w_ref = reference_weight(data, scale, fmt, block)
-        y = qlinear(x, qw(data, scale, block), act_quant=True, cpu=kernel)
-        assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant=True), x, w_ref, act_quant=True)
+        for rows in (50, 16, qgemv.AMX_ROWS, qgemv.AMX_ROWS - 1):
+            x = torch.randn(rows, 384, generator=g)
+            w_ref = reference_weight(data, scale, fmt, block)
+            y = qlinear(x, qw(data, scale, block), act_quant=True, cpu=kernel)
+            assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant=True), x, w_ref, act_quant=True)
+            xq = fp8_simulate(x, 128, pow2_scale=True)
+            panels = engine == "amx" and rows >= qgemv.AMX_ROWS or rows > qgemv.MAX_ROWS
+            assert kernel.gemm_first(rows) == (engine == "amx" and rows >= qgemv.AMX_ROWS)
+            took = kernel.qgemm(xq, qw(data, scale, block)) if panels else kernel.qgemv(xq[:, None],
+                                                                                      qw(data, scale, block), 1)[:, 0]
+            assert torch.equal(y, took), rows
 
 
 # ---------------------------------------------------------------- inside compiled graphs

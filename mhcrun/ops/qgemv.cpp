@@ -363,11 +363,12 @@ inline bool takes_bf16(const float* x, int64_t n) { return exact_in_bf16(x, n, 1
 // i: code i % 16), for vpermw, which indexes 32 words by the low five bits of each index word.
 struct Bf16Tables {
     alignas(64) uint8_t e4m3_lo[128], e4m3_hi[128];
+    alignas(64) uint16_t e4m3[128];  // the two above as words
     alignas(64) uint16_t e2m1_32[32];
     Bf16Tables() {
         for (int c = 0; c < 128; c++) {
             const uint32_t u = bits_of(VALUES.e4m3[c]) >> 16;
-            e4m3_lo[c] = uint8_t(u), e4m3_hi[c] = uint8_t(u >> 8);
+            e4m3_lo[c] = uint8_t(u), e4m3_hi[c] = uint8_t(u >> 8), e4m3[c] = uint16_t(u);
         }
         for (int c = 0; c < 16; c++) {
             const uint32_t u = bits_of(VALUES.e2m1[c]) >> 16;
@@ -572,6 +573,22 @@ inline bool scales_take(const Job& j, int64_t grid_rows) {
     return true;
 }
 
+// This thread's scratch buffer of type T (one per T) of at least n values, kept from call to call: a prefill chunk
+// makes hundreds of GEMMs, each of which would otherwise map, fault in and zero a fresh megabyte a thread. Its
+// contents are whatever the last call left: its users write every value they read. nullptr where it cannot grow.
+template <typename T>
+T* scratch(size_t n) {
+    thread_local std::vector<T> buf;
+    if (buf.size() < n) {
+        try {
+            buf.resize(n);
+        } catch (const std::bad_alloc&) {
+            return nullptr;
+        }
+    }
+    return buf.data();
+}
+
 // A panel's rows are decoded 16 at a time into a buffer of ROW_WORDS(k2p) floats a row (`rows`: 16 of them).
 inline int64_t row_words(int64_t k2p) { return 2 * k2p + 32; }
 
@@ -599,11 +616,81 @@ AVX512 INLINE void transpose16(__m512i (&r)[16]) {
     }
 }
 
+// decode_panel for an FP4 weight whose groups are a multiple of 32 values, straight from the packed bytes: byte p of
+// a row holds its values 2p (low nibble) and 2p + 1 (high), one pair, so each byte widened to a dword is made the
+// indexes (low nibble, high nibble) of its two words into the 32-word e2m1 table (vpermw) and becomes the pair; the
+// group's scale, a power of two (scales_take), goes into the exponent of each nonzero value by an integer add
+// (exact: the products are normal and finite, as scales_take and the load-time overflow check ensure). Sixteen rows
+// of sixteen pairs at a time, transposed in registers; bitwise decode_panel's values.
+AVX512 void decode_fp4_panel(const Job& j, int64_t n0, int cols, uint32_t* panel, int64_t k2, int64_t k2p) {
+    const __m512i table = _mm512_load_si512(avx512bf16::BF16.e2m1_32);
+    const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0xF0), mag = _mm512_set1_epi16(0x7FFF);
+    for (int c0 = 0; c0 < NB; c0 += 16)
+        for (int64_t p0 = 0, g = 0; p0 < k2p; p0 += 16, g = 2 * p0 / j.block) {
+            __m512i v[16];
+            for (int c = 0; c < 16; c++) {
+                const int64_t r = n0 + c0 + c;
+                if (c0 + c >= cols || p0 >= k2) {
+                    v[c] = _mm512_setzero_si512();
+                    continue;
+                }
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(avx512::tail16(k2 - p0),
+                                                                            j.w + r * j.row_bytes + p0));
+                const __m512i pair = _mm512_permutexvar_epi16(
+                    _mm512_or_si512(_mm512_and_si512(b, low), _mm512_slli_epi32(_mm512_and_si512(b, high), 12)), table);
+                const int e = int(bits_of(scale_at(j, r, g)) >> 23) - 127;
+                v[c] = _mm512_mask_add_epi16(pair, _mm512_test_epi16_mask(pair, mag), pair,
+                                             _mm512_set1_epi16(short(e * 128)));
+            }
+            transpose16(v);
+            for (int p = 0; p < 16 && p0 + p < k2p; p++) _mm512_storeu_si512(panel + (p0 + p) * NB + c0, v[p]);
+        }
+}
+
+// decode_panel for an FP8 weight whose tiles are a multiple of 32 values, straight from the bytes: bytes 2p and 2p + 1
+// of a row, widened to words, index the 128-word e4m3 magnitude table (two vpermt2w and a blend) and take their sign
+// bit, and so become pair p; the tile's scale goes into the exponent of each nonzero value but NaN's (0x7F codes) by
+// an integer add, as in decode_fp4_panel. Bitwise decode_panel's values.
+AVX512 void decode_fp8_panel(const Job& j, int64_t n0, int cols, uint32_t* panel, int64_t k2, int64_t k2p) {
+    const uint16_t* t = avx512bf16::BF16.e4m3;
+    const __m512i t0 = _mm512_load_si512(t), t1 = _mm512_load_si512(t + 32), t2 = _mm512_load_si512(t + 64);
+    const __m512i t3 = _mm512_load_si512(t + 96), m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
+    const __m512i m40 = _mm512_set1_epi16(0x40), mag = _mm512_set1_epi16(0x7FFF);
+    for (int c0 = 0; c0 < NB; c0 += 16) {
+        int64_t srow[16];  // each row's row of tile scales
+        for (int c = 0; c < 16; c++) srow[c] = (n0 + c0 + c) / j.block;
+        for (int64_t p0 = 0, g = 0; p0 < k2p; p0 += 16, g = 2 * p0 / j.block) {
+            __m512i v[16];
+            for (int c = 0; c < 16; c++) {
+                const int64_t r = n0 + c0 + c;
+                if (c0 + c >= cols || p0 >= k2) {
+                    v[c] = _mm512_setzero_si512();
+                    continue;
+                }
+                const __mmask32 mk = avx512::tail32(std::max<int64_t>(0, j.k - 2 * p0));
+                const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, j.w + r * j.row_bytes + 2 * p0));
+                const __m512i code = _mm512_and_si512(b, m7f);
+                const __m512i val = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, m40),
+                                                            _mm512_permutex2var_epi16(t0, code, t1),
+                                                            _mm512_permutex2var_epi16(t2, code, t3));
+                const __m512i pair = _mm512_or_si512(val, _mm512_slli_epi16(_mm512_and_si512(b, m80), 8));
+                const int e = int(bits_of(scale_at(j, srow[c], g)) >> 23) - 127;
+                const __mmask32 scaled = _mm512_test_epi16_mask(pair, mag) & _mm512_cmpneq_epi16_mask(code, m7f);
+                v[c] = _mm512_mask_add_epi16(pair, scaled, pair, _mm512_set1_epi16(short(e * 128)));
+            }
+            transpose16(v);
+            for (int p = 0; p < 16 && p0 + p < k2p; p++) _mm512_storeu_si512(panel + (p0 + p) * NB + c0, v[p]);
+        }
+    }
+}
+
 // Rows [n0, n0 + cols) of W, decoded with their scales (bitwise the reference's dequantisation, AVX-512) through
 // `rows` (16 x row_words(k2p) floats), into the panel of `k2p` >= k2 pairs: dword p * NB + c holds row n0 + c's
 // values 2p and 2p + 1 in bf16 (their high halves: exact), zero past the row (odd K, pairs k2 .. k2p) and past
 // `cols`. Sixteen rows at a time, sixteen pairs of each made one vector (a word permute) and transposed.
 AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* rows, uint32_t* panel, int64_t k2, int64_t k2p) {
+    if (j.fmt == FMT_FP4 && j.block % 32 == 0) return decode_fp4_panel(j, n0, cols, panel, k2, k2p);
+    if (j.fmt == FMT_FP8 && j.block % 32 == 0) return decode_fp8_panel(j, n0, cols, panel, k2, k2p);
     const int64_t words = row_words(k2p);
     const __m512i odd = high_halves();
     for (int c0 = 0; c0 < NB; c0 += 16) {
@@ -749,21 +836,17 @@ AMX void block(const uint32_t* a, int64_t steps, const uint32_t* panel, float* o
 // Returns 0, 4 (out of memory) or 5 (a thread flushes subnormals).
 AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_t k2p, int threads) {
     const int64_t panels = (j.n + gemm::NB - 1) / gemm::NB, panel_words = gemm::NB * k2p;
-    const int64_t per_group = std::clamp<int64_t>(GROUP_BYTES / std::max<int64_t>(1, panel_words * 4), 1, 8);
+    const int64_t per_group = std::clamp<int64_t>(GROUP_BYTES / std::max<int64_t>(1, panel_words * 4), 1,
+                                                  std::clamp<int64_t>(panels / threads, 1, 8));  // every thread busy
     const int64_t groups = (panels + per_group - 1) / per_group;
     int oom = 0, flush = 0;
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
         flush |= flushes_denormals() ? 1 : 0;
-        std::vector<uint32_t> pans;
-        std::vector<float> row;
+        uint32_t* pans = gemm::scratch<uint32_t>(per_group * panel_words);
+        float* row = gemm::scratch<float>(16 * gemm::row_words(k2p));
         alignas(64) float edge[MT * gemm::NB];
-        try {
-            pans.resize(per_group * panel_words);
-            row.resize(16 * gemm::row_words(k2p));
-        } catch (const std::bad_alloc&) {
-            oom = 1;
-        }
+        oom |= pans && row ? 0 : 1;
         configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < groups; g++) {
@@ -771,14 +854,14 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
             const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
             for (int64_t pi = p0; pi < p1; pi++) {
                 const int64_t n0 = pi * gemm::NB;
-                gemm::decode_panel(j, n0, int(std::min<int64_t>(gemm::NB, j.n - n0)), row.data(),
-                                   pans.data() + (pi - p0) * panel_words, k2, k2p);
+                gemm::decode_panel(j, n0, int(std::min<int64_t>(gemm::NB, j.n - n0)), row,
+                                   pans + (pi - p0) * panel_words, k2, k2p);
             }
             for (int64_t m0 = 0; m0 < mp; m0 += MT)
                 for (int64_t pi = p0; pi < p1; pi++) {
                     const int64_t n0 = pi * gemm::NB;
                     const int64_t rows = std::min<int64_t>(MT, j.m - m0), cols = std::min<int64_t>(gemm::NB, j.n - n0);
-                    const uint32_t* panel = pans.data() + (pi - p0) * panel_words;
+                    const uint32_t* panel = pans + (pi - p0) * panel_words;
                     const uint32_t* am = a + row_at(m0, k2p / KT);
                     if (rows == MT && cols == gemm::NB) {
                         block(am, k2p / KT, panel, j.y + m0 * j.n + n0, j.n);
@@ -1652,21 +1735,16 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
         flush |= flushes_denormals() ? 1 : 0;
-        std::vector<uint32_t> panel;
-        std::vector<float> row;
-        try {
-            panel.resize(gemm::NB * k2);
-            row.resize(16 * gemm::row_words(k2));
-        } catch (const std::bad_alloc&) {
-            oom = 1;
-        }
+        uint32_t* panel = gemm::scratch<uint32_t>(gemm::NB * k2);
+        float* row = gemm::scratch<float>(16 * gemm::row_words(k2));
+        oom |= panel && row ? 0 : 1;
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
             if (oom || flush) continue;
             const int64_t n0 = pi * gemm::NB;
             const int cols = n - n0 < gemm::NB ? int(n - n0) : gemm::NB;
-            gemm::decode_panel(j, n0, cols, row.data(), panel.data(), k2, k2);
-            gemm::tiles(a, m, k2, panel.data(), y + n0, n, cols);
+            gemm::decode_panel(j, n0, cols, row, panel, k2, k2);
+            gemm::tiles(a, m, k2, panel, y + n0, n, cols);
         }
     }
     return oom ? 4 : flush ? 5 : 0;

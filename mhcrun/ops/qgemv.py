@@ -47,6 +47,7 @@ from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
+AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
 FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
 # weights by BF16 dot products where x is exact in bf16 (after the FP8 activation rounding), else as avx512
@@ -83,6 +84,10 @@ class CpuKernel:
         decided when it was loaded) and the kernel on. Safe while torch.compile traces, where the answer is fixed
         into the graph."""
         return w.kernel and rows <= MAX_ROWS and self.on
+
+    def gemm_first(self, rows: int) -> bool:
+        """Whether `rows` rows of x take the panels (`qgemm`) before the GEMV rows: with AMX, from AMX_ROWS on."""
+        return self.gemm == GEMMS["amx"] and rows >= AMX_ROWS
 
     def qgemv(self, x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
         """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight in G groups, or None when the

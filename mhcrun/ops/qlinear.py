@@ -443,10 +443,16 @@ def _cpu_gemm(x3: Tensor, w: QWeight, groups: int, cpu: CpuKernel) -> Tensor:
     applies, else chunk by chunk."""
     m, n_in = x3.shape[0], x3.shape[2]
     r = w.out_features // groups
-    fast = cpu.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
-    if fast is None and groups == 1:  # a prefill chunk: bf16 panels by BF16 dot products, where x qualifies
-        fast = cpu.qgemm(x3[:, 0], w)
-        fast = None if fast is None else fast.unsqueeze(1)
+    def panels() -> Tensor | None:  # a prefill chunk: bf16 panels by AMX tiles or BF16 dot products, where x qualifies
+        y = cpu.qgemm(x3[:, 0], w) if groups == 1 else None
+        return None if y is None else y.unsqueeze(1)
+
+    first = cpu.gemm_first(m)  # AMX: its panels beat the GEMV from a few rows on
+    fast = panels() if first else None
+    if fast is None:
+        fast = cpu.qgemv(x3, w, groups)  # decode sizes: the fused kernel, when it takes the weight
+    if fast is None and not first:
+        fast = panels()
     if fast is not None:
         return fast
     if not denormals_ok():
