@@ -80,8 +80,8 @@ def test_kernel_builds_where_it_can():
         pytest.skip("no C++ compiler")
     bf16 = {"avx512_bf16", "avx512vbmi", "bmi2"} <= cpu_flags()
     amx = " + amx" if bf16 and {"amx_tile", "amx_bf16"} <= cpu_flags() else ""  # prefill chunks by AMX tiles
-    assert cpu_kernel().on and cpu_kernel().status() == ("avx512bf16" if bf16 and cpu_vendor() == "AuthenticAMD"
-                                                          else "avx512") + amx
+    assert cpu_kernel().on and cpu_kernel().status() == ("avx512bf16" if bf16 and (cpu_vendor() == "AuthenticAMD"
+                                                                                    or amx) else "avx512") + amx
     assert cpu_kernel("avx512bf16").status() == ("avx512bf16" if bf16 else "avx512")  # asked for: where it runs
     assert cpu_kernel("amx").status() == ("avx512bf16" if bf16 else "avx512") + amx
     assert cpu_kernel().gemm == (4 if amx else 3 if cpu_kernel().isa == 3 else 0)

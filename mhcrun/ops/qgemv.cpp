@@ -1685,13 +1685,15 @@ int mhc_qgemv_isa(void) {
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
 
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU
-// that is not AMD's. Zen 4 retires vdpbf16ps at the FMA's instruction rate (twice its products): the dot rows
-// decode FP8 1.7x and FP4 1.3x faster there; an Intel Xeon (Sapphire Rapids) VM retired it at half the FMA's rate,
-// where a version of these rows ran no faster out of DRAM and slower in L2 (BENCHMARKS.md, issue 20).
+// that is neither AMD's nor has AMX. Zen 4 retires vdpbf16ps at the FMA's instruction rate (twice its products): the
+// dot rows decode FP8 1.7x and FP4 1.3x faster there; an Intel Xeon (Sapphire Rapids) VM retired it at half the
+// FMA's rate, where an early version of these rows ran no faster out of DRAM and slower in L2; on another such VM
+// (with AMX) today's rows read FP8 weights out of DRAM at 8.0-9.5 GB/s against 5.5-6.0 and FP4 at 4.9-5.1 against
+// 3.7-4.1 (BENCHMARKS.md, issue 20). Other Intel CPUs with AVX-512 BF16 (Cooper Lake) stay unmeasured: avx512.
 int mhc_qgemv_default_isa(void) {
     const int best = mhc_qgemv_isa();
     __builtin_cpu_init();
-    return best == 3 && !__builtin_cpu_is("amd") ? 2 : best;
+    return best == 3 && !__builtin_cpu_is("amd") && !amx::usable() ? 2 : best;
 }
 
 // Whether this CPU and process multiply prefill chunks by AMX tiles (mhc_qgemm_bf16 with isa 4). 1 or 0.

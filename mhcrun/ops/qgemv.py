@@ -367,9 +367,9 @@ KERNEL_OFF = CpuKernel(why="off: no run opened it")  # every GEMM takes torch's 
 def open_cpu_kernel(env: Env) -> CpuKernel:
     """The kernel as `env` asks for it: built (once per source and compiler) and loaded, capped at the
     instruction set MHCRUN_CPU_KERNEL names (`CAPS`: amx / avx512bf16 / avx512 / avx2, capped by what this CPU has;
-    0: off), else this CPU's default: its best, but GEMVs in avx512 rather than avx512bf16 where the CPU is not
-    AMD's (`mhc_qgemv_default_isa` says why); prefill chunks by AMX tiles where the CPU and the cap allow them, else
-    by the BF16 dot products where the GEMVs take them. Off, saying why, where it cannot run."""
+    0: off), else this CPU's default: its best, but GEMVs in avx512 rather than avx512bf16 where the CPU is neither
+    AMD's nor has AMX (`mhc_qgemv_default_isa` says why); prefill chunks by AMX tiles where the CPU and the cap
+    allow them, else by the BF16 dot products where the GEMVs take them. Off, saying why, where it cannot run."""
     if env.cpu_kernel == "0":
         return CpuKernel(why="off (MHCRUN_CPU_KERNEL=0)")
     try:
