@@ -16,7 +16,9 @@ Prints, in one run:
   and torch's fp32 matmul rate at 4,096;
 - decode tok/s (batch 1) after 128 and after 1,024 prompt tokens (mhcrun: `generate --prompt-ids` of that length
   then `--gen` tokens, its `decode_tok_s`; ik: `llama-bench -gp N,G`), prefill tok/s at 128 and 1,024 (mhcrun's
-  `prefill_tok_s`, ik's `-p N`);
+  `prefill_tok_s`, ik's `-p N`); both warmed up: llama-bench runs each test once untimed first (its default), and
+  mhcrun `generate --warmup` prefills the prompt once untimed (the first-touch costs of a fresh process, the
+  weights' pages mapped in above all, would otherwise count in mhcrun's prefill alone);
 - weight bytes one decoded token reads (mhcrun: `mhcrun.memory.decode_bytes_per_token` of the checkpoint kept
   quantised; ik: the GGUF's tensors, routed experts at their active share, one embedding row) and the share of
   the read bandwidth that makes at each decode rate; prefill's rate of weight multiply-adds against the matmul
@@ -73,7 +75,7 @@ def run_mhcrun(model: Path, mode: str, n_prompt: int, n_gen: int, vocab: int, th
                inductor_cache: Path) -> dict:
     """One `mhcrun generate --json` in its own process, inductor's on-disk cache at `inductor_cache`: its stats."""
     cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(model), "--prompt-ids",
-           prompt_ids(n_prompt, vocab), "-n", str(n_gen), "--ignore-eos", "--json", "--graph-mode", mode]
+           prompt_ids(n_prompt, vocab), "-n", str(n_gen), "--ignore-eos", "--json", "--graph-mode", mode, "--warmup"]
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:

@@ -330,6 +330,9 @@ def generate(
     draft_tokens: int = typer.Option(None, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
                                      "(1 to 8) with the checkpoint's MTP layer, verified by the model in one step.",
                                      rich_help_panel=SAMPLING),
+    warmup: bool = typer.Option(False, "--warmup", help="Prefill the first prompt once, untimed, before the timed "
+                                "run (as llama-bench warms up): the speeds then leave out first-touch costs (the "
+                                "weights' pages mapped in, kernels loaded, threads started).", rich_help_panel=OUTPUT),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -409,7 +412,7 @@ def generate(
                                                    st.sampling, ignore_eos,
                                                    on_token=on_token, graph_mode=mode, stages=plan,
                                                    prefill_chunk=chunk, session=session,
-                                                   draft_tokens=draft_tokens or 0))
+                                                   draft_tokens=draft_tokens or 0, warmup=warmup))
         finally:
             if stream is not None:  # end the streamed line, also when the run fails
                 out.print(stream.flush(), markup=False)

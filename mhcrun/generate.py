@@ -288,7 +288,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
              session: Session | None = None, marks: tuple[int, ...] = (),
-             draft_tokens: int = 0) -> list[GenerationResult]:
+             draft_tokens: int = 0, warmup: bool = False) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists, checked by `check_prompts`).
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`), then
@@ -298,7 +298,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     again to find where the value first appeared, and its result's `nonfinite` says so (`raise_nonfinite`).
     With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
     which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs.
-    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`; no session)."""
+    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`; no session).
+    `warmup`: the first prompt is prefilled once, untimed, and its row cleared before the timed run (as llama-bench
+    warms up), so that the speeds leave out first-touch costs: the weights' pages mapped in, the kernels loaded,
+    the threads started (no session, no draft tokens)."""
+    if warmup and (session is not None or draft_tokens):
+        raise InputError("--warmup does not run with --prompt-cache or --draft-tokens")
     if draft_tokens:
         from mhcrun.speculate import speculate
 
@@ -312,6 +317,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
                                backend, stages, session)
     results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
+    if warmup:
+        steps.prefill(0, prompts[0])
+        model.clear_row(0)
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
         ok = batch.take(rows, logits)

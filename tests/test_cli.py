@@ -298,6 +298,19 @@ def test_generate_greedy_is_deterministic(greedy_ref):
     assert again["text"] == greedy_ref["text"]
 
 
+def test_generate_warmup_leaves_the_run_as_it_was(tmp_path, greedy_ref):
+    """--warmup prefills the first prompt once untimed and clears its row: the tokens and log-probs are those of a
+    run without it (a batch of two prompts too); it refuses what it cannot warm (a prompt cache, draft tokens)."""
+    (warm,) = gen_json("--prompt-ids", IDS, "-n", N, "--warmup")
+    assert warm["tokens"] == greedy_ref["tokens"] and warm["stats"]["prefill_tok_s"] > 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [0, 5, 6, 7]}\n{"prompt_ids": [9, 3]}\n')
+    assert [r["tokens"] for r in gen_json("--prompts-file", prompts, "-n", N, "--warmup")] == \
+        [r["tokens"] for r in gen_json("--prompts-file", prompts, "-n", N)]
+    user_error(cli("generate", "--prompt-ids", IDS, "-n", N, "--warmup", "--prompt-cache", tmp_path / "c"),
+               "--warmup", "--prompt-cache")
+
+
 def test_generate_sampling_is_reproducible_per_seed():
     args = ("--prompt-ids", IDS, "-n", 8, "--temperature", 0.8)
     (a,) = gen_json(*args, "--seed", 1)

@@ -595,6 +595,23 @@ def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly(engine):
 
 @needs_kernel
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
+def test_bf16_gemm_scratch_kept_between_calls_never_leaks(engine):
+    """Each thread keeps its panels' scratch from call to call: a small GEMM after a large one (whose panels filled
+    it with other values), with K and rows ending inside a tile step, gives bitwise what it gave before them."""
+    kernel, g = gemm_in(engine), gen(3620)
+    small_w, small_s = fp8_weight(70, 200 + 31, 128, g)
+    big_w, big_s = fp8_weight(300, 2048, 128, g)
+    x, big_x = act_rounded(37, 200 + 31, g=g), act_rounded(70, 2048, g=g)
+    first = kernel.qgemm(x, qw(small_w, small_s, 128))
+    assert kernel.qgemm(big_x, qw(big_w, big_s, 128)) is not None
+    for fmt_w, fmt_s, block in ((every_byte_fp4(64, 512), fp4_weight(64, 512, g)[1], 32), (big_w, big_s, 128)):
+        assert kernel.qgemm(act_rounded(40, fmt_w.shape[1] * (2 if block == 32 else 1), g=g),
+                            qw(fmt_w, fmt_s, block)) is not None
+    assert torch.equal(kernel.qgemm(x, qw(small_w, small_s, 128)), first)
+
+
+@needs_kernel
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
 def test_bf16_gemm_keeps_nan_codes_and_empty_inputs(engine):
     """NaN codes give NaN columns exactly where dequantise-then-matmul does; K = 0 gives zeros."""
     kernel, g = gemm_in(engine), gen(3650)
