@@ -38,7 +38,7 @@ N = 4
 STATS_KEYS = {"prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb", "kernels", "cpu_gemv_kernel", "tp",
               "peak_rss_mb_per_rank"}
 STATS_LINE = re.compile(r"^prompt tokens \d+ \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| compile [\d.]+ s "
-                        r"\| peak RSS \d+ MB( \| CPU GEMV kernel (avx512bf16|avx512|avx2|off.*))?$")
+                        r"\| peak RSS \d+ MB( \| CPU GEMV kernel ((avx512bf16|avx512|avx2)( \+ amx)?|off.*))?$")
 
 try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps result.stderr apart
     RUNNER = CliRunner(mix_stderr=False)

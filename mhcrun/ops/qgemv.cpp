@@ -616,81 +616,78 @@ AVX512 INLINE void transpose16(__m512i (&r)[16]) {
     }
 }
 
-// decode_panel for an FP4 weight whose groups are a multiple of 32 values, straight from the packed bytes: byte p of
-// a row holds its values 2p (low nibble) and 2p + 1 (high), one pair, so each byte widened to a dword is made the
-// indexes (low nibble, high nibble) of its two words into the 32-word e2m1 table (vpermw) and becomes the pair; the
-// group's scale, a power of two (scales_take), goes into the exponent of each nonzero value by an integer add
-// (exact: the products are normal and finite, as scales_take and the load-time overflow check ensure). Sixteen rows
-// of sixteen pairs at a time, transposed in registers; bitwise decode_panel's values.
-AVX512 void decode_fp4_panel(const Job& j, int64_t n0, int cols, uint32_t* panel, int64_t k2, int64_t k2p) {
-    const __m512i table = _mm512_load_si512(avx512bf16::BF16.e2m1_32);
-    const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0xF0), mag = _mm512_set1_epi16(0x7FFF);
-    for (int c0 = 0; c0 < NB; c0 += 16)
-        for (int64_t p0 = 0, g = 0; p0 < k2p; p0 += 16, g = 2 * p0 / j.block) {
-            __m512i v[16];
-            for (int c = 0; c < 16; c++) {
-                const int64_t r = n0 + c0 + c;
-                if (c0 + c >= cols || p0 >= k2) {
-                    v[c] = _mm512_setzero_si512();
-                    continue;
-                }
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(avx512::tail16(k2 - p0),
-                                                                            j.w + r * j.row_bytes + p0));
-                const __m512i pair = _mm512_permutexvar_epi16(
-                    _mm512_or_si512(_mm512_and_si512(b, low), _mm512_slli_epi32(_mm512_and_si512(b, high), 12)), table);
-                const int e = int(bits_of(scale_at(j, r, g)) >> 23) - 127;
-                v[c] = _mm512_mask_add_epi16(pair, _mm512_test_epi16_mask(pair, mag), pair,
-                                             _mm512_set1_epi16(short(e * 128)));
-            }
-            transpose16(v);
-            for (int p = 0; p < 16 && p0 + p < k2p; p++) _mm512_storeu_si512(panel + (p0 + p) * NB + c0, v[p]);
-        }
-}
-
-// decode_panel for an FP8 weight whose tiles are a multiple of 32 values, straight from the bytes: bytes 2p and 2p + 1
-// of a row, widened to words, index the 128-word e4m3 magnitude table (two vpermt2w and a blend) and take their sign
-// bit, and so become pair p; the tile's scale goes into the exponent of each nonzero value but NaN's (0x7F codes) by
-// an integer add, as in decode_fp4_panel. Bitwise decode_panel's values.
-AVX512 void decode_fp8_panel(const Job& j, int64_t n0, int cols, uint32_t* panel, int64_t k2, int64_t k2p) {
-    const uint16_t* t = avx512bf16::BF16.e4m3;
-    const __m512i t0 = _mm512_load_si512(t), t1 = _mm512_load_si512(t + 32), t2 = _mm512_load_si512(t + 64);
-    const __m512i t3 = _mm512_load_si512(t + 96), m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
-    const __m512i m40 = _mm512_set1_epi16(0x40), mag = _mm512_set1_epi16(0x7FFF);
+// The loop of the panels decoded straight from the codes: sixteen rows of sixteen pairs at a time, each row's
+// vector made by `pairs(r, srow, p0, g)` (row r's pairs p0 .. p0 + 15; srow: its row of FP8 tile scales, r / block;
+// g: the scale column of those pairs, 2 p0 / block, the block a multiple of 32), zero past the row and past `cols`,
+// transposed in registers into the panel (see decode_panel).
+template <typename Pairs>
+AVX512 INLINE void panel_of_pairs(const Job& j, int64_t n0, int cols, uint32_t* panel, int64_t k2, int64_t k2p,
+                                  const Pairs& pairs) {
     for (int c0 = 0; c0 < NB; c0 += 16) {
-        int64_t srow[16];  // each row's row of tile scales
+        int64_t srow[16];
         for (int c = 0; c < 16; c++) srow[c] = (n0 + c0 + c) / j.block;
         for (int64_t p0 = 0, g = 0; p0 < k2p; p0 += 16, g = 2 * p0 / j.block) {
             __m512i v[16];
-            for (int c = 0; c < 16; c++) {
-                const int64_t r = n0 + c0 + c;
-                if (c0 + c >= cols || p0 >= k2) {
-                    v[c] = _mm512_setzero_si512();
-                    continue;
-                }
-                const __mmask32 mk = avx512::tail32(std::max<int64_t>(0, j.k - 2 * p0));
-                const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, j.w + r * j.row_bytes + 2 * p0));
-                const __m512i code = _mm512_and_si512(b, m7f);
-                const __m512i val = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, m40),
-                                                            _mm512_permutex2var_epi16(t0, code, t1),
-                                                            _mm512_permutex2var_epi16(t2, code, t3));
-                const __m512i pair = _mm512_or_si512(val, _mm512_slli_epi16(_mm512_and_si512(b, m80), 8));
-                const int e = int(bits_of(scale_at(j, srow[c], g)) >> 23) - 127;
-                const __mmask32 scaled = _mm512_test_epi16_mask(pair, mag) & _mm512_cmpneq_epi16_mask(code, m7f);
-                v[c] = _mm512_mask_add_epi16(pair, scaled, pair, _mm512_set1_epi16(short(e * 128)));
-            }
+            for (int c = 0; c < 16; c++)
+                v[c] = c0 + c >= cols || p0 >= k2 ? _mm512_setzero_si512() : pairs(n0 + c0 + c, srow[c], p0, g);
             transpose16(v);
             for (int p = 0; p < 16 && p0 + p < k2p; p++) _mm512_storeu_si512(panel + (p0 + p) * NB + c0, v[p]);
         }
     }
 }
 
+// The scale's exponent added to each word of `pair` in `scaled` (a power of two: scales_take; exact, the products
+// normal and finite, as scales_take and the load-time overflow check ensure).
+AVX512 INLINE __m512i scaled_by(__m512i pair, __mmask32 scaled, float scale) {
+    const int e = int(bits_of(scale) >> 23) - 127;
+    return _mm512_mask_add_epi16(pair, scaled, pair, _mm512_set1_epi16(short(e * 128)));
+}
+
+// FP4 pairs straight from the packed bytes (groups a multiple of 32 values): byte p of a row holds its values 2p
+// (low nibble) and 2p + 1 (high), one pair, so each byte widened to a dword is made the indexes (low nibble, high
+// nibble) of its two words into the 32-word e2m1 table (vpermw) and becomes the pair; the group's scale goes into
+// the exponent of each nonzero value. Bitwise decode_panel's values.
+struct Fp4Pairs {
+    const Job& j;
+    int64_t k2;
+    AVX512 __m512i operator()(int64_t r, int64_t, int64_t p0, int64_t g) const {
+        const uint8_t* bytes = j.w + r * j.row_bytes + p0;
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(avx512::tail16(k2 - p0), bytes));
+        const __m512i index = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)),
+                                              _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+        const __m512i pair = _mm512_permutexvar_epi16(index, _mm512_load_si512(avx512bf16::BF16.e2m1_32));
+        return scaled_by(pair, _mm512_test_epi16_mask(pair, _mm512_set1_epi16(0x7FFF)), scale_at(j, r, g));
+    }
+};
+
+// FP8 pairs straight from the bytes (tiles a multiple of 32 values): bytes 2p and 2p + 1 of a row, widened to words,
+// index the 128-word e4m3 magnitude table (two vpermt2w and a blend) and take their sign bit, and so become pair p;
+// the tile's scale goes into the exponent of each nonzero value but NaN's (0x7F codes). Bitwise decode_panel's.
+struct Fp8Pairs {
+    const Job& j;
+    AVX512 __m512i operator()(int64_t r, int64_t srow, int64_t p0, int64_t g) const {
+        const uint16_t* t = avx512bf16::BF16.e4m3;
+        const __m512i m7f = _mm512_set1_epi16(0x7F);
+        const __mmask32 mk = avx512::tail32(std::max<int64_t>(0, j.k - 2 * p0));
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, j.w + r * j.row_bytes + 2 * p0));
+        const __m512i code = _mm512_and_si512(b, m7f);
+        const __m512i val = _mm512_mask_blend_epi16(
+            _mm512_test_epi16_mask(code, _mm512_set1_epi16(0x40)),
+            _mm512_permutex2var_epi16(_mm512_load_si512(t), code, _mm512_load_si512(t + 32)),
+            _mm512_permutex2var_epi16(_mm512_load_si512(t + 64), code, _mm512_load_si512(t + 96)));
+        const __m512i pair = _mm512_or_si512(val, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+        return scaled_by(pair, _mm512_test_epi16_mask(pair, _mm512_set1_epi16(0x7FFF)) &
+                                   _mm512_cmpneq_epi16_mask(code, m7f), scale_at(j, srow, g));
+    }
+};
+
 // Rows [n0, n0 + cols) of W, decoded with their scales (bitwise the reference's dequantisation, AVX-512) through
 // `rows` (16 x row_words(k2p) floats), into the panel of `k2p` >= k2 pairs: dword p * NB + c holds row n0 + c's
 // values 2p and 2p + 1 in bf16 (their high halves: exact), zero past the row (odd K, pairs k2 .. k2p) and past
 // `cols`. Sixteen rows at a time, sixteen pairs of each made one vector (a word permute) and transposed.
 AVX512 void decode_panel(const Job& j, int64_t n0, int cols, float* rows, uint32_t* panel, int64_t k2, int64_t k2p) {
-    if (j.fmt == FMT_FP4 && j.block % 32 == 0) return decode_fp4_panel(j, n0, cols, panel, k2, k2p);
-    if (j.fmt == FMT_FP8 && j.block % 32 == 0) return decode_fp8_panel(j, n0, cols, panel, k2, k2p);
+    if (j.fmt == FMT_FP4 && j.block % 32 == 0) return panel_of_pairs(j, n0, cols, panel, k2, k2p, Fp4Pairs{j, k2});
+    if (j.fmt == FMT_FP8 && j.block % 32 == 0) return panel_of_pairs(j, n0, cols, panel, k2, k2p, Fp8Pairs{j});
     const int64_t words = row_words(k2p);
     const __m512i odd = high_halves();
     for (int c0 = 0; c0 < NB; c0 += 16) {
