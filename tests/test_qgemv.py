@@ -533,11 +533,12 @@ GEMM_ENGINES = ["avx512bf16", "amx"]  # what multiplies a prefill chunk: BF16 do
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
 @pytest.mark.parametrize("fmt, block", [("fp8", 128), ("fp8", 64), ("fp8", 48), ("fp4", 32), ("fp4", 64), ("fp4", 48)])
 @pytest.mark.parametrize("m, n, k", [(37, 70, 200), (64, 128, 256), (100, 33, 96), (17, 40, 77), (9, 5, 2),
-                                     (40, 64, 1000), (33, 600, 256), (70, 300, 2048)])
+                                     (40, 64, 1000), (33, 600, 256), (70, 300, 2048), (12, 300, 512)])
 def test_bf16_gemm_against_reference(engine, fmt, block, m, n, k):
     """A prefill chunk's GEMM by bf16 panels (`CpuKernel.qgemm`), by BF16 dot products or AMX tiles, the panels
     decoded straight from the codes (blocks of a multiple of 32) or through fp32 rows (48): panels of 32
-    output rows that end early, row tiles of 8 (AMX: blocks of 32) that end early, an odd K (fp8), K that ends inside
+    output rows that end early, row tiles of 8 (AMX: blocks of 32, or tiles of the rows there are up to 16) that end
+    early, an odd K (fp8), K that ends inside
     an AMX tile step, tiles and groups that end inside the row, several groups of AMX panels a thread, both scale
     encodings (fp32 powers of two too), every code; 1 and 2 threads bitwise alike."""
     if fmt == "fp4" and k % 2:

@@ -791,11 +791,11 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-// This thread's tiles: eight of 16 rows x 64 bytes (tiles 0-3 sums, 4-5 x, 6-7 the panel).
-AMX void configure() {
+// This thread's tiles: eight of 64 bytes a row (tiles 0-3 sums, 4-5 x: `rows` rows, at most 16; 6-7 the panel: 16).
+AMX void configure(int rows) {
     TileConfig c{};
     c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = t < 6 ? uint8_t(rows) : 16;
     _tile_loadconfig(&c);
 }
 
@@ -828,6 +828,23 @@ AMX void block(const uint32_t* a, int64_t steps, const uint32_t* panel, float* o
     _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
 }
 
+// out [rows, 32] = the first `rows` <= 16 rows of a block of x . the panel's 32 columns: two sum tiles of `rows`
+// rows (the configuration's), one of x: a chunk of few rows (a routed expert's tokens) takes half the tile
+// products, and fewer rows each, of a whole block.
+AMX void half_block(const uint32_t* a, int64_t steps, const uint32_t* panel, float* out, int64_t ldo) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0, p = 0; s < steps; s++, p += KT) {
+        _tile_loadd(4, a + s * TILE_WORDS, KT * 4);
+        _tile_loadd(6, panel + p * gemm::NB, gemm::NB * 4);
+        _tile_loadd(7, panel + p * gemm::NB + 16, gemm::NB * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
+}
+
 // y [m, n] = a (x as bf16 pairs in tile order (row_at), mp rows (a multiple of MT, zero past m) of k2p pairs) . W^T
 // on `threads` threads.
 // Returns 0, 4 (out of memory) or 5 (a thread flushes subnormals).
@@ -844,7 +861,8 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
         float* row = gemm::scratch<float>(16 * gemm::row_words(k2p));
         alignas(64) float edge[MT * gemm::NB];
         oom |= pans && row ? 0 : 1;
-        configure();
+        const bool few = j.m <= 16;  // one block of x, its first rows only: tiles of j.m rows
+        configure(few ? int(std::max<int64_t>(1, j.m)) : 16);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < groups; g++) {
             if (oom || flush) continue;
@@ -860,12 +878,10 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
                     const int64_t rows = std::min<int64_t>(MT, j.m - m0), cols = std::min<int64_t>(gemm::NB, j.n - n0);
                     const uint32_t* panel = pans + (pi - p0) * panel_words;
                     const uint32_t* am = a + row_at(m0, k2p / KT);
-                    if (rows == MT && cols == gemm::NB) {
-                        block(am, k2p / KT, panel, j.y + m0 * j.n + n0, j.n);
-                        continue;
-                    }
-                    block(am, k2p / KT, panel, edge, gemm::NB);
-                    for (int64_t r = 0; r < rows; r++)
+                    const bool whole = !few && rows == MT && cols == gemm::NB;  // straight into y
+                    float* out = whole ? j.y + m0 * j.n + n0 : edge;
+                    (few ? half_block : block)(am, k2p / KT, panel, out, whole ? j.n : gemm::NB);
+                    for (int64_t r = 0; r < rows && !whole; r++)
                         std::memcpy(j.y + (m0 + r) * j.n + n0, edge + r * gemm::NB, sizeof(float) * cols);
                 }
         }
