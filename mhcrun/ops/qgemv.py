@@ -54,7 +54,7 @@ FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
 # what multiplies a prefill chunk by FP8/FP4 weights (`qgemm`): AMX tiles, or the BF16 dot products of avx512bf16
 GEMMS = {"amx": 4, "avx512bf16": 3}
-CAPS = {"amx": 4, **ISAS}  # MHCRUN_CPU_KERNEL's names, best first
+CAPS = {"amx": GEMMS["amx"], **ISAS}  # MHCRUN_CPU_KERNEL's names, best first
 
 
 @dataclass(frozen=True)
