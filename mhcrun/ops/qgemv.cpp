@@ -343,7 +343,8 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
 // admits x only when every value is zero or at least 2**-110 in magnitude (and finite): then every product with an
 // e4m3 value (a multiple of 2**-9) or an e2m1 one (of 2**-1) is a multiple of 2**-126, and so is every sum of them,
 // rounded or not, which is zero or normal. Any other x takes the fp32 rows (namespace avx512).
-// fp8 needs tiles of a multiple of 64 inputs, fp4 groups of 32 (DeepSeek's 128 and 32); others take the fp32 rows.
+// fp8 needs tiles of a multiple of 64 inputs, fp4 groups of 32 (DeepSeek's 128 and 32, at most ROW_GROUPS a row); others
+// take the fp32 rows.
 
 namespace avx512bf16 {
 
@@ -414,14 +415,14 @@ AVX512BF16 INLINE __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(
 
 AVX512BF16 INLINE __m512bh load_xb(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
 
-// fp8: 64 e4m3 bytes at w + k (TAIL: those in mk, the rest zero) into the partial sums of each row of x.
+// fp8: 64 e4m3 bytes at w + k (TAIL: those in mk, the rest zero) into the partial sums of each row of x. A NaN code
+// (0x7F, 0xFF) decodes to a bf16 NaN, whose products and sums make the row's result NaN: no check of its own.
 template <int R, bool TAIL>
 AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4],
-                                const uint16_t* const* xs, __m512 (&p0)[R], __m512 (&p1)[R], __mmask64& nan) {
+                                const uint16_t* const* xs, __m512 (&p0)[R], __m512 (&p1)[R]) {
     const __m512i m7f = _mm512_set1_epi8(0x7F), m80 = _mm512_set1_epi8(static_cast<char>(0x80));
     const __m512i b = TAIL ? _mm512_maskz_loadu_epi8(mk, w + k) : _mm512_loadu_si512(w + k);
     const __m512i mag = _mm512_and_si512(b, m7f);
-    nan |= _mm512_cmpeq_epi8_mask(mag, m7f);
     const __m512i lo = _mm512_permutex2var_epi8(t[0], mag, t[1]);
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], mag, t[3]), b, m80, 0xF8);  // | sign
     const __m512bh v0 = as_bh(_mm512_unpacklo_epi8(lo, hi)), v1 = as_bh(_mm512_unpackhi_epi8(lo, hi));
@@ -438,7 +439,6 @@ AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
                           _mm512_load_si512(BF16.e4m3_hi), _mm512_load_si512(BF16.e4m3_hi + 64)};
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    __mmask64 nan = 0;
     for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
         const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
         __m512 p0[R], p1[R];
@@ -446,37 +446,43 @@ AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
         int64_t k = k0;
         for (; k + 64 <= k1; k += 64) {
             prefetch_ahead(w + k);
-            fp8_step<R, false>(w, k, 0, t, xs, p0, p1, nan);
+            fp8_step<R, false>(w, k, 0, t, xs, p0, p1);
         }
-        if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1, nan);
+        if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1);
         const __m512 s = _mm512_set1_ps(scale_at(j, n / j.block, c));
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-    return nan != 0;
+    return false;  // a NaN code made the row NaN (fp8_step)
 }
 
-// fp4: the scales of groups c .. c + 3 of row n, each over the four fp32 lanes of its 16-byte lane; groups past
-// the row's end get 1 (their bytes and x are zero).
-AVX512BF16 INLINE __m512 fp4_scales(const Job& j, int64_t n, int64_t c) {
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    if (c + 4 <= j.s_cols && j.scale_kind == 1)
-        return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
-                                                 _mm_loadu_ps(static_cast<const float*>(j.s) + n * j.s_cols + c)));
-    if (c + 4 <= j.s_cols) {  // e8m0: byte b -> fp32 bits b << 23 (2**(b - 127)), b = 0 -> 2**-127
-        uint32_t four;
-        std::memcpy(&four, static_cast<const uint8_t*>(j.s) + n * j.s_cols + c, 4);
-        const __m512i at_top = _mm512_set_epi32(  // byte 3 of each fp32 lane <- byte `group` of `four`
-                                                3 << 24, 3 << 24, 3 << 24, 3 << 24, 2 << 24, 2 << 24, 2 << 24,
-                                                2 << 24, 1 << 24, 1 << 24, 1 << 24, 1 << 24, 0, 0, 0, 0);
-        const __m512i top = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, at_top, _mm512_set1_epi32(int(four)));
-        const __m512i u = _mm512_srli_epi32(top, 1);
-        return _mm512_mask_mov_ps(_mm512_castsi512_ps(u), _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
-                                  _mm512_set1_ps(0x1p-127f));
+constexpr int64_t ROW_GROUPS = 2048;  // fp4: groups a row may have here (K up to 65,536); longer rows take the fp32 rows
+
+// fp4: the scales of row n as fp32, sc [s_cols rounded up to 16] (e8m0 byte b: 2**(b - 127), b = 0 -> 2**-127; fp32 as
+// they are; groups past the row's end 1: their bytes and x are zero), converted once a row: a step then takes its four
+// by one load and one permute.
+AVX512BF16 INLINE void row_scales(const Job& j, int64_t n, float* sc) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t c = 0; c < j.s_cols; c += 16) {
+        const auto live = static_cast<__mmask16>(_bzhi_u32(0xFFFFu, unsigned(std::min<int64_t>(16, j.s_cols - c))));
+        __m512 v;
+        if (j.scale_kind == 1) {
+            v = _mm512_mask_loadu_ps(one, live, static_cast<const float*>(j.s) + n * j.s_cols + c);
+        } else {
+            const __m512i u = _mm512_slli_epi32(
+                _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, static_cast<const uint8_t*>(j.s) + n * j.s_cols + c)), 23);
+            v = _mm512_mask_mov_ps(_mm512_castsi512_ps(u), _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
+                                   _mm512_set1_ps(0x1p-127f));
+            v = _mm512_mask_mov_ps(one, live, v);
+        }
+        _mm512_store_ps(sc + c, v);
     }
-    alignas(16) float s[4];
-    for (int i = 0; i < 4; i++) s[i] = c + i < j.s_cols ? scale_at(j, n, c + i) : 1.0f;
-    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(s)));
+}
+
+// fp4: the scales of groups c .. c + 3 (row_scales), each over the four fp32 lanes of its 16-byte lane.
+AVX512BF16 INLINE __m512 fp4_scales(const float* sc, int64_t c) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + c)));
 }
 
 // fp4: 64 bytes (128 inputs, groups c .. c + 3) at w + b (TAIL: those in mk, the rest zero) into acc of each row:
@@ -505,15 +511,16 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
     const uint8_t* w = j.w + n * j.row_bytes;
     const int64_t bytes = j.k / 2;
     const __m512i t = _mm512_load_si512(BF16.e2m1_32);
+    alignas(64) float sc[ROW_GROUPS];
+    row_scales(j, n, sc);
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 64 <= bytes; b += 64) {
         prefetch_ahead(w + b);
-        fp4_step<R, false>(w, b, 0, t, fp4_scales(j, n, b / 16), xs, acc);
+        fp4_step<R, false>(w, b, 0, t, fp4_scales(sc, b / 16), xs, acc);
     }
-    if (b < bytes)
-        fp4_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(j, n, b / 16), xs, acc);
+    if (b < bytes) fp4_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(sc, b / 16), xs, acc);
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
@@ -1429,7 +1436,8 @@ struct XBuf {
 // False when out of memory.
 bool prepare_x(Job& j, int isa, XBuf& own) {
     const int64_t rows = j.m * j.groups, k = j.k;
-    const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) || (j.fmt == FMT_FP4 && j.block == 32);
+    const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
+                      (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
         if (isa == 3 && fits && avx512bf16::takes_bf16(j.x, rows * k)) {
             const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
