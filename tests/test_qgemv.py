@@ -740,26 +740,27 @@ def hc_case(rows: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
             "base": torch.randn((2 + n) * n, generator=g) * 0.5, "w": torch.rand(d, generator=g) + 0.5}
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (16, 64), (2, 7)])
-def test_hc_steps_against_the_reference(dtype, rows, d):
-    """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA); the pre step (mixes GEMV,
-    Sinkhorn, collapse, RMSNorm) is within rounding of the torch reference: post and comb within 2e-6, the
-    sublayer input within 2e-6 relative (fp32) or one bf16 step (bf16). Rows up to MAX_ROWS, d not a multiple of
-    the eight lanes."""
+@pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (16, 64), (2, 7), (1, 2048)])
+def test_hc_steps_against_the_reference(isa, dtype, rows, d):
+    """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA; AVX-512: sixteen values a step,
+    the last step partial); the pre step (mixes GEMV, Sinkhorn, collapse, RMSNorm) is within rounding of the torch
+    reference: post and comb within 2e-6 (more for longer sums), the sublayer input within 2e-6 relative (fp32) or one
+    bf16 step (bf16).
+    Rows up to MAX_ROWS, d not a multiple of the eight or sixteen lanes, and the mid-size config's width."""
     from mhcrun.nki.ops import _ref_pre
     from mhcrun.ops import hc as ref
 
-    k, c = cpu_kernel(), hc_case(rows, d, dtype)
-    if not k.on:
-        pytest.skip(k.status())
+    k, c = kernel_in(isa), hc_case(rows, d, dtype)
     got = k.hc_post(c["y"], c["x"], c["post"], c["comb"])
     want = ref.hc_post(c["y"], c["x"], c["post"], c["comb"])
     assert got.dtype == dtype and torch.equal(got, want)
     h, post, comb = k.hc_pre(want, c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6)
     rh, rpost, rcomb = _ref_pre(want, c["fn"], c["scale"], c["base"], c["w"], 4, 20, 1e-6, 1e-6)
-    torch.testing.assert_close(post, rpost, rtol=0, atol=2e-6)
-    torch.testing.assert_close(comb, rcomb, rtol=0, atol=2e-6)
+    tol = 2e-6 * max(1.0, math.sqrt(4 * d / 1024))  # the mixes sum 4 d products: rounding grows as its square root
+    torch.testing.assert_close(post, rpost, rtol=0, atol=tol)
+    torch.testing.assert_close(comb, rcomb, rtol=0, atol=tol)
     assert h.dtype == dtype and h.shape == rh.shape
     if dtype == torch.float32:
         torch.testing.assert_close(h, rh, rtol=2e-6, atol=2e-6)

@@ -1226,7 +1226,40 @@ float dot8(const float* a, const float* b, int64_t k) {
     return s;
 }
 
+// The first min(n, 16) of sixteen lanes.
+inline __mmask16 lanes16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1); }
+
+// The same sum (within rounding: another order) by sixteen lanes of FMAs, where the CPU has AVX-512.
+AVX512 float dot16(const float* a, const float* b, int64_t k) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    for (; i < k; i += 16) {
+        const __mmask16 m = lanes16(k - i);
+        s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+// The post step's rows of one output stream o in fp32: out[e] = sum_i c[i * n] * res[i * d + e] + p * y[e], each product
+// rounded, then added in stream order (no FMA: bitwise the scalar loop and torch's; the compiler told not to contract
+// the products and sums into FMAs), sixteen e at a time.
+__attribute__((optimize("fp-contract=off"))) AVX512 void post_stream(const float* y, const float* res, const float* c, float p, float* out, int64_t n, int64_t d) {
+    int64_t e = 0;
+    for (; e < d; e += 16) {
+        const __mmask16 m = lanes16(d - e);
+        __m512 acc = _mm512_mul_ps(_mm512_set1_ps(c[0]), _mm512_maskz_loadu_ps(m, res + e));
+        for (int64_t i = 1; i < n; i++)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(c[i * n]), _mm512_maskz_loadu_ps(m, res + i * d + e)));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p), _mm512_maskz_loadu_ps(m, y + e)));
+        _mm512_mask_storeu_ps(out + e, m, acc);
+    }
+}
 
 // ---------------------------------------------------------------- the FP8 activation rounding (fp8_simulate, pow2)
 // Every step is exact but the one rounding: the divisions by powers of two are multiplications by their inverses,
@@ -1500,14 +1533,21 @@ extern "C" {
 
 // The post step of t rows: out[r, o, :] = sum_i comb[r, i, o] * res[r, i, :] + post[r, o] * y[r, :] (mhcrun.ops.hc
 // .hc_post: stream order, then the post term; fp32, stored in the activations' dtype). y [t, d], res and out
-// [t, n, d] (bf16 or fp32), post [t, n], comb [t, n, n] fp32.
+// [t, n, d] (bf16 or fp32), post [t, n], comb [t, n, n] fp32. fp32 with isa >= 2: sixteen values a step (post_stream).
 int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, const float* comb, void* out,
-                int64_t t, int64_t n, int64_t d) {
+                int64_t t, int64_t n, int64_t d, int isa) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
+    const bool wide = !bf16 && isa >= 2;
     for (int64_t r = 0; r < t; r++)
         for (int64_t o = 0; o < n; o++) {
             const float* c = comb + (r * n) * n + o;  // c[i * n]: comb[r, i, o]
             const float p = post[r * n + o];
+            if (wide) {
+                post_stream(static_cast<const float*>(y) + r * d, static_cast<const float*>(res) + r * n * d, c, p,
+                            static_cast<float*>(out) + (r * n + o) * d, n, d);
+                continue;
+            }
             for (int64_t e = 0; e < d; e++) {
                 float acc = c[0] * act_at(res, bf16, (r * n) * d + e);
                 for (int64_t i = 1; i < n; i++) acc += c[i * n] * act_at(res, bf16, (r * n + i) * d + e);
@@ -1523,20 +1563,25 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
 // post [t, n], comb [t, n, n] fp32. mixes = (x . fn^T) * rsqrt(mean(x^2) + norm_eps); pre = sigmoid(. * scale0 +
 // base) + eps, post = 2 sigmoid(.), comb = Sinkhorn of (. * scale2 + base) (softmax over each row, + eps, then
 // column, row, ..., column: `iters` column steps); h = rms_norm(collapse(x, pre) in x's dtype, weight).
-// work: fp32 scratch of n * d + (2 + n) * n floats. Returns 6 for n > 64.
+// work: fp32 scratch of n * d + (2 + n) * n floats. The mixes' dot products (fn: (2 + n) * n rows of n * d) are shared
+// among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns 6 for n > 64, 3 for an isa this CPU
+// lacks.
 int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, const float* base,
                const float* weight, void* h, float* post, float* comb, int64_t t, int64_t n, int64_t d,
-               int64_t iters, float eps, float norm_eps, float* work) {
+               int64_t iters, float eps, float norm_eps, float* work, int isa, int threads) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
     if (n > 64) return 6;
     const int64_t k = n * d, mix = (2 + n) * n;
+    const bool wide = isa >= 2;
     float* xf = work;
     float* m = work + k;
     for (int64_t r = 0; r < t; r++) {
         for (int64_t i = 0; i < k; i++) xf[i] = act_at(x, bf16, r * k + i);
-        const float ms = dot8(xf, xf, k) / static_cast<float>(k);
+        const float ms = (wide ? dot16(xf, xf, k) : dot8(xf, xf, k)) / static_cast<float>(k);
         const float rs = 1.0f / std::sqrt(ms + norm_eps);
-        for (int64_t j = 0; j < mix; j++) m[j] = dot8(xf, fn + j * k, k) * rs;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t j = 0; j < mix; j++) m[j] = (wide ? dot16(xf, fn + j * k, k) : dot8(xf, fn + j * k, k)) * rs;
         float pre[64];
         for (int64_t i = 0; i < n; i++) {
             pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;

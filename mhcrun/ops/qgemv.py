@@ -219,7 +219,7 @@ class CpuKernel:
         out = torch.empty_like(residual)
         rc = load_library(self.library).mhc_hc_post(int(y.dtype == torch.bfloat16), y.data_ptr(), residual.data_ptr(),
                                                     post.data_ptr(), comb.data_ptr(), out.data_ptr(),
-                                                    residual.numel() // (n * d), n, d)
+                                                    residual.numel() // (n * d), n, d, self.isa)
         return None if rc else out
 
     def hc_pre(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
@@ -240,7 +240,7 @@ class CpuKernel:
         rc = load_library(self.library).mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(),
                                                    scale.data_ptr(), base.data_ptr(), weight.data_ptr(),
                                                    h.data_ptr(), post.data_ptr(), comb.data_ptr(), t, n, d, iters,
-                                                   eps, norm_eps, work.data_ptr())
+                                                   eps, norm_eps, work.data_ptr(), self.isa, torch.get_num_threads())
         return None if rc else (h, post, comb)
 
     def attend(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None = None,
@@ -410,7 +410,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_hc_post.restype = ctypes.c_int
-    lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_attend.restype = ctypes.c_int
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
@@ -427,7 +427,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
-        [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return lib
 
 
