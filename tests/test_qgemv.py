@@ -97,6 +97,38 @@ def test_kernel_isa_can_be_capped():
     assert cpu_kernel("avx2").library == best.library  # one library, another instruction set
 
 
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_in_one_call_is_act_quant_then_gemv(isa, fmt, rows):
+    """CpuKernel.linear (qlinear's eager decode step in one call, `mhc_qlinear`) gives bitwise what the activation
+    rounding (`act_quant_fp8`) then the GEMV rows (`qgemv`) give, with the rounding and without, and qlinear takes it.
+    It declines x holding NaN or inf (torch's rules for them then apply), bf16 x, rows the GEMV rows do not take, and
+    the kernel off."""
+    k = kernel_in(isa)
+    g = gen(4200 + rows)
+    if fmt == "bf16":
+        wq = qw(torch.randn(72, 320, generator=g).bfloat16())
+    else:
+        data, scale = fp8_weight(72, 320, 64, g) if fmt == "fp8" else fp4_weight(72, 320, g)
+        wq = qw(data, scale, 64 if fmt == "fp8" else 32)
+    x = torch.randn(rows, 1, 320, generator=g) * 3
+    for act in (128, 0):
+        xa = k.act_quant_fp8(x, act) if act else x
+        want = k.qgemv(xa.reshape(rows, 1, 320), wq, 1).reshape(rows, 1, 72)
+        got = k.linear(x, wq, act)
+        assert got is not None and got.shape == (rows, 1, 72) and torch.equal(got, want)
+        assert torch.equal(qlinear(x, wq, act > 0, cpu=k), want)
+    bad = x.clone()
+    bad[0, 0, 5] = float("nan")
+    assert k.linear(bad, wq, 128) is None
+    ref = qlinear(bad, wq, True)  # torch's path: the NaN's block of the rounding is NaN, as the reference's
+    assert torch.equal(qlinear(bad, wq, True, cpu=k).isnan(), ref.isnan())
+    assert k.linear(x.bfloat16(), wq, 128) is None
+    assert k.linear(torch.randn(qgemv.MAX_ROWS + 1, 320), wq, 128) is None
+    assert cpu_kernel("0").linear(x, wq, 128) is None
+
+
 def test_the_kernel_setting_is_read_only_through_env(monkeypatch):
     """MHCRUN_CPU_KERNEL takes effect through the run's Env (read at the entry point) and the kernel opened from
     it, never through os.environ below it: off, every GEMV takes the torch path; on, the environment saying

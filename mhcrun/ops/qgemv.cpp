@@ -41,6 +41,7 @@
 #include <vector>
 
 extern "C" int mhc_qgemv_isa(void);
+extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa, int threads);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -1828,6 +1829,25 @@ int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float
     XBuf own;
     if (!prepare_x(jobs[0], isa, own)) return 4;
     return run_jobs(jobs, isa, threads);
+}
+
+// qlinear's decode GEMV in one call: x [m, k] rounded to FP8 first, in blocks of act_block, as mhc_act_quant_fp8 rounds
+// it (act_block 0: x as given), then mhc_qgemv's product with one group. Return codes as mhc_qgemv's, and 1 where the
+// rounding declines (non-finite x, a thread flushing subnormals: the caller then takes its torch path).
+int mhc_qlinear(int fmt, const void* w, const void* s, int scale_kind, const float* x, float* y, int64_t m, int64_t n,
+                int64_t k, int64_t block, int64_t act_block, int isa, int threads) {
+    if (int rc = check_args(fmt, block, isa)) return rc;
+    std::vector<float> xq;
+    if (act_block > 0) {
+        try {
+            xq.resize(m * k);
+        } catch (const std::bad_alloc&) {
+            return 4;
+        }
+        if (mhc_act_quant_fp8(x, xq.data(), m, k, act_block, isa, threads)) return 1;
+        x = xq.data();
+    }
+    return mhc_qgemv(fmt, w, s, scale_kind, x, y, m, n, k, block, 1, isa, threads);
 }
 
 // Routed experts read in place: y [B, K, N] = x [B, KX, K'] through expert idx[b, j] (KX = K, or 1: every j reads

@@ -101,6 +101,25 @@ class CpuKernel:
         y = self.gemv_at(FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x3, w.out_features, w.block)
         return None if y is None else y.view(m, groups, w.out_features // groups)
 
+    def linear(self, x: Tensor, w: QWeight, act_block: int) -> Tensor | None:
+        """`qlinear` of an eager decode step in one call: y [..., out] fp32 = x [..., in] (fp32; first rounded to FP8 in
+        blocks of `act_block` when it is not 0, bitwise as `act_quant_fp8`) times a weight the kernel takes, for the few
+        rows of x the GEMV rows take (`takes`, not `gemm_first`); None where it does not apply or declines (then the
+        caller takes its usual path)."""
+        k = w.in_features
+        rows = x.numel() // k if k else 0
+        if not rows or x.dtype != torch.float32 or x.device.type != "cpu" or not self.takes(w, rows) \
+                or self.gemm_first(rows):
+            return None
+        scale, kind = _scale_arg(w)
+        xf = x.contiguous()
+        y = torch.empty(*x.shape[:-1], w.out_features)
+        rc = load_library(self.library).mhc_qlinear(FORMATS[w.fmt], w.data.data_ptr(),
+                                                    None if scale is None else scale.data_ptr(), kind, xf.data_ptr(),
+                                                    y.data_ptr(), rows, w.out_features, k, w.block, act_block, self.isa,
+                                                    torch.get_num_threads())
+        return None if rc else y
+
     def gemv_at(self, fmt: int, data: int, scale: int | None, kind: int, x3: Tensor, n: int,
                 block: int) -> Tensor | None:
         """y [M, n] fp32 = x3 [M, G, K] times the weight [n, K] whose bytes lie at address `data` (format `fmt`:
@@ -401,6 +420,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_qlinear.restype = ctypes.c_int
+    lib.mhc_qlinear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_qgemv_experts.restype = ctypes.c_int
     lib.mhc_qgemv_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int]

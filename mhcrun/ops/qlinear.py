@@ -513,6 +513,10 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM 
         return F.linear(x, w.data)
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], w.out_features)
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # an eager decode step: one call, where it applies
+        y = cpu.linear(x, w, ACT_BLOCK if act_quant else 0)
+        if y is not None:
+            return y
     if act_quant:
         if w.fmt == "fp8" and x.is_cuda and scaled_mm and scaled_mm.working and not torch.compiler.is_compiling():
             y = _scaled_mm_fp8(x, w, scaled_mm)
