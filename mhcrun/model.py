@@ -97,12 +97,15 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, opts: RunOptions):
         super().__init__()
-        self.eps = eps
+        self.eps, self.opts = eps, opts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        """`rms_norm`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.rms_norm`, within
+        rounding)."""
+        return eager_first(lambda: self.opts.cpu.rms_norm(x, self.weight, self.eps),
+                           lambda: rms_norm(x, self.weight, self.eps))
 
 
 class Cache(nn.Module):
@@ -186,7 +189,7 @@ class Compressor(nn.Module):
         self.opts = opts
         self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
         self.wgate = Linear(opts)
-        self.norm = RMSNorm(cfg.norm_eps)
+        self.norm = RMSNorm(cfg.norm_eps, opts)
         self.cache = Cache(opts)
         self.rope = Rope()
         self.n_entries = 0
@@ -309,10 +312,10 @@ class Attention(nn.Module):
         self.opts = opts
         self.scale = self.head_dim ** -0.5
         self.wq_a = Linear(opts)
-        self.q_norm = RMSNorm(cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.norm_eps, opts)
         self.wq_b = Linear(opts)
         self.wkv = Linear(opts)
-        self.kv_norm = RMSNorm(cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.norm_eps, opts)
         self.wo_a = Linear(opts)
         self.wo_b = Linear(opts)
         self.ring = Cache(opts)  # the window: token p in slot p % window
@@ -576,8 +579,8 @@ class Block(nn.Module):
         self.cfg, self.opts = cfg, opts
         self.attn = Attention(layer_id, cfg, opts)
         self.ffn = MoE(layer_id, cfg, opts)
-        self.attn_norm = RMSNorm(cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.norm_eps)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
+        self.attn_norm = RMSNorm(cfg.norm_eps, opts)
+        self.ffn_norm = RMSNorm(cfg.norm_eps, opts)  # and hc_{attn,ffn}_{fn,base,scale}, the mHC parameters
 
     def enter(self, c: Carry, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The carried post step and the pre step of a site ("attn" or "ffn") as one kernel (`hc_ops.hc_post_pre`):
@@ -610,9 +613,9 @@ class MTPBlock(Block):
         super().__init__(layer_id, cfg, opts)
         self.e_proj = Linear(opts)
         self.h_proj = Linear(opts)
-        self.enorm = RMSNorm(cfg.norm_eps)
-        self.hnorm = RMSNorm(cfg.norm_eps)
-        self.norm = RMSNorm(cfg.norm_eps)  # and hc_head_{fn,base,scale} (split as fn_split["head"])
+        self.enorm = RMSNorm(cfg.norm_eps, opts)
+        self.hnorm = RMSNorm(cfg.norm_eps, opts)
+        self.norm = RMSNorm(cfg.norm_eps, opts)  # and hc_head_{fn,base,scale} (split as fn_split["head"])
 
     def forward(self, model: Transformer, streams: torch.Tensor, next_tokens: torch.Tensor, rows: torch.Tensor,
                 start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -655,7 +658,7 @@ class Transformer(nn.Module):
         self.embed = Embedding()
         self.layers = nn.ModuleList(
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
-        self.norm = RMSNorm(cfg.norm_eps)
+        self.norm = RMSNorm(cfg.norm_eps, self.opts)
         self.head = Linear(self.opts)  # and hc_head_{fn,base,scale}
         self.mtp = nn.ModuleList()  # the MTP layers, when built with them (`build_model(mtp=True)`)
         self.dtype = torch.float32

@@ -802,6 +802,28 @@ def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     assert (comb.sum(-2) - 1).abs().max() < 1e-5  # Sinkhorn ends on a column step
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (3, 1, 512), (qgemv.MAX_ROWS, 7), (2, 2048)])
+def test_rms_norm_in_one_call(isa, shape):
+    """CpuKernel.rms_norm is mhcrun.ops.norm.rms_norm within rounding (the mean of squares summed in another order; the
+    products then as torch's): 2 ulp-scale relative; rows up to MAX_ROWS, widths off the lanes. It declines more rows,
+    bf16, a weight of another width, the kernel off; a NaN in a row makes that row NaN, as the reference."""
+    from mhcrun.ops.norm import rms_norm
+
+    k = kernel_in(isa)
+    g = gen(77 + shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.rand(shape[-1], generator=g) + 0.5
+    got, want = k.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
+    assert k.rms_norm(torch.randn(qgemv.MAX_ROWS + 1, 64), torch.ones(64), 1e-6) is None
+    assert k.rms_norm(x.bfloat16(), w, 1e-6) is None and k.rms_norm(x, w[:-1], 1e-6) is None
+    assert cpu_kernel("0").rms_norm(x, w, 1e-6) is None
+    bad = x.reshape(-1, shape[-1]).clone()
+    bad[0, 3] = float("nan")
+    assert torch.equal(k.rms_norm(bad, w, 1e-6).isnan(), rms_norm(bad, w, 1e-6).isnan())
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
     a stream comes out NaN where the reference puts it."""

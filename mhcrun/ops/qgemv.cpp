@@ -1679,6 +1679,24 @@ int mhc_window_mask(const int64_t* start, uint8_t* out, int64_t b, int64_t s, in
     return 0;
 }
 
+// mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] -> out [rows, d]: x * (1 / sqrt(mean(x^2) + eps)),
+// then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
+// torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU lacks,
+// 5 where the thread flushes subnormals.
+__attribute__((optimize("fp-contract=off"))) int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows,
+                                                              int64_t d, float eps, int isa) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    if (flushes_denormals()) return 5;
+    const float inv_d = 1.0f / static_cast<float>(d);
+    for (int64_t r = 0; r < rows; r++) {
+        const float* v = x + r * d;
+        const float ms = (isa >= 2 ? dot16(v, v, d) : dot8(v, v, d)) * inv_d;
+        const float rs = 1.0f / std::sqrt(ms + eps);
+        for (int64_t e = 0; e < d; e++) out[r * d + e] = w[e] * (v[e] * rs);
+    }
+    return 0;
+}
+
 // mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
 // elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
 // rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.

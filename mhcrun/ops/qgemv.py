@@ -21,9 +21,9 @@ products of avx512bf16.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
 other small steps, each in one call (`mhcrun.model.eager_first` picks them outside graphs): attention (`attend`:
-sparse_attn's ~20 ops and four small GEMMs), RoPE (`rope_tail`), the encoding and decoding of kv cache entries
-(`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding (`fp4_simulate`) and the window mask
-(`window_mask`).
+sparse_attn's ~20 ops and four small GEMMs), RMSNorm (`rms_norm`), RoPE (`rope_tail`), the encoding and decoding of kv
+cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding (`fp4_simulate`) and the
+window mask (`window_mask`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -291,6 +291,21 @@ class CpuKernel:
                                                    torch.get_num_threads())
         return None if rc else o
 
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+        """mhcrun.ops.norm.rms_norm in one call (`mhc_rms_norm`) for fp32 CPU x [..., d] of decode's few rows (at most
+        MAX_ROWS) and an fp32 weight [d]: the products bitwise torch's, the mean of squares within rounding of it;
+        None where it does not apply."""
+        d = x.shape[-1] if x.dim() else 0
+        if not self.on or not d or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+                or x.device.type != "cpu" or weight.device.type != "cpu" or weight.shape != (d,) \
+                or x.numel() // d > MAX_ROWS:
+            return None
+        xc = x.contiguous()
+        out = torch.empty_like(xc)
+        rc = load_library(self.library).mhc_rms_norm(xc.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
+                                                     x.numel() // d, d, eps, self.isa)
+        return None if rc else out
+
     def rope_tail(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, inverse: bool = False) -> Tensor | None:
         """mhcrun.ops.rope.apply_rope_tail, bitwise, in one call (`mhc_rope_tail`): fp32 CPU x [..., dim], cos and sin
         [..., rope_dim // 2] of x's rank whose leading dims are x's first ones followed by ones (a head dim they
@@ -435,6 +450,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_attend.restype = ctypes.c_int
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.mhc_rms_norm.restype = ctypes.c_int
+    lib.mhc_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
     lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.mhc_kv_fp8_decode.restype = ctypes.c_int
