@@ -42,7 +42,7 @@ from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
-from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped
+from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
 from mhcrun.ops.quant import INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
@@ -520,11 +520,14 @@ class MoE(nn.Module):
             idx = (idx - e0).clamp(0, e1 - e0 - 1)
         act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
 
-        def gathered(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-            return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act_quant,
+        def gathered(name: str, act: bool = act_quant) -> Callable[[torch.Tensor], torch.Tensor]:
+            return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act,
                                      cpu=self.opts.cpu)
 
-        y = swiglu_expert(gathered("w1"), gathered("w2"), gathered("w3"), self.limit, x.unsqueeze(1),
+        x = x.unsqueeze(1)
+        if act_quant:  # w1 and w3 take the same rounded x: round it once
+            x = round_activation(x, self.opts.cpu)
+        y = swiglu_expert(gathered("w1", False), gathered("w2"), gathered("w3", False), self.limit, x,
                           weights.unsqueeze(-1))  # [T, k, d]
         return y.float().sum(dim=1)
 

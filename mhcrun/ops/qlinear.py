@@ -425,7 +425,7 @@ def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: 
     y [T, k, out] in x.dtype (fp32 math), w the experts' weights stacked [E, out, in'] (their scales [E, ...]) or
     an `ExpertSet` read in place by `cpu` (which must be on). act_quant as `qlinear`'s."""
     if act_quant:
-        x = _act_quant(x, cpu)
+        x = round_activation(x, cpu)
     xf = x.float()
     if isinstance(w, ExpertSet):  # eager calls it directly: a custom op's first call imports torch._dynamo (~1 s)
         args = (xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features)
@@ -522,11 +522,11 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM 
             y = _scaled_mm_fp8(x, w, scaled_mm)
             if y is not None:
                 return y
-        x = _act_quant(x, cpu)
+        x = round_activation(x, cpu)
     return matmul(x.float().unsqueeze(-2), w, cpu).squeeze(-2).to(x.dtype)
 
 
-def _act_quant(x: Tensor, cpu: CpuKernel) -> Tensor:
+def round_activation(x: Tensor, cpu: CpuKernel) -> Tensor:
     """The activation as linear(..., act_quant=True) rounds it (result in x.dtype); a CPU x takes the kernel's
     C++ version of the same rounding where the run has it (bitwise equal, one call instead of ~25 torch ops)."""
     if not torch.compiler.is_compiling():
