@@ -212,12 +212,16 @@ class Compressor(nn.Module):
         only the groups closed are finished (in decode most steps close none); with `static` every group of the
         buffer is, an open one (no entry yet) into the spare last slot."""
         r, s = self.ratio, x.size(1)
+        kv, raw = self.wkv(x.float()), self.wgate(x.float())
+        opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
+        if opens and not self.keep_chunk and not torch.compiler.is_compiling() and self.opts.cpu.open_group(
+                self.kv_state, self.score_state, rows, kv, raw, self.ape, start, r, r if self.overlap else 0):
+            return  # the run's kernel did the step below in one call
         pos = start.view(-1, 1) + torch.arange(s, device=x.device)
-        kv = self.wkv(x.float())
-        score = self.wgate(x.float()) + self.ape[pos % r]
+        score = raw + self.ape[pos % r]
         if self.keep_chunk:  # `snapshot.rewind_span` rebuilds the state after a prefix of the chunk from them
             self.chunk = (kv, score)
-        if not static and stays_open(start, s, r):  # most decode steps: the tokens join the open group, no more
+        if opens:
             add_to_open_group(self.kv_state, self.score_state, rows, kv, score, start, r, self.overlap)
             return
         fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group

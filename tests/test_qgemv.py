@@ -824,6 +824,36 @@ def test_rms_norm_in_one_call(isa, shape):
     assert torch.equal(k.rms_norm(bad, w, 1e-6).isnan(), rms_norm(bad, w, 1e-6).isnan())
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("starts, s", [([5], 1), ([1, 6], 1), ([4, 9], 2), ([130, 2], 1)])
+def test_open_group_step_in_one_call(overlap, starts, s):
+    """CpuKernel.open_group is Compressor.forward's step that closes no group, bitwise: the positional bias added to the
+    score, then compress.add_to_open_group into the given state rows (rows out of order, the slots of a group's middle
+    and its end, positions past a window); the other rows and slots untouched. It refuses other dtypes and a bias of
+    another shape, and the kernel off."""
+    from mhcrun.ops.compress import add_to_open_group, stays_open
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    r, c, g = (4 if overlap else 8), 24, gen(900 + s)
+    start = torch.tensor(starts)
+    assert stays_open(start, s, r)
+    rows = torch.tensor([2, 0][:len(starts)])
+    lead, length = (r, 2 * r) if overlap else (0, r)
+    kv_state, score_state = torch.randn(3, length, c, generator=g), torch.randn(3, length, c, generator=g)
+    kv, raw = torch.randn(len(starts), s, c, generator=g), torch.randn(len(starts), s, c, generator=g)
+    ape = torch.randn(r, c, generator=g)
+    want_kv, want_score = kv_state.clone(), score_state.clone()
+    pos = start.view(-1, 1) + torch.arange(s)
+    add_to_open_group(want_kv, want_score, rows, kv, raw + ape[pos % r], start, r, overlap)
+    assert k.open_group(kv_state, score_state, rows, kv, raw, ape, start, r, lead)
+    assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)
+    assert not k.open_group(kv_state, score_state, rows, kv.double(), raw, ape, start, r, lead)
+    assert not k.open_group(kv_state, score_state, rows, kv, raw, ape[:-1], start, r, lead)
+    assert not cpu_kernel("0").open_group(kv_state, score_state, rows, kv, raw, ape, start, r, lead)
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
     a stream comes out NaN where the reference puts it."""

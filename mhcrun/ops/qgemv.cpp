@@ -1679,6 +1679,27 @@ int mhc_window_mask(const int64_t* start, uint8_t* out, int64_t b, int64_t s, in
     return 0;
 }
 
+// A compressor's decode step that closes no group (mhcrun.model.Compressor.forward, `stays_open`), bitwise: the score's
+// positional bias added (score + ape[p % ratio], one rounding as torch's add), then mhcrun.ops.compress.add_to_open_group:
+// token t of row i (position p = start[i] + t) into slot lead + start[i] % ratio + t of state row rows[i]. kv, score
+// [b, s, c] fp32 (score before the bias), ape [ratio, c]; kv_state, score_state [B, len, c]. 6 where a slot or a
+// state row falls outside the buffers.
+int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, const float* kv, const float* score,
+                   const float* ape, const int64_t* start, int64_t b, int64_t s, int64_t c, int64_t n_rows, int64_t len,
+                   int64_t ratio, int64_t lead) {
+    for (int64_t i = 0; i < b; i++)
+        if (rows[i] < 0 || rows[i] >= n_rows || start[i] < 0 || lead + start[i] % ratio + s > len) return 6;
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t t = 0; t < s; t++) {
+            const int64_t p = start[i] + t, at = (rows[i] * len + lead + start[i] % ratio + t) * c;
+            const float* sc = score + (i * s + t) * c;
+            const float* bias = ape + (p % ratio) * c;
+            std::memcpy(kv_state + at, kv + (i * s + t) * c, sizeof(float) * c);
+            for (int64_t e = 0; e < c; e++) score_state[at + e] = sc[e] + bias[e];
+        }
+    return 0;
+}
+
 // mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] -> out [rows, d]: x * (1 / sqrt(mean(x^2) + eps)),
 // then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
 // torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU lacks,

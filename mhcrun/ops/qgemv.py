@@ -21,9 +21,10 @@ products of avx512bf16.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
 other small steps, each in one call (`mhcrun.model.eager_first` picks them outside graphs): attention (`attend`:
-sparse_attn's ~20 ops and four small GEMMs), RMSNorm (`rms_norm`), RoPE (`rope_tail`), the encoding and decoding of kv
-cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding (`fp4_simulate`) and the
-window mask (`window_mask`).
+sparse_attn's ~20 ops and four small GEMMs), RMSNorm (`rms_norm`), RoPE (`rope_tail`), a compressor's step that
+closes no group (`open_group`), the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`),
+the indexer queries' FP4 rounding (`fp4_simulate`) and the window mask (`window_mask`); a Linear's activation rounding
+and GEMV together (`linear`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -365,6 +366,24 @@ class CpuKernel:
                                                           block, 2 if self.isa >= 2 else 0)
         return None if rc else out
 
+    def open_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor, ape: Tensor,
+                   start: Tensor, ratio: int, lead: int) -> bool:
+        """A compressor's decode step that closes no group in one call (`mhc_open_group`), bitwise: score + ape[p %
+        ratio] (p: each token's position start [b] + [0, s)), then `compress.add_to_open_group` of kv and that score
+        into rows `rows` [b] of the state buffers [B, len, c] at slots lead + start % ratio + [0, s). False where it
+        does not apply (then nothing was written)."""
+        ts = (kv_state, score_state, kv, score, ape)
+        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in ts) \
+                or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or score.shape != kv.shape \
+                or kv_state.shape != score_state.shape or kv_state.shape[-1] != kv.shape[-1] \
+                or ape.shape != (ratio, kv.shape[-1]) or rows.numel() != kv.shape[0] or start.numel() != kv.shape[0]:
+            return False
+        b, s, c = kv.shape
+        rows, start = rows.contiguous(), start.contiguous()
+        return load_library(self.library).mhc_open_group(
+            kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(), kv.data_ptr(), score.data_ptr(),
+            ape.data_ptr(), start.data_ptr(), b, s, c, kv_state.shape[0], kv_state.shape[1], ratio, lead) == 0
+
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
         of decode's few rows and chunks; None where it does not apply."""
@@ -450,6 +469,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_attend.restype = ctypes.c_int
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.mhc_open_group.restype = ctypes.c_int
+    lib.mhc_open_group.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
     lib.mhc_rms_norm.restype = ctypes.c_int
     lib.mhc_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
