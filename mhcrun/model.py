@@ -43,7 +43,7 @@ from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
-from mhcrun.ops.quant import INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
+from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
@@ -523,6 +523,12 @@ class MoE(nn.Module):
             weights = weights * ((idx >= e0) & (idx < e1))
             idx = (idx - e0).clamp(0, e1 - e0 - 1)
         act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
+        sets = [self.gathered[name] for name in ("w1", "w3", "w2")]
+        in_place = all(isinstance(s, ExpertSet) for s in sets)
+        if self.opts.tp.world == 1 and in_place and not torch.compiler.is_compiling():
+            y = self.opts.cpu.moe_routed(x, weights, idx, *sets, self.limit, ACT_FP8_BLOCK if act_quant else 0)
+            if y is not None:  # eager decode: the run's kernel did the rest of this method in one call
+                return y
 
         def gathered(name: str, act: bool = act_quant) -> Callable[[torch.Tensor], torch.Tensor]:
             return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act,

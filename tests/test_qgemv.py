@@ -9,6 +9,7 @@ and qlinear gives the reference's values; NaN codes come out as NaN rows, as the
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from dataclasses import replace
@@ -710,6 +711,50 @@ def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
                 for j, e in enumerate(row):
                     xr = x[b, j if slots > 1 else 0][None]
                     assert_gemm_close(y[b, j][None], F.linear(xr, refs[e]), xr, refs[e])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("rows, limit", [(1, 10.0), (3, 0.05), (2, 0.0)])
+def test_routed_experts_in_one_call(isa, fmt, rows, limit):
+    """CpuKernel.moe_routed (MoE.routed_gathered of decode rows in one call) gives what the torch path gives (each
+    projection through qlinear_gathered over the sets read in place, swiglu, the routing weights, the k results summed)
+    within rounding (silu's exp is the C library's), with the activation rounding and without, experts repeated within a
+    row, the clamps biting (limit 0.05) or off (0). It declines NaN x (torch's rules then apply), more rows than
+    decode's, and sets of two layouts."""
+    from mhcrun.model import swiglu_expert
+    from mhcrun.ops.qlinear import qlinear_gathered
+
+    g = gen(1500 + rows)
+    d, inter, n_exp, k = 256, 128, 6, 3
+
+    def experts(out_f: int, in_f: int) -> list[QWeight]:
+        return [qw(*(fp8_weight(out_f, in_f, 128, g) if fmt == "fp8" else fp4_weight(out_f, in_f, g)),
+                   128 if fmt == "fp8" else 32) for _ in range(n_exp)]
+
+    kept = experts(inter, d), experts(inter, d), experts(d, inter)  # the layer's weights, alive while read in place
+    sets = [expert_set(ws) for ws in kept]
+    x, weights = torch.randn(rows, d, generator=g), torch.rand(rows, k, generator=g)
+    idx = torch.randint(0, n_exp, (rows, k), generator=g)
+    idx[0, 1] = idx[0, 0]  # an expert twice in one row
+    for act in (True, False):
+        got = isa.moe_routed(x, weights, idx, *sets, limit, 128 if act else 0)
+
+        def proj(i: int, act: bool = act):
+            return functools.partial(qlinear_gathered, w=sets[i], idx=idx, act_quant=act, cpu=isa)
+
+        want = swiglu_expert(proj(0), proj(2), proj(1), limit, x.unsqueeze(1), weights.unsqueeze(-1)).float().sum(1)
+        assert got is not None and got.shape == (rows, d)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    bad = x.clone()
+    bad[0, 7] = float("nan")
+    assert isa.moe_routed(bad, weights, idx, *sets, limit, 128) is None
+    many = qgemv.MAX_ROWS + 1
+    assert isa.moe_routed(torch.randn(many, d), torch.rand(many, k), torch.zeros(many, k, dtype=torch.long), *sets,
+                          limit, 128) is None
+    other = expert_set(experts(inter, d)) if fmt == "fp4" else None
+    if other is not None:
+        assert isa.moe_routed(x, weights, idx, sets[0], sets[1], replace(other, block=64), limit, 128) is None
 
 
 def test_expert_set_only_of_weights_the_kernel_takes_alike():

@@ -42,6 +42,9 @@
 
 extern "C" int mhc_qgemv_isa(void);
 extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa, int threads);
+extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y,
+                                 int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa,
+                                 int threads);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -1926,6 +1929,51 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
         for (size_t r = 0; r < pairs[e].size(); r++)
             std::memcpy(y + pairs[e][r] * n, ys[e].data() + r * n, sizeof(float) * n);
     return rc;
+}
+
+// The routed experts of decode rows in one call (mhcrun.model.MoE.routed_gathered over experts read in place): x [t, d]
+// rounded to FP8 (blocks of act_block; 0: as given), each row through its k experts idx [t, k] of the sets w1, w3
+// (ptrs [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit,
+// limit)) (limit > 0; else no clamps) in fp32, as torch's ops compute it but for exp (the C library's, within rounding
+// of torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Return codes as
+// mhc_qgemv_experts', and 1 where a rounding declines (non-finite values: the caller takes its torch path).
+int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const int64_t* ptrs2, int scale_kind,
+                   const int64_t* idx, const float* weights, const float* x, float* y, int64_t t, int64_t k, int64_t d,
+                   int64_t inter, int64_t block, float limit, int64_t act_block, int isa, int threads) {
+    std::vector<float> xq, g, u, h, out;
+    try {
+        xq.resize(t * d), g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    const float* xin = x;
+    if (act_block > 0) {
+        if (mhc_act_quant_fp8(x, xq.data(), t, d, act_block, isa, threads)) return 1;
+        xin = xq.data();
+    }
+    if (int rc = mhc_qgemv_experts(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa, threads))
+        return rc;
+    if (int rc = mhc_qgemv_experts(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa, threads))
+        return rc;
+    for (int64_t r = 0; r < t * k; r++)
+        for (int64_t e = 0; e < inter; e++) {
+            float a = g[r * inter + e], b = u[r * inter + e];
+            if (limit > 0) a = a > limit ? limit : a, b = b < -limit ? -limit : b > limit ? limit : b;  // NaN kept
+            h[r * inter + e] = weights[r] * ((a / (1.0f + std::exp(-a))) * b);
+        }
+    const float* hin = h.data();
+    if (act_block > 0) {
+        if (mhc_act_quant_fp8(h.data(), h.data(), t * k, inter, act_block, isa, threads)) return 1;
+    }
+    if (int rc = mhc_qgemv_experts(fmt, ptrs2, idx, scale_kind, hin, out.data(), t, k, k, d, inter, block, isa, threads))
+        return rc;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t e = 0; e < d; e++) {
+            float acc = out[(r * k) * d + e];
+            for (int64_t j = 1; j < k; j++) acc += out[(r * k + j) * d + e];
+            y[r * d + e] = acc;
+        }
+    return 0;
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
