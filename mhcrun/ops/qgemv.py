@@ -24,7 +24,7 @@ other small steps, each in one call (`mhcrun.model.eager_first` picks them outsi
 sparse_attn's ~20 ops and four small GEMMs), RMSNorm (`rms_norm`), RoPE (`rope_tail`), a compressor's step that
 closes no group (`open_group`), the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`),
 the indexer queries' FP4 rounding (`fp4_simulate`) and the window mask (`window_mask`); a Linear's activation rounding
-and GEMV together (`linear`).
+and GEMV together (`linear`), and a step's routed experts (`moe_routed`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
