@@ -1942,7 +1942,8 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
                    int64_t inter, int64_t block, float limit, int64_t act_block, int isa, int threads) {
     std::vector<float> xq, g, u, h, out;
     try {
-        xq.resize(t * d), g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
+        xq.resize(t * d), out.resize(t * k * d);
+        g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter);
     } catch (const std::bad_alloc&) {
         return 4;
     }

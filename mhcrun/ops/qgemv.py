@@ -158,21 +158,20 @@ class CpuKernel:
                    limit: float, act_block: int) -> Tensor | None:
         """MoE.routed_gathered of decode rows in one call (`mhc_moe_routed`): x [T, d] fp32 through each row's k routed
         experts idx [T, k] (the sets read in place; x rounded to FP8 first when act_block is not 0, and the experts'
-        hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32. Bitwise the
-        torch path but for silu's exp (within rounding). None where it does not apply or declines (non-finite values:
-        torch's rules then apply)."""
+        hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32: the torch
+        path's result within rounding (silu's exp is the C library's; the rest the same operations in the same order).
+        None where it does not apply or declines (non-finite values: torch's rules then apply)."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
         if not self.on or not t or t > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
-                or len({(s.fmt, s.kind, s.block) for s in sets}) != 1 or w1.out_features != w3.out_features:
+                or len({(s.fmt, s.kind, s.block) for s in sets}) != 1 or w1.out_features != w3.out_features \
+                or w2.out_features != d:
             return None
         inter = w1.out_features
         xf, wf, ids = x.contiguous(), weights.contiguous(), idx.to(torch.int64).contiguous()
         p1, p3, p2 = (s.ptrs.to(torch.int64).contiguous() for s in sets)
-        y = torch.empty(t, w2.out_features)
-        if w2.out_features != d:
-            return None
+        y = torch.empty(t, d)
         rc = load_library(self.library).mhc_moe_routed(
             w1.fmt, p1.data_ptr(), p3.data_ptr(), p2.data_ptr(), w1.kind, ids.data_ptr(), wf.data_ptr(), xf.data_ptr(),
             y.data_ptr(), t, idx.shape[1], d, inter, w1.block, limit, act_block, self.isa, torch.get_num_threads())
