@@ -41,10 +41,11 @@
 #include <vector>
 
 extern "C" int mhc_qgemv_isa(void);
-extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa, int threads);
-extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y,
-                                 int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa,
+extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa,
                                  int threads);
+extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x,
+                                 float* y, int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block,
+                                 int isa, int threads);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -113,6 +114,9 @@ inline float float_of(uint32_t u) {
 inline bool flushes_denormals() { return (_mm_getcsr() & 0x8040) != 0; }
 
 #define INLINE inline __attribute__((always_inline))
+
+// The first min(n, 16) of sixteen lanes.
+inline __mmask16 lanes16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1); }
 
 // The weight bytes 8 KB ahead of those being decoded, asked for now (once a 64-byte line): a core that decodes
 // between its loads keeps too few misses in flight for the DRAM's latency on its own. Out of DRAM on a 2-core
@@ -347,8 +351,8 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
 // admits x only when every value is zero or at least 2**-110 in magnitude (and finite): then every product with an
 // e4m3 value (a multiple of 2**-9) or an e2m1 one (of 2**-1) is a multiple of 2**-126, and so is every sum of them,
 // rounded or not, which is zero or normal. Any other x takes the fp32 rows (namespace avx512).
-// fp8 needs tiles of a multiple of 64 inputs, fp4 groups of 32 (DeepSeek's 128 and 32, at most ROW_GROUPS a row); others
-// take the fp32 rows.
+// fp8 needs tiles of a multiple of 64 inputs, fp4 groups of 32 (DeepSeek's 128 and 32, at most ROW_GROUPS a row);
+// others take the fp32 rows.
 
 namespace avx512bf16 {
 
@@ -460,7 +464,7 @@ AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
     return false;  // a NaN code made the row NaN (fp8_step)
 }
 
-constexpr int64_t ROW_GROUPS = 2048;  // fp4: groups a row may have here (K up to 65,536); longer rows take the fp32 rows
+constexpr int64_t ROW_GROUPS = 2048;  // fp4: groups a row may have here (K up to 65,536); longer: the fp32 rows
 
 // fp4: the scales of row n as fp32, sc [s_cols rounded up to 16] (e8m0 byte b: 2**(b - 127), b = 0 -> 2**-127; fp32 as
 // they are; groups past the row's end 1: their bytes and x are zero), converted once a row: a step then takes its four
@@ -468,13 +472,13 @@ constexpr int64_t ROW_GROUPS = 2048;  // fp4: groups a row may have here (K up t
 AVX512BF16 INLINE void row_scales(const Job& j, int64_t n, float* sc) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t c = 0; c < j.s_cols; c += 16) {
-        const auto live = static_cast<__mmask16>(_bzhi_u32(0xFFFFu, unsigned(std::min<int64_t>(16, j.s_cols - c))));
+        const __mmask16 live = lanes16(j.s_cols - c);
         __m512 v;
         if (j.scale_kind == 1) {
             v = _mm512_mask_loadu_ps(one, live, static_cast<const float*>(j.s) + n * j.s_cols + c);
         } else {
-            const __m512i u = _mm512_slli_epi32(
-                _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, static_cast<const uint8_t*>(j.s) + n * j.s_cols + c)), 23);
+            const uint8_t* bytes = static_cast<const uint8_t*>(j.s) + n * j.s_cols + c;
+            const __m512i u = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, bytes)), 23);
             v = _mm512_mask_mov_ps(_mm512_castsi512_ps(u), _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
                                    _mm512_set1_ps(0x1p-127f));
             v = _mm512_mask_mov_ps(one, live, v);
@@ -1230,9 +1234,6 @@ float dot8(const float* a, const float* b, int64_t k) {
     return s;
 }
 
-// The first min(n, 16) of sixteen lanes.
-inline __mmask16 lanes16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1); }
-
 // The same sum (within rounding: another order) by sixteen lanes of FMAs, where the CPU has AVX-512.
 AVX512 float dot16(const float* a, const float* b, int64_t k) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
@@ -1248,18 +1249,23 @@ AVX512 float dot16(const float* a, const float* b, int64_t k) {
     return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
+// dot16 where `wide` (isa >= 2), else dot8.
+float dot(const float* a, const float* b, int64_t k, bool wide) { return wide ? dot16(a, b, k) : dot8(a, b, k); }
+
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
-// The post step's rows of one output stream o in fp32: out[e] = sum_i c[i * n] * res[i * d + e] + p * y[e], each product
-// rounded, then added in stream order (no FMA: bitwise the scalar loop and torch's; the compiler told not to contract
-// the products and sums into FMAs), sixteen e at a time.
-__attribute__((optimize("fp-contract=off"))) AVX512 void post_stream(const float* y, const float* res, const float* c, float p, float* out, int64_t n, int64_t d) {
+// The post step's rows of one output stream o in fp32: out[e] = sum_i c[i * n] * res[i * d + e] + p * y[e], each
+// product rounded, then added in stream order (no FMA: bitwise the scalar loop and torch's; the compiler told not to
+// contract the products and sums into FMAs), sixteen e at a time.
+__attribute__((optimize("fp-contract=off"))) AVX512 void post_stream(const float* y, const float* res, const float* c,
+                                                                       float p, float* out, int64_t n, int64_t d) {
     int64_t e = 0;
     for (; e < d; e += 16) {
         const __mmask16 m = lanes16(d - e);
         __m512 acc = _mm512_mul_ps(_mm512_set1_ps(c[0]), _mm512_maskz_loadu_ps(m, res + e));
         for (int64_t i = 1; i < n; i++)
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(c[i * n]), _mm512_maskz_loadu_ps(m, res + i * d + e)));
+            acc = _mm512_add_ps(acc,
+                                _mm512_mul_ps(_mm512_set1_ps(c[i * n]), _mm512_maskz_loadu_ps(m, res + i * d + e)));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p), _mm512_maskz_loadu_ps(m, y + e)));
         _mm512_mask_storeu_ps(out + e, m, acc);
     }
@@ -1568,8 +1574,8 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
 // base) + eps, post = 2 sigmoid(.), comb = Sinkhorn of (. * scale2 + base) (softmax over each row, + eps, then
 // column, row, ..., column: `iters` column steps); h = rms_norm(collapse(x, pre) in x's dtype, weight).
 // work: fp32 scratch of n * d + (2 + n) * n floats. The mixes' dot products (fn: (2 + n) * n rows of n * d) are shared
-// among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns 6 for n > 64, 3 for an isa this CPU
-// lacks.
+// among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns 6 for n > 64, 3 for an isa this
+// CPU lacks.
 int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, const float* base,
                const float* weight, void* h, float* post, float* comb, int64_t t, int64_t n, int64_t d,
                int64_t iters, float eps, float norm_eps, float* work, int isa, int threads) {
@@ -1582,10 +1588,10 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     float* m = work + k;
     for (int64_t r = 0; r < t; r++) {
         for (int64_t i = 0; i < k; i++) xf[i] = act_at(x, bf16, r * k + i);
-        const float ms = (wide ? dot16(xf, xf, k) : dot8(xf, xf, k)) / static_cast<float>(k);
+        const float ms = dot(xf, xf, k, wide) / static_cast<float>(k);
         const float rs = 1.0f / std::sqrt(ms + norm_eps);
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < mix; j++) m[j] = (wide ? dot16(xf, fn + j * k, k) : dot8(xf, fn + j * k, k)) * rs;
+        for (int64_t j = 0; j < mix; j++) m[j] = dot(xf, fn + j * k, k, wide) * rs;
         float pre[64];
         for (int64_t i = 0; i < n; i++) {
             pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
@@ -1683,10 +1689,10 @@ int mhc_window_mask(const int64_t* start, uint8_t* out, int64_t b, int64_t s, in
 }
 
 // A compressor's decode step that closes no group (mhcrun.model.Compressor.forward, `stays_open`), bitwise: the score's
-// positional bias added (score + ape[p % ratio], one rounding as torch's add), then mhcrun.ops.compress.add_to_open_group:
-// token t of row i (position p = start[i] + t) into slot lead + start[i] % ratio + t of state row rows[i]. kv, score
-// [b, s, c] fp32 (score before the bias), ape [ratio, c]; kv_state, score_state [B, len, c]. 6 where a slot or a
-// state row falls outside the buffers.
+// positional bias added (score + ape[p % ratio], one rounding as torch's add), then
+// mhcrun.ops.compress.add_to_open_group: token t of row i (position p = start[i] + t) into slot lead + start[i] % ratio
+// + t of state row rows[i]. kv, score [b, s, c] fp32 (score before the bias), ape [ratio, c]; kv_state, score_state [B,
+// len, c]. 6 where a slot or a state row falls outside the buffers.
 int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, const float* kv, const float* score,
                    const float* ape, const int64_t* start, int64_t b, int64_t s, int64_t c, int64_t n_rows, int64_t len,
                    int64_t ratio, int64_t lead) {
@@ -1705,8 +1711,8 @@ int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, con
 
 // mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] -> out [rows, d]: x * (1 / sqrt(mean(x^2) + eps)),
 // then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
-// torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU lacks,
-// 5 where the thread flushes subnormals.
+// torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU
+// lacks, 5 where the thread flushes subnormals.
 __attribute__((optimize("fp-contract=off"))) int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows,
                                                               int64_t d, float eps, int isa) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
@@ -1714,7 +1720,7 @@ __attribute__((optimize("fp-contract=off"))) int mhc_rms_norm(const float* x, co
     const float inv_d = 1.0f / static_cast<float>(d);
     for (int64_t r = 0; r < rows; r++) {
         const float* v = x + r * d;
-        const float ms = (isa >= 2 ? dot16(v, v, d) : dot8(v, v, d)) * inv_d;
+        const float ms = dot(v, v, d, isa >= 2) * inv_d;
         const float rs = 1.0f / std::sqrt(ms + eps);
         for (int64_t e = 0; e < d; e++) out[r * d + e] = w[e] * (v[e] * rs);
     }
@@ -1873,6 +1879,21 @@ int mhc_qgemv(int fmt, const void* w, const void* s, int scale_kind, const float
     return run_jobs(jobs, isa, threads);
 }
 
+// x [m, k] as a GEMV is to read it: rounded to FP8 in blocks of act_block into buf, x then pointing there (act_block 0:
+// x as given). 0, 1 where the rounding declines (as mhc_act_quant_fp8), 4 out of memory.
+int round_rows(const float*& x, int64_t m, int64_t k, int64_t act_block, int isa, int threads,
+               std::vector<float>& buf) {
+    if (act_block <= 0) return 0;
+    try {
+        buf.resize(m * k);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (mhc_act_quant_fp8(x, buf.data(), m, k, act_block, isa, threads)) return 1;
+    x = buf.data();
+    return 0;
+}
+
 // qlinear's decode GEMV in one call: x [m, k] rounded to FP8 first, in blocks of act_block, as mhc_act_quant_fp8 rounds
 // it (act_block 0: x as given), then mhc_qgemv's product with one group. Return codes as mhc_qgemv's, and 1 where the
 // rounding declines (non-finite x, a thread flushing subnormals: the caller then takes its torch path).
@@ -1880,15 +1901,7 @@ int mhc_qlinear(int fmt, const void* w, const void* s, int scale_kind, const flo
                 int64_t k, int64_t block, int64_t act_block, int isa, int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
     std::vector<float> xq;
-    if (act_block > 0) {
-        try {
-            xq.resize(m * k);
-        } catch (const std::bad_alloc&) {
-            return 4;
-        }
-        if (mhc_act_quant_fp8(x, xq.data(), m, k, act_block, isa, threads)) return 1;
-        x = xq.data();
-    }
+    if (int rc = round_rows(x, m, k, act_block, isa, threads, xq)) return rc;
     return mhc_qgemv(fmt, w, s, scale_kind, x, y, m, n, k, block, 1, isa, threads);
 }
 
@@ -1932,26 +1945,22 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 }
 
 // The routed experts of decode rows in one call (mhcrun.model.MoE.routed_gathered over experts read in place): x [t, d]
-// rounded to FP8 (blocks of act_block; 0: as given), each row through its k experts idx [t, k] of the sets w1, w3
-// (ptrs [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit,
-// limit)) (limit > 0; else no clamps) in fp32, as torch's ops compute it but for exp (the C library's, within rounding
-// of torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Return codes as
+// rounded to FP8 (blocks of act_block; 0: as given), each row through its k experts idx [t, k] of the sets w1, w3 (ptrs
+// [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit, limit))
+// (limit > 0; else no clamps) in fp32, as torch's ops compute it but for exp (the C library's, within rounding of
+// torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Return codes as
 // mhc_qgemv_experts', and 1 where a rounding declines (non-finite values: the caller takes its torch path).
 int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const int64_t* ptrs2, int scale_kind,
                    const int64_t* idx, const float* weights, const float* x, float* y, int64_t t, int64_t k, int64_t d,
                    int64_t inter, int64_t block, float limit, int64_t act_block, int isa, int threads) {
     std::vector<float> xq, g, u, h, out;
     try {
-        xq.resize(t * d), out.resize(t * k * d);
-        g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter);
+        g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
     } catch (const std::bad_alloc&) {
         return 4;
     }
     const float* xin = x;
-    if (act_block > 0) {
-        if (mhc_act_quant_fp8(x, xq.data(), t, d, act_block, isa, threads)) return 1;
-        xin = xq.data();
-    }
+    if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
     if (int rc = mhc_qgemv_experts(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa, threads))
         return rc;
     if (int rc = mhc_qgemv_experts(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa, threads))
@@ -1962,11 +1971,9 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
             if (limit > 0) a = a > limit ? limit : a, b = b < -limit ? -limit : b > limit ? limit : b;  // NaN kept
             h[r * inter + e] = weights[r] * ((a / (1.0f + std::exp(-a))) * b);
         }
-    const float* hin = h.data();
-    if (act_block > 0) {
-        if (mhc_act_quant_fp8(h.data(), h.data(), t * k, inter, act_block, isa, threads)) return 1;
-    }
-    if (int rc = mhc_qgemv_experts(fmt, ptrs2, idx, scale_kind, hin, out.data(), t, k, k, d, inter, block, isa, threads))
+    if (act_block > 0 && mhc_act_quant_fp8(h.data(), h.data(), t * k, inter, act_block, isa, threads)) return 1;
+    if (int rc = mhc_qgemv_experts(fmt, ptrs2, idx, scale_kind, h.data(), out.data(), t, k, k, d, inter, block, isa,
+                                   threads))
         return rc;
     for (int64_t r = 0; r < t; r++)
         for (int64_t e = 0; e < d; e++) {
