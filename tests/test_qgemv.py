@@ -861,6 +861,9 @@ def test_rms_norm_in_one_call(isa, shape):
     got, want = k.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
     assert got is not None and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
+    slip = w * (x * torch.rsqrt(x.square().sum(-1, keepdim=True) / (shape[-1] - 1) + 1e-6))  # a mean over d - 1
+    with pytest.raises(AssertionError):  # the tolerance refuses it, even at the widest d
+        torch.testing.assert_close(slip, want, rtol=3e-7, atol=0)
     assert k.rms_norm(torch.randn(qgemv.MAX_ROWS + 1, 64), torch.ones(64), 1e-6) is None
     assert k.rms_norm(x.bfloat16(), w, 1e-6) is None and k.rms_norm(x, w[:-1], 1e-6) is None
     assert cpu_kernel("0").rms_norm(x, w, 1e-6) is None
