@@ -322,7 +322,7 @@ def test_kernels_decline_when_subnormals_are_flushed():
     x = torch.randn(1, 1, 64, generator=g)
     wq = qw(w, s, 32)
     experts = expert_set([wq])
-    args = (experts.ptrs, torch.zeros(1, 1, dtype=torch.int64), experts.fmt, experts.kind, experts.block, 64,
+    args = (experts.ptrs, torch.zeros(1, 1, dtype=torch.int64), experts.fmt, experts.kind, experts.block, 64, 64,
             kernel.library, kernel.isa)
     if not torch.set_flush_denormal(True):
         pytest.skip("no flush-denormal mode on this CPU")
@@ -335,6 +335,44 @@ def test_kernels_decline_when_subnormals_are_flushed():
         torch.set_flush_denormal(False)
     assert kernel.qgemv(x, wq, 1) is not None
     assert torch.equal(torch.ops.mhcrun.qgemv_expert_set(x, *args)[:, 0], kernel.qgemv(x, wq, 1)[:, 0])
+
+
+@needs_kernel
+def test_pool_made_while_flushing_follows_the_caller_afterwards(tmp_path):
+    """A fresh process whose first kernel call runs under torch.set_flush_denormal(True) (so that its thread pool is
+    made flushing, as a pool thread keeps the mode of the thread that made it): the call declines, and once the
+    caller stops flushing the kernel runs again on every thread, bitwise what a process that never flushed gives.
+    (Before the pool's threads took the caller's mode, the kernel declined for the rest of such a process.)"""
+    script = tmp_path / "flush.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from mhcrun.ops.qgemv import open_cpu_kernel\n"
+        "from mhcrun.ops.quant import quantize_weight_fp8\n"
+        "from mhcrun.ops.qweight import QWeight\n"
+        "from mhcrun.settings import Env\n"
+        "torch.set_num_threads(2)\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "w, s = quantize_weight_fp8(torch.randn(64, 128, generator=g) * 0.02, 128)\n"  # too small for torch's pool
+        "x = torch.randn(1, 1, 128, generator=g)\n"
+        "k = open_cpu_kernel(Env())\n"
+        "flush = sys.argv[1] == '1'\n"
+        "if flush and torch.set_flush_denormal(True):\n"
+        "    assert k.qgemv(x, QWeight(w, s, 128, kernel=True), 1) is None\n"
+        "    torch.set_flush_denormal(False)\n"
+        "y = k.qgemv(x, QWeight(w, s, 128, kernel=True), 1)\n"
+        "assert y is not None\n"
+        "from safetensors.torch import save_file\n"
+        "save_file({'y': y}, sys.argv[2])\n")
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    for flush in ("1", "0"):
+        res = subprocess.run([sys.executable, str(script), flush, str(tmp_path / f"y{flush}.safetensors")],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    assert torch.equal(load_file(tmp_path / "y1.safetensors")["y"], load_file(tmp_path / "y0.safetensors")["y"])
 
 
 # ---------------------------------------------------------------- activation quantisation
@@ -509,9 +547,9 @@ def test_bf16_dot_grouped_rows_experts_and_threads(fmt):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.experts_at(found.fmt, found.ptrs, idx, found.kind, x, 64, block)
+        one = kernel.experts_at(found, idx, x)
         torch.set_num_threads(2)
-        two = kernel.experts_at(found.fmt, found.ptrs, idx, found.kind, x, 64, block)
+        two = kernel.experts_at(found, idx, x)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -697,14 +735,14 @@ def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
     refs = [reference_weight(w, s, fmt, 32) for w, s in experts]
     weights = [qw(w, s, 32) for w, s in experts]  # kept alive here, as a layer keeps its experts
     found = expert_set(weights)
-    assert found.out_features == 64 and found.ptrs.shape == (5, 2)
+    assert found.out_features == 64 and found.in_features == 96 and found.ptrs.shape == (5, 2)
     assert found.ptrs[:, 0].tolist() == [w.data.data_ptr() for w in weights]  # read where they lie
     assert found.ptrs[:, 1].tolist() == [w.scale.data_ptr() for w in weights]
     many = qgemv.MAX_ROWS + 3
     for idx in (torch.tensor([[0, 3], [4, 4], [2, 1]]), torch.full((many, 1), 2)):
         for slots in (1, idx.shape[1]):
             x = torch.randn(idx.shape[0], slots, 96, generator=g)
-            y = torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, idx, found.fmt, found.kind, found.block, 64,
+            y = torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, idx, found.fmt, found.kind, found.block, 64, 96,
                                                   isa.library, isa.isa)
             assert y.shape == (*idx.shape, 64)
             for b, row in enumerate(idx.tolist()):
@@ -755,6 +793,38 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit):
     other = expert_set(experts(inter, d)) if fmt == "fp4" else None
     if other is not None:
         assert isa.moe_routed(x, weights, idx, sets[0], sets[1], replace(other, block=64), limit, 128) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_routed_experts_refuse_routes_outside_the_set(isa, fmt):
+    """An expert index outside the set, or x of another width than the experts', is refused with a ValueError that
+    names it, before any weight byte is read (the kernel reads experts through raw addresses: a bad index would read
+    whatever memory lies past the table)."""
+    g = gen(1460)
+    kept = [qw(*(fp8_weight(64, 128, 128, g) if fmt == "fp8" else fp4_weight(64, 128, g)),
+               128 if fmt == "fp8" else 32) for _ in range(3)]
+    found = expert_set(kept)
+    x = torch.randn(2, 1, 128, generator=g)
+    assert isa.experts_at(found, torch.tensor([[0, 2], [1, 2]]), x) is not None
+    for bad in ([[0, 3], [1, 2]], [[0, 1], [-1, 2]]):
+        with pytest.raises(ValueError, match="outside the 3 experts"):
+            isa.experts_at(found, torch.tensor(bad), x)
+        with pytest.raises(ValueError, match="outside the 3 experts"):
+            torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, torch.tensor(bad), found.fmt, found.kind, found.block, 64,
+                                              128, isa.library, isa.isa)
+    with pytest.raises(ValueError, match="take 128 inputs a row, not 96"):
+        isa.experts_at(found, torch.tensor([[0, 1], [1, 2]]), x[..., :96])
+    w2 = expert_set([qw(*(fp8_weight(128, 64, 128, g) if fmt == "fp8" else fp4_weight(128, 64, g)),
+                        128 if fmt == "fp8" else 32) for _ in range(3)])
+    xr, weights = torch.randn(2, 128, generator=g), torch.rand(2, 2, generator=g)
+    assert isa.moe_routed(xr, weights, torch.tensor([[0, 2], [1, 1]]), found, found, w2, 0.0, 0) is not None
+    with pytest.raises(ValueError, match="outside the 3 experts"):
+        isa.moe_routed(xr, weights, torch.tensor([[0, 2], [1, 3]]), found, found, w2, 0.0, 0)
+    short = expert_set([qw(*(fp8_weight(128, 32, 128, g) if fmt == "fp8" else fp4_weight(128, 32, g)),
+                           128 if fmt == "fp8" else 32) for _ in range(3)])
+    with pytest.raises(ValueError, match="take 32 inputs a row, not 64"):
+        isa.moe_routed(xr, weights, torch.tensor([[0, 2], [1, 1]]), found, found, short, 0.0, 0)
 
 
 def test_expert_set_only_of_weights_the_kernel_takes_alike():

@@ -20,9 +20,11 @@
 // finite and small enough that no dequantised value overflows, checked once when the weight is loaded.
 // With AVX-512 BF16 (isa 3) and x exact in bf16 (as DeepSeek's FP8 activation rounding leaves it), fp8 and fp4
 // weights are decoded to bf16 instead and multiplied by vdpbf16ps (namespace avx512bf16 says when that is exact).
-// Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 a thread flushes
-// subnormals; 6 fp4 on AVX2 with a block that is not a multiple of 32 (DeepSeek's is 32). On a non-zero code y is
-// unspecified and the caller takes the reference path.
+// Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 the calling thread
+// flushes subnormals (the threads it runs on take its mode: take_caller_mode); 6 fp4 on AVX2 with a block that is not
+// a multiple of 32 (DeepSeek's is 32); 8 a routed expert's index outside its set (mhc_qgemv_experts, mhc_moe_routed:
+// nothing is read). On a non-zero code y is unspecified and the caller takes the reference path (8: the caller's error
+// is reported).
 //
 // Also here, the mHC steps of decode rows (mhc_hc_post, mhc_hc_pre: see them below), the library being the run's
 // one CPU kernel.
@@ -43,9 +45,9 @@
 extern "C" int mhc_qgemv_isa(void);
 extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa,
                                  int threads);
-extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x,
-                                 float* y, int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block,
-                                 int isa, int threads);
+extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64_t* idx, int scale_kind,
+                                 const float* x, float* y, int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k,
+                                 int64_t block, int isa, int threads);
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -111,7 +113,17 @@ inline float float_of(uint32_t u) {
 
 // Whether this thread flushes subnormals (MXCSR FTZ or DAZ, as torch.set_flush_denormal(True) sets them): the
 // kernels then decline, since subnormal scales, weights and inputs are part of the formats.
-inline bool flushes_denormals() { return (_mm_getcsr() & 0x8040) != 0; }
+constexpr unsigned FLUSH_BITS = 0x8040;
+inline bool flushes_denormals() { return (_mm_getcsr() & FLUSH_BITS) != 0; }
+
+// In a parallel region: this thread takes the calling thread's subnormal mode (`caller`: its MXCSR, read before the
+// region) and says whether that mode flushes. A pool thread keeps the mode of the thread that made it, so without
+// this a pool made while torch.set_flush_denormal(True) held would flush, and the kernels decline, for good.
+inline int take_caller_mode(unsigned caller) {
+    const unsigned mine = _mm_getcsr();
+    if ((mine ^ caller) & FLUSH_BITS) _mm_setcsr((mine & ~FLUSH_BITS) | (caller & FLUSH_BITS));
+    return (caller & FLUSH_BITS) ? 1 : 0;
+}
 
 #define INLINE inline __attribute__((always_inline))
 
@@ -869,9 +881,10 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
                                                   std::clamp<int64_t>(panels / threads, 1, 8));  // every thread busy
     const int64_t groups = (panels + per_group - 1) / per_group;
     int oom = 0, flush = 0;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         uint32_t* pans = gemm::scratch<uint32_t>(per_group * panel_words);
         float* row = gemm::scratch<float>(16 * gemm::row_words(k2p));
         alignas(64) float edge[MT * gemm::NB];
@@ -1525,10 +1538,11 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     }
     int nan = 0, flush = 0;
     const int64_t count = static_cast<int64_t>(units.size());
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : nan, flush)
     for (int64_t u = 0; u < count; u++) {
         const Unit& t = units[u];
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         const Job& j = jobs[t.job];
         nan |= (j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
@@ -1641,9 +1655,10 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     const int64_t sb = (nope + block - 1) / block, width = nope + rd;
     int flush = 0;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
     for (int64_t r = 0; r < rows; r++) {
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         const uint8_t* c = codes + r * nope;
         float* dst = out + r * width;
         for (int64_t c0 = 0, g = 0; c0 < nope; c0 += block, g++) {
@@ -1762,9 +1777,10 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
                float scale, int threads) {
     int oom = 0, flush = 0;
     const int64_t groups = (h + attend::HG - 1) / attend::HG, nk = n + k;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         std::vector<float> sc;
         try {
             sc.resize(attend::HG * nk);
@@ -1849,9 +1865,10 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
     const uint32_t* a = xb.data();
     if (isa == 4) return amx::multiply(j, a, ms, k2, k2s, threads);
     int oom = 0, flush = 0;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         uint32_t* panel = gemm::scratch<uint32_t>(gemm::NB * k2);
         float* row = gemm::scratch<float>(16 * gemm::row_words(k2));
         oom |= panel && row ? 0 : 1;
@@ -1905,22 +1922,32 @@ int mhc_qlinear(int fmt, const void* w, const void* s, int scale_kind, const flo
     return mhc_qgemv(fmt, w, s, scale_kind, x, y, m, n, k, block, 1, isa, threads);
 }
 
+// Whether every index of idx [count] names one of `experts` experts.
+inline bool in_set(const int64_t* idx, int64_t count, int64_t experts) {
+    for (int64_t p = 0; p < count; p++)
+        if (idx[p] < 0 || idx[p] >= experts) return false;
+    return true;
+}
+
 // Routed experts read in place: y [B, K, N] = x [B, KX, K'] through expert idx[b, j] (KX = K, or 1: every j reads
-// x[b, 0]), expert e's weight bytes and scales at ptrs[2e], ptrs[2e + 1], all of one layout (fmt, scale_kind,
-// block, [N, K']). The rows of one expert are multiplied together (each weight byte read once per four rows); the
-// rows of all the experts go to the threads in one parallel region. Return codes as mhc_qgemv's.
-int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y,
-                      int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa, int threads) {
+// x[b, 0]) of `experts` experts, expert e's weight bytes and scales at ptrs[2e], ptrs[2e + 1], all of one layout (fmt,
+// scale_kind, block, [N, K']). The rows of one expert are multiplied together (each weight byte read once per four
+// rows); the rows of all the experts go to the threads in one parallel region. Return codes as mhc_qgemv's, and 8
+// where an index lies outside [0, experts).
+int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64_t* idx, int scale_kind, const float* x,
+                      float* y, int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa,
+                      int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
-    std::vector<int64_t> experts;  // in order of first use
+    if (!in_set(idx, b * kk, experts)) return 8;
+    std::vector<int64_t> used;  // the experts in order of first use
     std::vector<std::vector<int64_t>> pairs;  // each expert's (b, j) as b * kk + j
     std::unordered_map<int64_t, size_t> slot;
     for (int64_t p = 0; p < b * kk; p++) {
-        auto [it, fresh] = slot.emplace(idx[p], experts.size());
-        if (fresh) experts.push_back(idx[p]), pairs.emplace_back();
+        auto [it, fresh] = slot.emplace(idx[p], used.size());
+        if (fresh) used.push_back(idx[p]), pairs.emplace_back();
         pairs[it->second].push_back(p);
     }
-    const size_t g = experts.size();
+    const size_t g = used.size();
     std::vector<std::vector<float>> xs(g), ys(g);
     std::vector<XBuf> own(g);
     std::vector<Job> jobs;
@@ -1932,9 +1959,10 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
             const int64_t p = pairs[e][r], src = (p / kk) * kx + (kx > 1 ? p % kk : 0);
             std::memcpy(xs[e].data() + r * k, x + src * k, sizeof(float) * k);
         }
-        const int64_t* at = ptrs + 2 * experts[e];
+        const int64_t* at = ptrs + 2 * used[e];
         jobs.push_back(make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]),
-                                reinterpret_cast<const void*>(at[1]), xs[e].data(), ys[e].data(), rows, n, k, block, 1));
+                                reinterpret_cast<const void*>(at[1]), xs[e].data(), ys[e].data(), rows, n, k, block,
+                                1));
         if (!prepare_x(jobs.back(), isa, own[e])) return 4;
     }
     const int rc = run_jobs(jobs, isa, threads);
@@ -1949,10 +1977,13 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, const int64_t* idx, int scal
 // [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit, limit))
 // (limit > 0; else no clamps) in fp32, as torch's ops compute it but for exp (the C library's, within rounding of
 // torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Return codes as
-// mhc_qgemv_experts', and 1 where a rounding declines (non-finite values: the caller takes its torch path).
-int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const int64_t* ptrs2, int scale_kind,
-                   const int64_t* idx, const float* weights, const float* x, float* y, int64_t t, int64_t k, int64_t d,
-                   int64_t inter, int64_t block, float limit, int64_t act_block, int isa, int threads) {
+// mhc_qgemv_experts' (each set holds `experts` experts), and 1 where a rounding declines (non-finite values: the
+// caller takes its torch path).
+int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const int64_t* ptrs2, int64_t experts,
+                   int scale_kind, const int64_t* idx, const float* weights, const float* x, float* y, int64_t t,
+                   int64_t k, int64_t d, int64_t inter, int64_t block, float limit, int64_t act_block, int isa,
+                   int threads) {
+    if (!in_set(idx, t * k, experts)) return 8;
     std::vector<float> xq, g, u, h, out;
     try {
         g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
@@ -1961,9 +1992,11 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
     }
     const float* xin = x;
     if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa, threads))
+    if (int rc = mhc_qgemv_experts(fmt, ptrs1, experts, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa,
+                                   threads))
         return rc;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa, threads))
+    if (int rc = mhc_qgemv_experts(fmt, ptrs3, experts, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa,
+                                   threads))
         return rc;
     for (int64_t r = 0; r < t * k; r++)
         for (int64_t e = 0; e < inter; e++) {
@@ -1972,8 +2005,8 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
             h[r * inter + e] = weights[r] * ((a / (1.0f + std::exp(-a))) * b);
         }
     if (act_block > 0 && mhc_act_quant_fp8(h.data(), h.data(), t * k, inter, act_block, isa, threads)) return 1;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs2, idx, scale_kind, h.data(), out.data(), t, k, k, d, inter, block, isa,
-                                   threads))
+    if (int rc = mhc_qgemv_experts(fmt, ptrs2, experts, idx, scale_kind, h.data(), out.data(), t, k, k, d, inter, block,
+                                   isa, threads))
         return rc;
     for (int64_t r = 0; r < t; r++)
         for (int64_t e = 0; e < d; e++) {
@@ -1995,9 +2028,10 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
     if (rows < threads) threads = rows > 0 ? static_cast<int>(rows) : 1;  // decode's row or two: no idle thread
     const bool vec = isa >= 2 && isa <= mhc_qgemv_isa();
     int bad = 0;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
     for (int64_t r = 0; r < rows; r++) {
-        bad |= flushes_denormals() ? 1 : 0;
+        bad |= take_caller_mode(caller);
         if (vec) {
             bad |= all_finite(x + r * k, k) ? 0 : 1;
             continue;
@@ -2097,9 +2131,10 @@ int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float
     const uint8_t* bytes = j.w;
     const int64_t row_bytes = j.row_bytes;
     int flush = 0;
+    const unsigned caller = _mm_getcsr();
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
     for (int64_t r = r0; r < r1; r++) {
-        flush |= flushes_denormals() ? 1 : 0;
+        flush |= take_caller_mode(caller);
         const uint8_t* src = bytes + r * row_bytes;
         float* dst = out + (r - r0) * k;
         const int64_t srow = fmt == FMT_FP8 ? r / block : r;

@@ -47,6 +47,7 @@ from mhcrun.ops.qweight import QWeight
 from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
+RC_EXPERT = 8  # qgemv.cpp: a routed expert index outside its set
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
 FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
@@ -125,7 +126,7 @@ class CpuKernel:
                 block: int) -> Tensor | None:
         """y [M, n] fp32 = x3 [M, G, K] times the weight [n, K] whose bytes lie at address `data` (format `fmt`:
         `FORMATS`; its scales at `scale`, kind 0 e8m0 bytes or 1 fp32), its rows in G groups. The caller keeps
-        those bytes alive through the call. None when the kernel is off or declines (a thread flushes
+        those bytes alive through the call. None when the kernel is off or declines (the calling thread flushes
         subnormals)."""
         if not self.on:
             return None
@@ -136,22 +137,24 @@ class CpuKernel:
                                                   block, groups, self.isa, torch.get_num_threads())
         return None if rc else y
 
-    def experts_at(self, fmt: int, ptrs: Tensor, idx: Tensor, kind: int, x: Tensor, n: int,
-                   block: int) -> Tensor | None:
-        """y [B, k, n] fp32 = x [B, k or 1, K] through expert idx[b, j] of the experts whose weight bytes and
-        scales lie at ptrs [E, 2] (int64 addresses; format `fmt`, scale kind `kind`, all of one layout), in one
-        call: the rows of each expert multiplied together, all the experts' rows in one parallel region. The
-        caller keeps the bytes alive. None when the kernel is off or declines."""
+    def experts_at(self, s: ExpertSet, idx: Tensor, x: Tensor) -> Tensor | None:
+        """y [B, k, out] fp32 = x [B, k or 1, in] through expert idx[b, j] of the set `s` (the experts' bytes read where
+        they lie), in one call: the rows of each expert multiplied together, all the experts' rows in one parallel
+        region. The caller keeps the bytes alive. None when the kernel is off or declines; ValueError where x's width
+        is not the experts' or an index lies outside the set (nothing is read)."""
         if not self.on:
             return None
+        check_routes(s, idx, x.shape[-1])
         b, kk = idx.shape
         xf = x.float().contiguous()
         ids = idx.to(torch.int64).contiguous()
-        table = ptrs.to(torch.int64).contiguous()
-        y = torch.empty(b, kk, n, dtype=torch.float32)
+        table = s.ptrs.to(torch.int64).contiguous()
+        y = torch.empty(b, kk, s.out_features, dtype=torch.float32)
         rc = load_library(self.library).mhc_qgemv_experts(
-            fmt, table.data_ptr(), ids.data_ptr(), kind, xf.data_ptr(), y.data_ptr(), b, kk, xf.shape[1], n,
-            xf.shape[2], block, self.isa, torch.get_num_threads())
+            s.fmt, table.data_ptr(), table.shape[0], ids.data_ptr(), s.kind, xf.data_ptr(), y.data_ptr(), b, kk,
+            xf.shape[1], s.out_features, xf.shape[2], s.block, self.isa, torch.get_num_threads())
+        if rc == RC_EXPERT:
+            raise ValueError(f"routed expert indices {ids.tolist()} reach outside the {table.shape[0]} experts")
         return None if rc else y
 
     def moe_routed(self, x: Tensor, weights: Tensor, idx: Tensor, w1: ExpertSet, w3: ExpertSet, w2: ExpertSet,
@@ -160,21 +163,28 @@ class CpuKernel:
         experts idx [T, k] (the sets read in place; x rounded to FP8 first when act_block is not 0, and the experts'
         hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32: the torch
         path's result within rounding (silu's exp is the C library's; the rest the same operations in the same order).
-        None where it does not apply or declines (non-finite values: torch's rules then apply)."""
+        None where it does not apply or declines (non-finite values: torch's rules then apply); ValueError as
+        `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
         if not self.on or not t or t > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
-                or len({(s.fmt, s.kind, s.block) for s in sets}) != 1 or w1.out_features != w3.out_features \
-                or w2.out_features != d:
+                or len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 \
+                or w1.out_features != w3.out_features or w2.out_features != d:
             return None
         inter = w1.out_features
+        check_routes(w1, idx, d)
+        check_routes(w3, idx, d)
+        check_routes(w2, idx, inter)
         xf, wf, ids = x.contiguous(), weights.contiguous(), idx.to(torch.int64).contiguous()
         p1, p3, p2 = (s.ptrs.to(torch.int64).contiguous() for s in sets)
         y = torch.empty(t, d)
         rc = load_library(self.library).mhc_moe_routed(
-            w1.fmt, p1.data_ptr(), p3.data_ptr(), p2.data_ptr(), w1.kind, ids.data_ptr(), wf.data_ptr(), xf.data_ptr(),
-            y.data_ptr(), t, idx.shape[1], d, inter, w1.block, limit, act_block, self.isa, torch.get_num_threads())
+            w1.fmt, p1.data_ptr(), p3.data_ptr(), p2.data_ptr(), p1.shape[0], w1.kind, ids.data_ptr(), wf.data_ptr(),
+            xf.data_ptr(), y.data_ptr(), t, idx.shape[1], d, inter, w1.block, limit, act_block, self.isa,
+            torch.get_num_threads())
+        if rc == RC_EXPERT:
+            raise ValueError(f"routed expert indices {ids.tolist()} reach outside the {p1.shape[0]} experts")
         return None if rc else y
 
     def qgemm(self, x2: Tensor, w: QWeight) -> Tensor | None:
@@ -481,8 +491,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qlinear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_qgemv_experts.restype = ctypes.c_int
-    lib.mhc_qgemv_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int]
+    lib.mhc_qgemv_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
     lib.mhc_decode_rows.restype = ctypes.c_int
     lib.mhc_decode_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
@@ -495,7 +505,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_open_group.restype = ctypes.c_int
     lib.mhc_open_group.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
     lib.mhc_moe_routed.restype = ctypes.c_int
-    lib.mhc_moe_routed.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + \
+    lib.mhc_moe_routed.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int] + \
+        [ctypes.c_void_p] * 4 + \
         [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.mhc_rms_norm.restype = ctypes.c_int
     lib.mhc_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -541,6 +552,13 @@ class ExpertSet:
     kind: int  # the scales: 0 e8m0 bytes, 1 fp32
     block: int
     out_features: int
+    in_features: int
+
+
+def check_routes(s: ExpertSet, idx: Tensor, width: int) -> None:
+    """ValueError unless x of `width` inputs fits the set's experts; the C++ side checks idx against the set."""
+    if width != s.in_features:
+        raise ValueError(f"routed experts take {s.in_features} inputs a row, not {width}")
 
 
 def expert_set(weights: list[QWeight]) -> ExpertSet | None:
@@ -550,7 +568,8 @@ def expert_set(weights: list[QWeight]) -> ExpertSet | None:
     if first.fmt == "float" or not all(_same_layout(w, first) for w in weights):
         return None
     ptrs = torch.tensor([[w.data.data_ptr(), w.scale.data_ptr()] for w in weights], dtype=torch.int64)
-    return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features)
+    return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features,
+                     first.in_features)
 
 
 def _same_layout(w: QWeight, first: QWeight) -> bool:

@@ -393,29 +393,29 @@ def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, l
     return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
 
 
-def experts_in_place(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
-                     cpu: CpuKernel) -> Tensor:
-    """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out_features] fp32 with
-    y[b, j] = x[b, j or 0] through expert idx[b, j] of an `ExpertSet` (ptrs [E, 2]: each expert's data and scale
-    addresses; fmt, kind, block, out_features: their layout), by the kernel `cpu` in one call
-    (`CpuKernel.experts_at`: each expert's rows together, all of them in one parallel region)."""
-    y = cpu.experts_at(fmt, ptrs, idx, kind, x, out_features, block)
+def experts_in_place(x: Tensor, s: ExpertSet, idx: Tensor, cpu: CpuKernel) -> Tensor:
+    """Routed experts read in place: x [B, k or 1, in] fp32, idx [B, k] -> y [B, k, out] fp32 with y[b, j] = x[b, j or
+    0] through expert idx[b, j] of the set `s`, by the kernel `cpu` in one call (`CpuKernel.experts_at`: each
+    expert's rows together, all of them in one parallel region). ValueError where x or idx do not fit the set."""
+    y = cpu.experts_at(s, idx, x)
     if y is None:
-        raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or a thread flushes "
+        raise RuntimeError("mhcrun::qgemv_expert_set: the CPU kernel declined (it is off, or this thread flushes "
                            "subnormals: torch.set_flush_denormal(True))")
     return y
 
 
 @torch.library.custom_op("mhcrun::qgemv_expert_set", mutates_args=())
 def qgemv_expert_set(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
-                     library: str, isa: int) -> Tensor:
-    """`experts_in_place` as an opaque op of compiled graphs, the kernel given by its library and instruction set."""
-    return experts_in_place(x, ptrs, idx, fmt, kind, block, out_features, CpuKernel(library, isa))
+                     in_features: int, library: str, isa: int) -> Tensor:
+    """`experts_in_place` as an opaque op of compiled graphs, the set by its fields, the kernel by its library and
+    instruction set."""
+    s = ExpertSet(ptrs, fmt, kind, block, out_features, in_features)
+    return experts_in_place(x, s, idx, CpuKernel(library, isa))
 
 
 @qgemv_expert_set.register_fake
-def _(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int, library: str,
-      isa: int) -> Tensor:
+def _(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int, in_features: int,
+      library: str, isa: int) -> Tensor:
     return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
@@ -428,9 +428,9 @@ def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: 
         x = round_activation(x, cpu)
     xf = x.float()
     if isinstance(w, ExpertSet):  # eager calls it directly: a custom op's first call imports torch._dynamo (~1 s)
-        args = (xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features)
-        y = (torch.ops.mhcrun.qgemv_expert_set(*args, cpu.library, cpu.isa) if torch.compiler.is_compiling()
-             else experts_in_place(*args, cpu))
+        y = (torch.ops.mhcrun.qgemv_expert_set(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features, w.in_features,
+                                               cpu.library, cpu.isa) if torch.compiler.is_compiling()
+             else experts_in_place(xf, w, idx, cpu))
         return y.to(x.dtype)
     ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
     if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
