@@ -1268,10 +1268,9 @@ float dot(const float* a, const float* b, int64_t k, bool wide) { return wide ? 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
 // The post step's rows of one output stream o in fp32: out[e] = sum_i c[i * n] * res[i * d + e] + p * y[e], each
-// product rounded, then added in stream order (no FMA: bitwise the scalar loop and torch's; the compiler told not to
-// contract the products and sums into FMAs), sixteen e at a time.
-__attribute__((optimize("fp-contract=off"))) AVX512 void post_stream(const float* y, const float* res, const float* c,
-                                                                       float p, float* out, int64_t n, int64_t d) {
+// product rounded, then added in stream order (no FMA: bitwise the scalar loop and torch's; the library is built with
+// -ffp-contract=off, mhcrun.ops.native), sixteen e at a time.
+AVX512 void post_stream(const float* y, const float* res, const float* c, float p, float* out, int64_t n, int64_t d) {
     int64_t e = 0;
     for (; e < d; e += 16) {
         const __mmask16 m = lanes16(d - e);
@@ -1728,8 +1727,7 @@ int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, con
 // then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
 // torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU
 // lacks, 5 where the thread flushes subnormals.
-__attribute__((optimize("fp-contract=off"))) int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows,
-                                                              int64_t d, float eps, int isa) {
+int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t d, float eps, int isa) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
     const float inv_d = 1.0f / static_cast<float>(d);
