@@ -893,8 +893,8 @@ def hc_case(rows: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
 def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA; AVX-512: sixteen values a step,
     the last step partial); the pre step (mixes GEMV, Sinkhorn, collapse, RMSNorm) is within rounding of the torch
-    reference: post and comb within 2e-6 (more for longer sums), the sublayer input within 2e-6 relative (fp32) or one
-    bf16 step (bf16).
+    reference: post and comb within 2e-6 (more for longer sums; a mean of squares over one value fewer is refused), the
+    sublayer input within 2e-6 relative (fp32) or one bf16 step (bf16).
     Rows up to MAX_ROWS, d not a multiple of the eight or sixteen lanes, and the mid-size config's width."""
     from mhcrun.nki.ops import _ref_pre
     from mhcrun.ops import hc as ref
@@ -908,6 +908,13 @@ def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     tol = 2e-6 * max(1.0, math.sqrt(4 * d / 1024))  # the mixes sum 4 d products: rounding grows as its square root
     torch.testing.assert_close(post, rpost, rtol=0, atol=tol)
     torch.testing.assert_close(comb, rcomb, rtol=0, atol=tol)
+    # the tolerance refuses a slip: the mixes' mean of squares over n d - 1 values (fn scaled by sqrt((nd - 1) / nd))
+    nd = 4 * d
+    _, spost, scomb = _ref_pre(want, c["fn"] * math.sqrt((nd - 1) / nd), c["scale"], c["base"], c["w"], 4, 20, 1e-6,
+                               1e-6)
+    for slip, ref_t in ((spost, rpost), (scomb, rcomb)):
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(slip, ref_t, rtol=0, atol=tol)
     assert h.dtype == dtype and h.shape == rh.shape
     if dtype == torch.float32:
         torch.testing.assert_close(h, rh, rtol=2e-6, atol=2e-6)
