@@ -43,7 +43,7 @@ from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
-from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
+from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard, hadamard_matrix
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
@@ -186,6 +186,7 @@ class Compressor(nn.Module):
         self.ratio, self.head_dim, self.rope_dim = ratio, head_dim, cfg.rope_head_dim
         self.overlap = ratio == 4
         self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
+        self.rotation: torch.Tensor | None = None  # with rotate: the Hadamard matrix [hd, hd] (`allocate`)
         self.opts = opts
         self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
         self.wgate = Linear(opts)
@@ -205,6 +206,8 @@ class Compressor(nn.Module):
                              persistent=False)
         self.n_entries = max_seq // r
         self.cache.allocate(fmt, (batch, self.n_entries + 1), dtype, device)
+        if self.rotate:  # not a buffer: buffers are the state that snapshots take and clear_row zeroes
+            self.rotation = hadamard_matrix(hd, device)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> None:
         """x [b, s, d] at positions start [b] + [0, s): every group the chunk closes is pooled, normed, rotated
@@ -241,7 +244,7 @@ class Compressor(nn.Module):
             first = slot * r
         cos, sin = self.rope.at(first)
         out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotate)
+                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotation)
         self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
 
 
@@ -252,11 +255,13 @@ def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        lambda: apply_rope_tail(x, cos, sin, rope_dim, inverse))
 
 
-def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope, rotate: bool) -> torch.Tensor:
+def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope,
+                 rotation: torch.Tensor | None) -> torch.Tensor:
     """A pooled group -> its compressed entry before storage: norm, RoPE at the group's first position (`rope`),
-    and for indexer keys the Hadamard rotation. Storing rounds it (FP8 kv / FP4 keys with the simulation on)."""
+    and for indexer keys the Hadamard rotation (by `rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with
+    the simulation on)."""
     out = rope(rms_norm(pooled, norm, eps))
-    return hadamard(out) if rotate else out
+    return out if rotation is None else hadamard(out, rotation)
 
 
 class Indexer(nn.Module):
@@ -277,7 +282,8 @@ class Indexer(nn.Module):
         """qr [b, s, q_lora] -> index queries [b, s, heads, ihd] as they are scored: RoPE on the tail, the
         Hadamard rotation, and with the simulation on the reference's FP4 rounding."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
+        q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim),
+                     self.compressor.rotation)
         if not self.opts.quant_sim:
             return q
         return eager_first(lambda: self.opts.cpu.fp4_simulate(q, INDEX_FP4_BLOCK),

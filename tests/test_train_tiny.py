@@ -15,7 +15,6 @@ import torch
 from mhcrun.checkpoint import load_checkpoint
 from mhcrun.config import config_from_hf
 from mhcrun.model import build_model
-from mhcrun.ops import quant
 from mhcrun.weights import mtp_tensor_specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +29,9 @@ def load_trainer():
     return mod
 
 
-@pytest.fixture(autouse=True)
-def fresh_hadamard():
-    """An earlier test in this worker may have built the cached Hadamard matrix under inference_mode, which
-    autograd cannot save for backward; the trainer's own process never runs under inference_mode."""
-    quant._HADAMARD_CACHE.clear()
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A checkpoint from two training steps on 150 docstrings (vocabulary 512)."""
-    quant._HADAMARD_CACHE.clear()  # see fresh_hadamard
     T = load_trainer()
     out = tmp_path_factory.mktemp("train") / "tiny"
     assert T.main(["--out", str(out), "--steps", "2", "--batch", "2", "--seq", "72", "--max-docs", "150"]) == 0

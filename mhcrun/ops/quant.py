@@ -186,27 +186,25 @@ def e4m3_to_float(codes: Tensor) -> Tensor:
     return out
 
 
-_HADAMARD_CACHE: dict[tuple[int, str], Tensor] = {}
-
-
-def _hadamard_matrix(n: int, device: torch.device) -> Tensor:
-    key = (n, str(device))
-    h = _HADAMARD_CACHE.get(key)
-    if h is None:
-        h = torch.ones(1, 1, dtype=torch.float32)
-        while h.shape[0] < n:  # Sylvester: [[H, H], [H, -H]] gives H[i, j] = (-1)**popcount(i & j)
-            h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-        h = h.to(device)
-        _HADAMARD_CACHE[key] = h
-    return h
-
-
-def hadamard(x: Tensor) -> Tensor:
-    """Normalised Walsh-Hadamard transform along the last dim (a power of two), computed in fp32."""
-    n = x.shape[-1]
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The Sylvester Hadamard matrix [n, n] fp32 (n a power of two): [[H, H], [H, -H]], so H[i, j] = (-1)**popcount(i &
+    j); symmetric. A module that rotates every step holds one (`mhcrun.model.Compressor.rotation`)."""
     if n <= 0 or n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
-    h = _hadamard_matrix(n, x.device)  # [n, n], symmetric
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return h.to(device)
+
+
+def hadamard(x: Tensor, h: Tensor | None = None) -> Tensor:
+    """Normalised Walsh-Hadamard transform along the last dim (a power of two), computed in fp32, by the matrix h
+    (`hadamard_matrix` of that size; made here when None)."""
+    n = x.shape[-1]
+    if h is None:
+        h = hadamard_matrix(n, x.device)
+    elif h.shape != (n, n):
+        raise ValueError(f"hadamard: a [{n}, {n}] matrix rotates a last dim of {n}, not {list(h.shape)}")
     return ((x.float() @ h) * n**-0.5).to(x.dtype)
 
 

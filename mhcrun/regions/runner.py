@@ -25,7 +25,6 @@ import torch
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
-from mhcrun.ops.quant import hadamard
 
 
 @dataclass
@@ -170,7 +169,6 @@ class RegionDecoder:
     def __init__(self, model: Transformer, mode: str = "regions", backend: str | None = "inductor",
                  stages: str = "whole", cuda_graphs: bool = False):
         self.model, self.mode, self.stages = model, mode, stages
-        hadamard(torch.zeros(1, model.cfg.index_head_dim, device=model.device))  # fill its cache now
         for block in model.layers:
             block.ffn.gather_experts()
         self.rows = torch.arange(model.max_batch, device=model.device)
