@@ -815,6 +815,9 @@ def test_routed_experts_refuse_routes_outside_the_set(isa, fmt):
                                               128, isa.library, isa.isa)
     with pytest.raises(ValueError, match="take 128 inputs a row, not 96"):
         isa.experts_at(found, torch.tensor([[0, 1], [1, 2]]), x[..., :96])
+    for wrong in (x[:1], torch.randn(2, 3, 128, generator=g), x[0]):  # fewer rows than routes, 3 slots for 2, 2-D
+        with pytest.raises(ValueError, match="x must be"):
+            isa.experts_at(found, torch.tensor([[0, 1], [1, 2]]), wrong)
     w2 = expert_set([qw(*(fp8_weight(128, 64, 128, g) if fmt == "fp8" else fp4_weight(128, 64, g)),
                         128 if fmt == "fp8" else 32) for _ in range(3)])
     xr, weights = torch.randn(2, 128, generator=g), torch.rand(2, 2, generator=g)

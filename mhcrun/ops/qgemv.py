@@ -140,12 +140,15 @@ class CpuKernel:
     def experts_at(self, s: ExpertSet, idx: Tensor, x: Tensor) -> Tensor | None:
         """y [B, k, out] fp32 = x [B, k or 1, in] through expert idx[b, j] of the set `s` (the experts' bytes read where
         they lie), in one call: the rows of each expert multiplied together, all the experts' rows in one parallel
-        region. The caller keeps the bytes alive. None when the kernel is off or declines; ValueError where x's width
-        is not the experts' or an index lies outside the set (nothing is read)."""
+        region. The caller keeps the bytes alive. None when the kernel is off or declines; ValueError where x's shape
+        does not fit the routes and the experts or an index lies outside the set (nothing is read)."""
         if not self.on:
             return None
         check_routes(s, idx, x.shape[-1])
         b, kk = idx.shape
+        if x.dim() != 3 or x.shape[0] != b or x.shape[1] not in (1, kk):
+            raise ValueError(f"routed experts: x {list(x.shape)} for routes {list(idx.shape)}: x must be "
+                             f"[{b}, 1 or {kk}, {s.in_features}]")
         xf = x.float().contiguous()
         ids = idx.to(torch.int64).contiguous()
         table = s.ptrs.to(torch.int64).contiguous()
