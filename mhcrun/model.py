@@ -41,7 +41,7 @@ from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qgemv import KERNEL_OFF, MAX_ROWS, CpuKernel, ExpertSet, expert_set
+from mhcrun.ops.qgemv import MAX_ROWS, CpuKernel, ExpertSet, expert_set
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
 from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard, hadamard_matrix
 from mhcrun.ops.qweight import QWeight
@@ -67,7 +67,16 @@ class RunOptions:
     tp: Shard = SINGLE  # under --tp: this rank; its modules hold their share and reduce (`mhcrun.parallel`)
     scaled_mm: ScaledMM | None = None  # MHCRUN_SCALED_MM=1: CUDA FP8 GEMMs through cuBLASLt
     hc: hc_ops.HcBackend = field(default_factory=hc_ops.HcBackend)  # the hc steps' backend and their counts
-    cpu: CpuKernel = KERNEL_OFF  # the fused CPU GEMV kernel the run opened (off: the torch path)
+
+    @property
+    def cpu(self) -> CpuKernel:
+        """The fused CPU kernel the run opened (off: the torch path), held once: the hc backend's (`HcBackend.cpu`),
+        which runs the mHC steps of eager decode rows, is the one every GEMV and eager step takes."""
+        return self.hc.cpu
+
+    @cpu.setter
+    def cpu(self, kernel: CpuKernel) -> None:
+        self.hc = replace(self.hc, cpu=kernel)
 
 
 class Linear(nn.Module):

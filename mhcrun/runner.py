@@ -97,8 +97,8 @@ class Runner:
         self.model.opts.scaled_mm = ScaledMM() if self.env.scaled_mm else None
         # the fused GEMV kernel (and the mHC steps of decode rows), on a CPU: built (first run only) and loaded now,
         # not inside prefill
-        self.model.opts.cpu = open_cpu_kernel(self.env) if self.device == "cpu" else KERNEL_OFF
-        self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim, cpu=self.model.opts.cpu)
+        cpu = open_cpu_kernel(self.env) if self.device == "cpu" else KERNEL_OFF
+        self.model.opts.hc = HcBackend(self.env.hc_torch, self.env.nki_sim, cpu=cpu)  # also opts.cpu, the GEMVs'
         if self.tp.world > 1:  # every rank holds its share before any rank says or runs anything
             torch.distributed.barrier()
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them

@@ -295,11 +295,11 @@ def test_compiled_steps_count_the_kernels_the_forward_launches_on_each_backend(w
         for rows, want in ((3, {"hc_post_pre": sites, "hc_post": 1}), (32, {"hc_post_pre": sites, "hc_post": 1}),
                            (33, {"hc_post": sites + 1, "hc_pre": sites})):
             for device, backend in (("neuron", "nki"), ("cpu", "torch")):
-                model.opts.hc = HcBackend()
+                model.opts.hc = HcBackend(cpu=kept.cpu)
                 dec.count_hc_calls(rows, device)
                 got = {k: v[backend] for k, v in model.opts.hc.stats().items() if v[backend]}
                 assert got == {**want, "hc_head": 1}, (rows, device, got)
-        model.opts.hc = HcBackend(sim="exact")
+        model.opts.hc = HcBackend(sim="exact", cpu=kept.cpu)
         dec.count_hc_calls(3, "cpu")
         assert not model.opts.hc.calls.any()
     finally:
