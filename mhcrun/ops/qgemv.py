@@ -156,9 +156,7 @@ class CpuKernel:
         rc = load_library(self.library).mhc_qgemv_experts(
             s.fmt, table.data_ptr(), table.shape[0], ids.data_ptr(), s.kind, xf.data_ptr(), y.data_ptr(), b, kk,
             xf.shape[1], s.out_features, xf.shape[2], s.block, self.isa, torch.get_num_threads())
-        if rc == RC_EXPERT:
-            raise ValueError(f"routed expert indices {ids.tolist()} reach outside the {table.shape[0]} experts")
-        return None if rc else y
+        return routed_result(rc, y, ids, table.shape[0])
 
     def moe_routed(self, x: Tensor, weights: Tensor, idx: Tensor, w1: ExpertSet, w3: ExpertSet, w2: ExpertSet,
                    limit: float, act_block: int) -> Tensor | None:
@@ -186,9 +184,7 @@ class CpuKernel:
             w1.fmt, p1.data_ptr(), p3.data_ptr(), p2.data_ptr(), p1.shape[0], w1.kind, ids.data_ptr(), wf.data_ptr(),
             xf.data_ptr(), y.data_ptr(), t, idx.shape[1], d, inter, w1.block, limit, act_block, self.isa,
             torch.get_num_threads())
-        if rc == RC_EXPERT:
-            raise ValueError(f"routed expert indices {ids.tolist()} reach outside the {p1.shape[0]} experts")
-        return None if rc else y
+        return routed_result(rc, y, ids, p1.shape[0])
 
     def qgemm(self, x2: Tensor, w: QWeight) -> Tensor | None:
         """y [M, out] fp32 = x2 [M, in] times an FP8/FP4 weight the kernel takes, by AMX tiles or BF16 dot products
@@ -556,6 +552,14 @@ class ExpertSet:
     block: int
     out_features: int
     in_features: int
+
+
+def routed_result(rc: int, y: Tensor, ids: Tensor, experts: int) -> Tensor | None:
+    """A routed-expert call's y, None where the kernel declined (rc not 0), or the ValueError of an index outside the
+    set (RC_EXPERT)."""
+    if rc == RC_EXPERT:
+        raise ValueError(f"routed expert indices {ids.tolist()} reach outside the {experts} experts")
+    return None if rc else y
 
 
 def check_routes(s: ExpertSet, idx: Tensor, width: int) -> None:
