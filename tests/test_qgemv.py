@@ -830,6 +830,74 @@ def test_routed_experts_refuse_routes_outside_the_set(isa, fmt):
         isa.moe_routed(xr, weights, torch.tensor([[0, 2], [1, 1]]), found, found, short, 0.0, 0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
+@pytest.mark.parametrize("m, groups", [(1, 1), (3, 1), (qgemv.MAX_ROWS, 1), (2, 4)])
+def test_native_gemv_op_is_the_python_op_in_cpp(isa, fmt, m, groups):
+    """mhcrun::qgemv_native (torch_ops.cpp: the op compiled graphs call, whose C++ wrapper then runs no Python) gives
+    mhcrun::qgemv's results bitwise, on both scale encodings, rows up to MAX_ROWS and grouped outputs; where the kernel
+    declines (a thread that flushes subnormals) it hands the call to the Python op, whose torch path gives its
+    result."""
+    assert isa.ops, "the kernel's torch ops were not built"
+    g = gen(1470 + m)
+    data, scale = weight_of(fmt, 96, 160, g)
+    w = qw(data, scale, 32)
+    x3 = torch.randn(m, groups, 160, generator=g)
+    scales = [None] if scale is None else [w.scale, w.graph_scale()]  # fp32 scales or e8m0 bytes, as graphs take them
+    for s in scales:
+        args = (x3, w.data, s, w.block, groups, isa.library, isa.isa)
+        want = torch.ops.mhcrun.qgemv(*args)
+        got = torch.ops.mhcrun.qgemv_native(*args)
+        assert got.shape == want.shape == (m, groups, 96 // groups) and torch.equal(got, want)
+    if fmt == "fp8" and m == 1 and torch.set_flush_denormal(True):
+        try:
+            assert isa.qgemv(x3, w, groups) is None  # the kernel declines: both take torch's path
+            assert torch.equal(torch.ops.mhcrun.qgemv_native(*args), torch.ops.mhcrun.qgemv(*args))
+        finally:
+            torch.set_flush_denormal(False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_native_expert_set_op_is_the_python_op_in_cpp(isa, fmt):
+    """mhcrun::qgemv_expert_set_native gives mhcrun::qgemv_expert_set's results bitwise (one x per row or per slot),
+    and what the Python op refuses it refuses with the same error (an index outside the set, another width, x of
+    another shape, a thread that flushes subnormals): it hands those calls to the Python op."""
+    g = gen(1480)
+    kept = [qw(*(fp8_weight(64, 96, 32, g) if fmt == "fp8" else fp4_weight(64, 96, g)), 32) for _ in range(4)]
+    found = expert_set(kept)
+    set_args = (found.fmt, found.kind, found.block, 64, 96, isa.library, isa.isa)
+    idx = torch.tensor([[0, 3], [2, 2], [1, 0]])
+    for slots in (1, 2):
+        x = torch.randn(3, slots, 96, generator=g)
+        want = torch.ops.mhcrun.qgemv_expert_set(x, found.ptrs, idx, *set_args)
+        assert torch.equal(torch.ops.mhcrun.qgemv_expert_set_native(x, found.ptrs, idx, *set_args), want)
+    x = torch.randn(3, 1, 96, generator=g)
+    with pytest.raises(ValueError, match="outside the 4 experts"):
+        torch.ops.mhcrun.qgemv_expert_set_native(x, found.ptrs, torch.tensor([[0, 4], [1, 1], [2, 2]]), *set_args)
+    with pytest.raises(ValueError, match="take 96 inputs a row, not 64"):
+        torch.ops.mhcrun.qgemv_expert_set_native(x[..., :64], found.ptrs, idx, *set_args)
+    with pytest.raises(ValueError, match="x must be"):
+        torch.ops.mhcrun.qgemv_expert_set_native(x[:2], found.ptrs, idx, *set_args)
+    if torch.set_flush_denormal(True):
+        try:
+            with pytest.raises(RuntimeError, match="flushes subnormals"):
+                torch.ops.mhcrun.qgemv_expert_set_native(x, found.ptrs, idx, *set_args)
+        finally:
+            torch.set_flush_denormal(False)
+
+
+def test_torch_ops_that_cannot_be_built_are_none(tmp_path):
+    """Where the kernel's torch ops cannot be built, the kernel has none (`CpuKernel.ops` ""): graphs then call the
+    Python ops, with a Python wrapper (RegionDecoder)."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'torch_ops.cpp:1: error: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    assert qgemv.load_torch_ops(Env(kernel_cache=tmp_path / "cache", cxx=str(fake))) == ""
+    assert not any((tmp_path / "cache").iterdir())
+
+
 def test_expert_set_only_of_weights_the_kernel_takes_alike():
     """A set is made only where the kernel takes every expert in one layout; else None (the layer stacks them)."""
     g = gen(1450)
@@ -844,8 +912,8 @@ def test_expert_set_only_of_weights_the_kernel_takes_alike():
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "float"])
 def test_compiled_qlinear_calls_the_kernel_op(isa, fmt):
-    """A compiled decode GEMV is one mhcrun::qgemv call in the graph (no traced dequantisation), for plain and
-    grouped (wo_a) outputs."""
+    """A compiled decode GEMV is one mhcrun::qgemv call in the graph (its C++ kernel mhcrun::qgemv_native where the
+    run loaded the kernel's ops; no traced dequantisation), for plain and grouped (wo_a) outputs."""
     from mhcrun.ops.qlinear import qlinear_grouped
 
     torch._dynamo.reset()
@@ -870,7 +938,8 @@ def test_compiled_qlinear_calls_the_kernel_op(isa, fmt):
     x = torch.randn(2, 160, generator=g)
     y = torch.compile(linear, backend=record, fullgraph=True)(x, data, scale)
     assert_gemm_close(y, F.linear(x, w_ref), x, w_ref)
-    assert "mhcrun.qgemv" in targets and not any("bitwise" in t for t in targets)
+    op = "mhcrun.qgemv_native" if isa.ops else "mhcrun.qgemv"  # the C++ kernel of the op, where the run loaded it
+    assert op in targets and not any("bitwise" in t for t in targets)
     xg = torch.randn(3, 4, 160, generator=g)
     yg = torch.compile(grouped, backend=record, fullgraph=True)(xg, data, scale)
     for gi in range(4):

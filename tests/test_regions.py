@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_kernel
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
@@ -349,9 +350,9 @@ def failing_backend(monkeypatch, region: str, stages: str | None = None) -> list
     real = regions_runner.counting_backend
     made = []
 
-    def counting_backend(backend, stats):
+    def counting_backend(backend, stats, cpp_wrapper=False):
         made.append(stats)
-        inner = real(backend, stats)
+        inner = real(backend, stats, cpp_wrapper)
 
         def compile_fn(gm, example_inputs):
             if stats.region == region and stages in (None, stats.stages):
@@ -444,6 +445,8 @@ def test_inductor_compile_regions_reports_one_graph_per_kind():
         assert {"region", "layers", "stages", "compile_s", "graph_breaks", "cache_hit"} <= set(r), r
         assert r["graph_breaks"] == 0 and r["compile_s"] > 0 and isinstance(r["cache_hit"], bool), r
         assert r["stages"] == ("head" if r["region"] == "head" else "post+pre+core")
+        # with the kernel's ops in C++ a graph's wrapper is C++ too: its calls run no Python (counting_backend)
+        assert r["wrapper"] == ("C++" if cpu_kernel().ops else "Python"), r
     assert {r["region"]: r["layers"] for r in regions} == {
         "attn:window": [0], "attn:csa": [1, 3], "attn:hca": [2], "moe:hash": [0], "moe:routed": [1, 2, 3],
         "head": [4]}

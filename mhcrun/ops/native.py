@@ -1,4 +1,5 @@
-"""Building mhcrun's C++ sources (the fused GEMV kernel, the weight scan) into shared libraries, on first use.
+"""Building mhcrun's C++ sources (the fused GEMV kernel, the weight scan, the kernel's torch ops) into shared
+libraries, on first use.
 
 The caller names the compiler and the cache directory (a run's `Env`: `$CXX`, `$MHCRUN_KERNEL_CACHE`, read at the
 entry point). One file per source, compiler and flags, written atomically, so concurrent builders never see a
@@ -23,11 +24,24 @@ def compiler_id(cxx: str) -> str:
     return out.stdout
 
 
-def build(source: Path, cache: Path, cxx: str) -> Path:
-    """Compile `source` with `cxx` with OpenMP into `cache` (once per source, compiler and flags) and return the
-    shared library's path. A failed compile raises RuntimeError with the compiler's first line."""
+def torch_flags() -> tuple[str, ...]:
+    """The flags that build a library of torch ops against the torch this process runs: its headers, its C++ ABI,
+    its libraries (already loaded when torch.ops.load_library opens the result)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ("-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
+            "-lc10", "-ltorch_cpu", f"-DMHCRUN_TORCH={torch.__version__}")
+
+
+def build(source: Path, cache: Path, cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile `source` with `cxx` and `flags` (default: with OpenMP) into `cache` (once per source, compiler and
+    flags) and return the shared library's path. A failed compile raises RuntimeError with the compiler's first
+    line."""
     src = source.read_bytes()
-    key = hashlib.sha256(src + cxx.encode() + " ".join(FLAGS).encode() + compiler_id(cxx).encode())
+    key = hashlib.sha256(src + cxx.encode() + " ".join(flags).encode() + compiler_id(cxx).encode())
     path = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
@@ -35,7 +49,7 @@ def build(source: Path, cache: Path, cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cxx, str(source), *flags, "-o", tmp], capture_output=True, text=True, timeout=300)
         if res.returncode:
             err = (res.stderr.strip().splitlines() or ["no output"])[0]
             raise RuntimeError(f"{cxx} failed on {source.name}: {err}")

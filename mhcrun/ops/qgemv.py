@@ -47,6 +47,7 @@ from mhcrun.ops.qweight import QWeight
 from mhcrun.settings import Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
+TORCH_OPS = Path(__file__).with_name("torch_ops.cpp")
 RC_EXPERT = 8  # qgemv.cpp: a routed expert index outside its set
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
@@ -69,6 +70,7 @@ class CpuKernel:
     isa: int = 0
     why: str = ""
     gemm: int = 0
+    ops: str = ""  # the kernel's torch ops (`load_torch_ops`), loaded: compiled graphs call them, in C++ ("": none)
 
     @property
     def on(self) -> bool:
@@ -468,7 +470,34 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
     cap = CAPS.get(env.cpu_kernel, CAPS["amx"])
     isa = min(cap, best) if env.cpu_kernel in CAPS else default
     gemm = GEMMS["amx"] if amx and cap >= GEMMS["amx"] else GEMMS["avx512bf16"] if isa == ISAS["avx512bf16"] else 0
-    return CpuKernel(path, isa, gemm=gemm)
+    return CpuKernel(path, isa, gemm=gemm, ops=load_torch_ops(env))
+
+
+def load_torch_ops(env: Env) -> str:
+    """The kernel's GEMVs as C++ kernels of torch's dispatcher (torch_ops.cpp: `mhcrun::qgemv_native`,
+    `mhcrun::qgemv_expert_set_native`), built for this torch (once per source, compiler and torch) and loaded into the
+    process: the library's path, or "" where they cannot be built (compiled graphs then call the Python ops)."""
+    try:
+        path = str(native.build(TORCH_OPS, env.kernel_cache, env.cxx, native.torch_flags()))
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return ""
+    if not hasattr(torch.ops.mhcrun, "qgemv_native"):  # once a process: another build would define them twice
+        torch.ops.load_library(path)
+        torch.library.register_fake("mhcrun::qgemv_native")(qgemv_shape)
+        torch.library.register_fake("mhcrun::qgemv_expert_set_native")(expert_set_shape)
+    return path
+
+
+def qgemv_shape(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str,
+                isa: int) -> Tensor:
+    """What `mhcrun::qgemv` (and its C++ kernel) gives, empty: [M, G, out / G] fp32 for x3 [M, G, in] (fake kernel)."""
+    return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
+
+
+def expert_set_shape(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int,
+                     in_features: int, library: str, isa: int) -> Tensor:
+    """What `mhcrun::qgemv_expert_set` (and its C++ kernel) gives, empty: [B, k, out] fp32 for idx [B, k]."""
+    return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
 
 
 @functools.cache

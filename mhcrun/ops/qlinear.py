@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, ExpertSet, expert_set_shape, qgemv_shape
 from mhcrun.ops.quant import ACT_FP8_BLOCK as ACT_BLOCK
 from mhcrun.ops.quant import (
     E4M3_BITS,
@@ -388,9 +388,7 @@ def qgemv_op(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups:
     return _cpu_gemm(x3, QWeight(data, scale, block, kernel=True), groups, CpuKernel(library, isa)).contiguous()
 
 
-@qgemv_op.register_fake
-def _(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str, isa: int) -> Tensor:
-    return x3.new_empty(x3.shape[0], groups, data.shape[0] // groups, dtype=torch.float32)
+qgemv_op.register_fake(qgemv_shape)
 
 
 def experts_in_place(x: Tensor, s: ExpertSet, idx: Tensor, cpu: CpuKernel) -> Tensor:
@@ -413,10 +411,7 @@ def qgemv_expert_set(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, 
     return experts_in_place(x, s, idx, CpuKernel(library, isa))
 
 
-@qgemv_expert_set.register_fake
-def _(x: Tensor, ptrs: Tensor, idx: Tensor, fmt: int, kind: int, block: int, out_features: int, in_features: int,
-      library: str, isa: int) -> Tensor:
-    return x.new_empty(*idx.shape, out_features, dtype=torch.float32)
+qgemv_expert_set.register_fake(expert_set_shape)
 
 
 def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: bool = False,
@@ -428,9 +423,9 @@ def qlinear_gathered(x: Tensor, w: QWeight | ExpertSet, idx: Tensor, act_quant: 
         x = round_activation(x, cpu)
     xf = x.float()
     if isinstance(w, ExpertSet):  # eager calls it directly: a custom op's first call imports torch._dynamo (~1 s)
-        y = (torch.ops.mhcrun.qgemv_expert_set(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features, w.in_features,
-                                               cpu.library, cpu.isa) if torch.compiler.is_compiling()
-             else experts_in_place(xf, w, idx, cpu))
+        op = torch.ops.mhcrun.qgemv_expert_set_native if cpu.ops else torch.ops.mhcrun.qgemv_expert_set
+        y = (op(xf, w.ptrs, idx, w.fmt, w.kind, w.block, w.out_features, w.in_features, cpu.library, cpu.isa)
+             if torch.compiler.is_compiling() else experts_in_place(xf, w, idx, cpu))
         return y.to(x.dtype)
     ew = QWeight(w.data[idx], None if w.scale is None else w.scale[idx], w.block)  # [T, k, out, in']
     if ew.fmt != "float" and fused_fits(ew, 1):  # the dequantisation fused into the reduction
@@ -481,9 +476,9 @@ def matmul(xf: Tensor, w: QWeight, cpu: CpuKernel, groups: int = 1) -> Tensor:
     rows = xf.numel() // (groups * n_in)
     compiling = torch.compiler.is_compiling()
     fp32 = w.fmt == "float" and w.data.dtype == torch.float32
-    if compiling and cpu.takes(w, rows):
-        y = torch.ops.mhcrun.qgemv(xf.reshape(rows, groups, n_in), w.data, w.scale, w.block, groups, cpu.library,
-                                   cpu.isa)
+    if compiling and cpu.takes(w, rows):  # the C++ kernel of the op where the run loaded it (CpuKernel.ops)
+        op = torch.ops.mhcrun.qgemv_native if cpu.ops else torch.ops.mhcrun.qgemv
+        y = op(xf.reshape(rows, groups, n_in), w.data, w.scale, w.block, groups, cpu.library, cpu.isa)
         return y.reshape(*xf.shape[:-1], r)
     if groups == 1 and not fp32 and fused_fits(w, rows):
         return gemv_fused(xf.reshape(rows, 1, n_in), w).reshape(*xf.shape[:-1], r)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config
 
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
@@ -38,6 +39,7 @@ class GraphStats:
     compile_s: float = 0.0
     cache_hits: int = 0
     fallback: str | None = None  # the compile error, when it runs eagerly
+    wrapper: str = ""  # the language of its compiled wrapper (`counting_backend`): "C++" or "Python"
     first_call_s: float | None = None  # its first call's wall time: trace, compile and run
 
 
@@ -72,14 +74,15 @@ class CompiledGroup:
     """One compiled function of a region kind (`fn(module, *args)`): compiled once, called for every layer of
     the kind with that layer's module."""
 
-    def __init__(self, stats: GraphStats, fn: Callable, backend: str | None, mode: str | None):
+    def __init__(self, stats: GraphStats, fn: Callable, backend: str | None, mode: str | None,
+                 cpp_wrapper: bool = False):
         self.stats, self.eager = stats, fn
         if backend is None:
             self.fn = fn
             return
         name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
-        self.fn = torch.compile(region_function(fn, name), backend=counting_backend(backend, stats), mode=mode,
-                                dynamic=False, fullgraph=True)
+        self.fn = torch.compile(region_function(fn, name), backend=counting_backend(backend, stats, cpp_wrapper),
+                                mode=mode, dynamic=False, fullgraph=True)
 
     def __call__(self, *args):
         if self.stats.first_call_s is None:
@@ -104,15 +107,20 @@ class CompiledGroup:
             return self.eager(*args)
 
 
-def counting_backend(backend: str, stats: GraphStats) -> Callable:
-    """Wrap a torch.compile backend to count the graphs it compiles, their compile time and cache hits."""
+def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False) -> Callable:
+    """Wrap a torch.compile backend to count the graphs it compiles, their compile time and cache hits.
+    `cpp_wrapper`: inductor writes each graph's wrapper (the code that allocates its buffers and calls its kernels and
+    ops) in C++ rather than Python: with the kernel's ops in C++ (`CpuKernel.ops`) a call of the graph then runs no
+    Python (BENCHMARKS.md: 15-25% off a CPU decode step; a cold compile takes longer)."""
     inner = torch._dynamo.lookup_backend(backend)
+    stats.wrapper = "C++" if cpp_wrapper else "Python"
 
     def count(gm, example_inputs):
         stats.graphs += 1
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         t0 = time.perf_counter()
-        out = inner(gm, example_inputs)
+        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+            out = inner(gm, example_inputs)
         stats.compile_s += time.perf_counter() - t0
         stats.cache_hits += torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - hits
         return out
@@ -173,6 +181,8 @@ class RegionDecoder:
             block.ffn.gather_experts()
         self.rows = torch.arange(model.max_batch, device=model.device)
         self.backend = None if mode == "eager" else backend
+        # on CPU, where the run loaded the kernel's ops in C++, the graphs' wrappers are C++ too (`counting_backend`)
+        self.cpp_wrapper = backend == "inductor" and model.device.type == "cpu" and bool(model.opts.cpu.ops)
         self.cg_mode = "reduce-overhead" if cuda_graphs else None
         self.layers_of: dict[str, list[int]] = {"head": [len(model.layers)]}
         for i, kinds in enumerate(model.region_kinds):
@@ -183,13 +193,14 @@ class RegionDecoder:
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
             self.stats.append(self.step_stats)
-            self.step_fn = torch.compile(Transformer.forward, backend=counting_backend(backend, self.step_stats),
+            self.step_fn = torch.compile(Transformer.forward,
+                                         backend=counting_backend(backend, self.step_stats, self.cpp_wrapper),
                                          dynamic=False, fullgraph=True)
 
     def group(self, kind: str, stages: str, fn: Callable) -> CompiledGroup:
         stats = GraphStats(kind, stages, self.layers_of[kind])
         self.stats.append(stats)
-        return CompiledGroup(stats, fn, self.backend, self.cg_mode)
+        return CompiledGroup(stats, fn, self.backend, self.cg_mode, self.cpp_wrapper)
 
     def run(self, kind: str, fn: Callable, module, *args) -> torch.Tensor:
         """`Transformer.forward`'s regions: fn(module, *args) through its kind's compiled function (made on the
@@ -266,6 +277,6 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
     regions = [{"region": s.region, "layers": s.layers, "stages": s.stages,
                 "compile_s": s.first_call_s or 0.0, "backend_compile_s": s.compile_s,
                 "graph_breaks": 0 if s.fallback is None else None, "cache_hit": s.cache_hits > 0,
-                "graphs": s.graphs, "fallback": s.fallback} for s in dec.stats]
+                "graphs": s.graphs, "fallback": s.fallback, "wrapper": s.wrapper} for s in dec.stats]
     return {"backend": backend, "stages": stages, "graphs": dec.graph_count(), "layers": len(model.layers),
             "batch": batch, "context": context, "total_s": total_s, "regions": regions}
