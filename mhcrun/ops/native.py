@@ -28,12 +28,12 @@ def torch_flags() -> tuple[str, ...]:
     """The flags that build a library of torch ops against the torch this process runs: its headers, its C++ ABI,
     its libraries (already loaded when torch.ops.load_library opens the result)."""
     import torch
-    from torch.utils import cpp_extension
 
+    root = Path(torch.__file__).parent  # torch.utils.cpp_extension's paths for CPU, without importing setuptools
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ("-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
-            "-lc10", "-ltorch_cpu", f"-DMHCRUN_TORCH={torch.__version__}")
+    return ("-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-L{root / 'lib'}", "-lc10",
+            "-ltorch_cpu", f"-DMHCRUN_TORCH={torch.__version__}")
 
 
 def build(source: Path, cache: Path, cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:

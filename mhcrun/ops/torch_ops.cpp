@@ -13,7 +13,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <c10/core/DispatchKeySet.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
