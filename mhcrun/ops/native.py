@@ -8,6 +8,7 @@ partial library.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 
 
+@functools.cache  # asked once a process per compiler: every build (the kernel, its torch ops, the scan) keys on it
 def compiler_id(cxx: str) -> str:
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True)
     return out.stdout

@@ -1,14 +1,15 @@
 // mhcrun's CPU GEMV ops as C++ kernels of torch's dispatcher, for compiled graphs: `mhcrun::qgemv_native` and
-// `mhcrun::qgemv_expert_set_native`, the Python ops `mhcrun::qgemv` and `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear)
-// in C++, with their arguments (their fake kernels, the shapes they give: mhcrun.ops.qgemv). A graph that inductor compiles with its
-// C++ wrapper calls them without entering Python: a decode step's ~50 GEMVs then cost no Python calls at all.
+// `mhcrun::qgemv_expert_set_native` are the Python ops `mhcrun::qgemv` and `mhcrun::qgemv_expert_set`
+// (mhcrun.ops.qlinear) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A
+// graph that inductor compiles with its C++ wrapper calls them without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
 // through dlopen. They do the common case only: the kernel's one call on arguments of the shapes it reads. Anything
 // else (a declined call: a thread that flushes subnormals; an index outside the expert set; x of another shape) is
 // handed to the Python op, which gives the result or the error the Python path gives, so each rule lives there once.
 //
-// Built by mhcrun.ops.native.build_torch_ops against the torch it runs with, loaded by torch.ops.load_library.
+// Built by mhcrun.ops.qgemv.load_torch_ops (mhcrun.ops.native.build with native.torch_flags: against the torch it
+// runs with), loaded by torch.ops.load_library.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -82,8 +83,8 @@ at::Tensor qgemv_native(const at::Tensor& x3, const at::Tensor& data, const std:
     }
     at::Tensor y = at::empty({m, n}, x3.options().dtype(at::kFloat));
     auto fn = reinterpret_cast<QgemvFn>(entry(std::string(library), "mhc_qgemv"));
-    if (fn(fmt, w.data_ptr(), s.defined() ? s.data_ptr() : nullptr, kind, x.data_ptr<float>(), y.data_ptr<float>(), m, n,
-           k, block, groups, static_cast<int>(isa), at::get_num_threads()))
+    if (fn(fmt, w.data_ptr(), s.defined() ? s.data_ptr() : nullptr, kind, x.data_ptr<float>(), y.data_ptr<float>(),
+           m, n, k, block, groups, static_cast<int>(isa), at::get_num_threads()))
         return python_qgemv(x3, data, scale, block, groups, library, isa);
     return y.view({m, groups, n / groups});
 }
