@@ -226,35 +226,60 @@ class Compressor(nn.Module):
         r, s = self.ratio, x.size(1)
         kv, raw = self.wkv(x.float()), self.wgate(x.float())
         opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
-        if opens and not self.keep_chunk and not torch.compiler.is_compiling() and self.opts.cpu.open_group(
-                self.kv_state, self.score_state, rows, kv, raw, self.ape, start, r, r if self.overlap else 0):
-            return  # the run's kernel did the step below in one call
-        pos = start.view(-1, 1) + torch.arange(s, device=x.device)
+        fast = not self.keep_chunk and not torch.compiler.is_compiling()  # the run's kernel may do a step in one call
+        if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
+                                                       start, r, r if self.overlap else 0):
+            return
+        closed = self.close_one(rows, kv, raw, start) if fast and not static and not opens and s == 1 else None
+        if closed is None:
+            closed = self.close(kv, raw, rows, start, opens, static)
+        if closed is None:
+            return
+        at, slot, first, pooled = closed
+        cos, sin = self.rope.at(first)
+        out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
+                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotation)
+        self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
+
+    def close_one(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor,
+                  start: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`close` for a decode step in which some row's token closes its group, by the run's kernel in one call
+        (`CpuKernel.close_group`, the pooling within rounding); None where it does not apply (nothing written)."""
+        done = self.opts.cpu.close_group(self.kv_state, self.score_state, rows, kv, raw, self.ape, start, self.ratio,
+                                         self.ratio if self.overlap else 0)
+        if done is None:
+            return None
+        pooled, closed = done
+        slot = start // self.ratio
+        if not bool(closed.all()):  # rows at other positions: only the closed groups
+            rows, slot, pooled = rows[closed], slot[closed], pooled[closed]
+        return rows, slot, slot * self.ratio, pooled
+
+    def close(self, kv: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, opens: bool,
+              static: bool) -> tuple[torch.Tensor, ...] | None:
+        """The chunk's tokens into the state; -> the groups it closes as (state rows, entry slots, their first
+        positions, pooled [..., hd]) to finish and store (with `static` every group of the buffer, an open one pooled
+        as zeros into the spare slot at position 0), or None when it closes none."""
+        r, s = self.ratio, kv.size(1)
+        pos = start.view(-1, 1) + torch.arange(s, device=kv.device)
         score = raw + self.ape[pos % r]
         if self.keep_chunk:  # `snapshot.rewind_span` rebuilds the state after a prefix of the chunk from them
             self.chunk = (kv, score)
         if opens:
             add_to_open_group(self.kv_state, self.score_state, rows, kv, score, start, r, self.overlap)
-            return
+            return None
         fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
         kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
         score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
         pooled, closed, entry, self.kv_state[rows], self.score_state[rows] = compress_chunk(
             kv_state, score_state, kv, score, start, r, self.overlap)
         if static:  # [b, G]
-            at, slot = rows.view(-1, 1), torch.where(closed, entry, self.n_entries)
-            first = torch.where(closed, entry, 0) * r
-            pooled = pooled.masked_fill(~closed.unsqueeze(-1), 0.0)
-        else:  # [n]: the closed groups only
-            if not bool(closed.any()):
-                return
-            bi, gi = closed.nonzero(as_tuple=True)
-            at, slot, pooled = rows[bi], entry[bi, gi], pooled[bi, gi]
-            first = slot * r
-        cos, sin = self.rope.at(first)
-        out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotation)
-        self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
+            return (rows.view(-1, 1), torch.where(closed, entry, self.n_entries), torch.where(closed, entry, 0) * r,
+                    pooled.masked_fill(~closed.unsqueeze(-1), 0.0))
+        if not bool(closed.any()):  # [n]: the closed groups only
+            return None
+        bi, gi = closed.nonzero(as_tuple=True)
+        return rows[bi], entry[bi, gi], entry[bi, gi] * r, pooled[bi, gi]
 
 
 def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
@@ -301,8 +326,9 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (entry indices, valid) [b, s, min(topk, n)]: each query's top-k closed entries (tie rule in
-        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go. n: the
-        entries the chunk's queries may see, or with `static` every entry slot in one slice."""
+        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go (in CPU eager
+        decode the run's kernel scores and selects in one call: `CpuKernel.index_topk`, the scores within rounding).
+        n: the entries the chunk's queries may see, or with `static` every entry slot in one slice."""
         b, s = x.shape[:2]
         q = self.queries(qr, cos, sin)
         self.compressor(x, rows, start, static)
@@ -315,7 +341,13 @@ class Indexer(nn.Module):
             keys = cache.read((rows.view(-1, 1), torch.arange(j0, j1, device=x.device)), q.dtype)
             return all_reduce(index_scores(q, keys, w), self.opts.tp)  # every rank's heads, before the top-k
 
-        return select_topk_sliced(score_slice, n, closed, self.topk, n if static else entry_step(b * s, self.n_heads))
+        def fast() -> tuple[torch.Tensor, torch.Tensor] | None:  # not under --tp: the ranks' scores meet first
+            if self.opts.tp.world > 1 or cache.fmt.kind != "fp4":
+                return None
+            return self.opts.cpu.index_topk(q, w, cache.fp4, cache.scale, rows, closed, n, self.topk, INDEX_FP4_BLOCK)
+
+        return eager_first(fast, lambda: select_topk_sliced(score_slice, n, closed, self.topk,
+                                                            n if static else entry_step(b * s, self.n_heads)))
 
 
 class Attention(nn.Module):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_kernel, gemm_in, kernel_in
+from conftest import KERNEL_ISAS, cpu_kernel, gemm_in, kernel_in
 from test_qlinear import (
     assert_gemm_close,
     fp4_weight,
@@ -32,6 +32,7 @@ from test_qlinear import (
 
 from mhcrun.ops import native, qgemv
 from mhcrun.ops.attention import sparse_attn
+from mhcrun.ops.index import index_scores, select_topk
 from mhcrun.ops.qgemv import CpuKernel, expert_set, open_cpu_kernel
 from mhcrun.ops.qlinear import dequantize, qlinear
 from mhcrun.ops.quant import float_to_e8m0, fp8_simulate
@@ -1051,6 +1052,51 @@ def test_open_group_step_in_one_call(overlap, starts, s):
     assert not cpu_kernel("0").open_group(kv_state, score_state, rows, kv, raw, ape, start, r, lead)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("starts", [[3], [7, 131], [11, 3], [5, 7]])
+def test_close_group_step_in_one_call(overlap, starts):
+    """CpuKernel.close_group is the decode step that closes each row's group (Compressor.forward through
+    compress.compress_chunk): the pooled groups within rounding of the softmax and sum (with overlap the previous
+    group's first half of the channels, then this group's second half), the new state bitwise (the closed group kept as
+    the previous one, the open group emptied; a row whose group stays open given its token only), the other rows
+    untouched; rows out of order, the first group, a group past a window, rows at other positions in a group. It refuses a step that closes no group, a row twice, other dtypes and the kernel off."""
+    from mhcrun.ops.compress import compress_chunk
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    r, c, g = 4, 24, gen(77 + len(starts))
+    if not overlap:
+        r, starts = 8, [2 * p + 1 for p in starts]  # the last token of a group of 8
+    lead = r if overlap else 0
+    start = torch.tensor(starts)
+    rows = torch.tensor([2, 0][:len(starts)])
+    kv_state, score_state = torch.randn(3, lead + r, c, generator=g), torch.randn(3, lead + r, c, generator=g)
+    kv, raw = torch.randn(len(starts), 1, c, generator=g), torch.randn(len(starts), 1, c, generator=g)
+    ape = torch.randn(r, c, generator=g)
+    score = raw + ape[start.view(-1, 1) % r]
+    pooled, closed, entry, new_kv, new_score = compress_chunk(kv_state[rows], score_state[rows], kv, score, start, r,
+                                                              overlap)
+    want_kv, want_score = kv_state.clone(), score_state.clone()
+    want_kv[rows], want_score[rows] = new_kv, new_score
+    shut = closed.any(1)
+    want = torch.zeros(len(starts), want_kv.shape[-1] // (2 if overlap else 1))
+    want[shut] = pooled[closed]
+    assert torch.equal(entry[closed], start[shut] // r)
+    got = k.close_group(kv_state, score_state, rows, kv, raw, ape, start, r, lead)
+    assert got is not None and torch.equal(got[1], shut) and got[0].shape == want.shape
+    torch.testing.assert_close(got[0], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)
+    none = start.clone()
+    none[shut] += 1
+    assert k.close_group(kv_state, score_state, rows, kv, raw, ape, none, r, lead) is None  # closes none
+    assert k.close_group(kv_state, score_state, torch.tensor([1, 1]), kv.expand(2, 1, c).contiguous(),
+                         raw.expand(2, 1, c).contiguous(), ape, start[:1].expand(2), r, lead) is None  # a row twice
+    assert k.close_group(kv_state, score_state, rows, kv.double(), raw, ape, start, r, lead) is None
+    assert cpu_kernel("0").close_group(kv_state, score_state, rows, kv, raw, ape, start, r, lead) is None
+    assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)  # the refusals wrote nothing
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
     a stream comes out NaN where the reference puts it."""
@@ -1310,6 +1356,93 @@ def test_kv_fp4_decodes_entries_bitwise(lead, k):
     assert kern.kv_fp4(packed, scale.bfloat16(), 32) is None
     assert kern.kv_fp4(packed, scale, 8) is None  # scales for another block
     assert cpu_kernel("0").kv_fp4(packed, scale, 32) is None
+
+
+def index_case(b: int, s: int, h: int, d: int, n_rows: int, length: int, exact: bool, seed: int):
+    """q [b, s, h, d], w [b, s, h] and an fp4 index-key cache (packed, scale) [n_rows, length, ...]. `exact`: values
+    whose every product and sum is exact in fp32 in any order (small integers, power-of-two scales and weights),
+    every other key zero (scores exactly 0) and keys repeated (equal scores): ties."""
+    g = gen(seed)
+    packed = torch.randint(0, 256, (n_rows, length, d // 2), generator=g, dtype=torch.uint8)
+    if exact:
+        packed[:, ::2] = 0  # every other key is zero: its score is exactly 0
+        twins = len(range(3, length, 4))
+        packed[:, 3::4] = packed[:, 1::4][:, :twins]  # and keys repeated: equal scores
+        q = torch.randint(-6, 3, (b, s, h, d), generator=g).float()
+        scale = 2.0 ** torch.randint(-3, 3, (n_rows, length, -(-d // 32)), generator=g).float()
+        scale[:, 3::4] = scale[:, 1::4][:, :twins]
+        w = 2.0 ** torch.randint(-2, 2, (b, s, h), generator=g).float() * (torch.rand(b, s, h, generator=g) - 0.2).sign()
+    else:
+        q = torch.randn(b, s, h, d, generator=g)
+        scale = 2.0 ** torch.randint(-20, 20, (n_rows, length, -(-d // 32)), generator=g).float()
+        w = torch.randn(b, s, h, generator=g)
+    return q, w, packed, scale
+
+
+def reference_index_topk(q, w, packed, scale, rows, closed, n, topk):
+    """mhcrun.ops.index on the decoded keys: (entries, valid) and the scores [b, s, n]."""
+    from mhcrun.ops import kvcache
+
+    keys = kvcache.decode(kvcache.CacheFormat("fp4", q.shape[-1]), {"fp4": packed[rows, :n], "scale": scale[rows, :n]},
+                          torch.float32)
+    scores = index_scores(q, keys, w)
+    return (*select_topk(scores, torch.arange(n) < closed.unsqueeze(-1), topk), scores)
+
+
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("b, s, h, d, n, topk, closed", [
+    (1, 1, 16, 128, 37, 64, [[37]]),  # fewer entries than top-k: every one chosen
+    (1, 1, 16, 128, 200, 64, [[200]]),  # decode's shape past 800 tokens
+    (2, 1, 4, 64, 50, 16, [[50], [23]]),  # rows at different positions: the shorter one's tail invalid
+    (1, 3, 3, 96, 20, 8, [[18, 19, 20]]),  # a verify chunk of three queries; a partial fp4 block (96 = 3 x 32)
+    (2, 2, 2, 32, 9, 12, [[0, 1], [8, 9]]),  # a query that sees no entry: every slot invalid
+])
+def test_index_topk_is_select_topk_of_the_scores(isa, b, s, h, d, n, topk, closed):
+    """`CpuKernel.index_topk` (the indexer's scores and top-k in one call) against index_scores + select_topk on the
+    decoded cache: with exact values (every sum exact in any order; most scores tie at 0) the same entries in the same
+    order, bit for bit, the tie rule (lower entry first) deciding the ties (a higher-entry-first rule would give other
+    entries: the check refuses it); with random values the chosen entries' reference scores are the reference's top
+    scores within rounding, and the validity the same."""
+    kern = kernel_in(isa)
+    rows, closed = torch.tensor([2, 0][:b]), torch.tensor(closed)
+    for exact in (True, False):
+        q, w, packed, scale = index_case(b, s, h, d, 3, n + 5, exact, seed=31 * n + s)
+        got = kern.index_topk(q, w, packed, scale, rows, closed, n, topk, 32)
+        assert got is not None
+        ent, val, scores = reference_index_topk(q, w, packed, scale, rows, closed, n, topk)
+        assert torch.equal(got[1], val)
+        if exact:
+            assert torch.equal(got[0], ent)
+            seen = torch.arange(n) < closed.unsqueeze(-1)
+            if seen.sum() > topk:  # ties are there to decide at the top-k's edge: the other rule is refused
+                back, back_valid = select_topk(scores.flip(-1), seen.flip(-1), topk)  # higher entries first
+                assert not torch.equal(torch.where(back_valid, n - 1 - back, 0), got[0])
+        else:
+            chosen = torch.where(val, scores.gather(-1, got[0]), 0.0)
+            best = torch.where(val, scores.gather(-1, ent), 0.0)
+            torch.testing.assert_close(chosen, best, rtol=1e-5, atol=1e-5)
+
+
+def test_index_topk_declines_what_it_does_not_take():
+    """NaN scores (the reference's keys order NaN), rows or entries outside the cache, other dtypes, more queries
+    than decode's and the kernel off: None, the caller taking the reference."""
+    kern = cpu_kernel()
+    if not kern.on:
+        pytest.skip(kern.status())
+    q, w, packed, scale = index_case(1, 1, 4, 64, 2, 10, False, seed=5)
+    rows, closed = torch.tensor([1]), torch.tensor([[10]])
+    assert kern.index_topk(q, w, packed, scale, rows, closed, 10, 4, 32) is not None
+    nan = q.clone()
+    nan[0, 0, 1, 3] = float("nan")
+    assert kern.index_topk(nan, w, packed, scale, rows, closed, 10, 4, 32) is None
+    assert kern.index_topk(q, w, packed, scale, torch.tensor([2]), closed, 10, 4, 32) is None  # row 2 of 2
+    assert kern.index_topk(q, w, packed, scale, rows, closed, 11, 4, 32) is None  # 11 entries of 10
+    assert kern.index_topk(q.bfloat16(), w, packed, scale, rows, closed, 10, 4, 32) is None
+    assert kern.index_topk(q, w, packed, scale[..., :1], rows, closed, 10, 4, 32) is None
+    many = q.expand(1, qgemv.MAX_ROWS + 1, 4, 64)
+    assert kern.index_topk(many, w.expand(1, qgemv.MAX_ROWS + 1, 4), packed, scale, rows,
+                           closed.expand(1, qgemv.MAX_ROWS + 1), 10, 4, 32) is None
+    assert cpu_kernel("0").index_topk(q, w, packed, scale, rows, closed, 10, 4, 32) is None
 
 
 def test_window_mask_is_the_reference():

@@ -132,7 +132,8 @@ def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: b
     return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
 
 
-KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, "attend")}  # as defined
+ROUNDING_STEPS = ("attend", "index_topk", "close_group")  # within rounding of their references (sums in another order)
+KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined
 
 
 def small_steps(monkeypatch, names: tuple[str, ...], on: bool) -> dict[str, int]:
@@ -158,7 +159,7 @@ def test_eager_decode_bitwise_small_steps_give_the_torch_ops_logits(tiny_fp8, mo
     window's edge (16) and the compressors' group edges (4, 16)."""
     if not cpu_kernel().on:
         pytest.skip(f"CPU kernel {cpu_kernel().status()}")
-    small_steps(monkeypatch, ("attend",), on=False)
+    small_steps(monkeypatch, ROUNDING_STEPS, on=False)
     calls = small_steps(monkeypatch, BITWISE_STEPS, on=True)
     fast = decode_logits(tiny_fp8, DECODE_PROMPTS, 30)
     assert all(calls.values()), calls  # every one-call step ran
@@ -169,18 +170,23 @@ def test_eager_decode_bitwise_small_steps_give_the_torch_ops_logits(tiny_fp8, mo
 
 
 @torch.inference_mode()
-def test_eager_decode_attention_call_is_within_rounding(tiny_fp8, monkeypatch):
-    """The one-call attention (`CpuKernel.attend`) against sparse_attn inside the model's decode: without the FP8
+@pytest.mark.parametrize("name", ROUNDING_STEPS)
+def test_eager_decode_rounding_calls_are_within_rounding(tiny_fp8, monkeypatch, name):
+    """The one-call attention (`CpuKernel.attend`) against sparse_attn, the indexer's one-call scores and top-k
+    (`CpuKernel.index_topk`) against index_scores + select_topk, and a compressor's one-call group close
+    (`CpuKernel.close_group`) against compress_chunk, inside the model's decode: without the FP8
     simulation (which can turn a last-bit difference into a flipped FP8 rounding, as any summation order can:
     docs/quantized.md) the logits stay within rounding over 30 steps of 2 rows across the window's and the groups'
     edges; with it, the first steps agree as closely."""
     if not cpu_kernel().on:
         pytest.skip(f"CPU kernel {cpu_kernel().status()}")
     for quant_sim, steps in ((False, 30), (True, 8)):
-        calls = small_steps(monkeypatch, ("attend",), on=True)
+        if not quant_sim and name == "index_topk":  # the plain key cache (no FP4) takes the reference
+            continue
+        calls = small_steps(monkeypatch, (name,), on=True)
         fast = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
-        assert calls["attend"] > 0
-        small_steps(monkeypatch, ("attend",), on=False)
+        assert calls[name] > 0
+        small_steps(monkeypatch, (name,), on=False)
         ref = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
         for step, (f, r) in enumerate(zip(fast, ref, strict=True)):
             torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")

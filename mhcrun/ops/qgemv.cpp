@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <immintrin.h>
 #include <new>
 #include <sys/syscall.h>
@@ -1684,6 +1685,66 @@ int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int
     return 0;
 }
 
+// The indexer's scores and top-k of a few queries over the fp4 index-key cache (mhcrun.model.Indexer.forward:
+// index_scores, then select_topk's tie rule) in one call: q [b, s, h, d] fp32 (the rounded queries), w [b, s, h] fp32
+// (the heads' weights), the cache packed [n_rows, len, d / 2] uint8 and scale [n_rows, len, ceil(d / block)] fp32 of
+// which rows[i] is batch row i's; query (i, t) scores entries j < n: score = sum over heads, in head order, of
+// relu(q_h . key_j) * w_h (each key decoded bitwise as mhc_kv_fp4_decode; the dot products within rounding of torch's:
+// sixteen lanes with isa >= 2, else eight), entries j >= closed[i, t] invalid. -> entries [b, s, kk] int64 and valid
+// [b, s, kk] (bool bytes), kk = min(topk, n), as select_topk gives them: by rank key (the score's order, -0.0 as 0.0,
+// then the lower entry first), largest first; an invalid slot is entry 0, not valid. Returns 6 for a row or n outside
+// the cache, 7 for a NaN score (the caller then takes torch's path, whose keys order NaN), 4 out of memory, 5 where the
+// thread flushes subnormals.
+int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const float* scale, const int64_t* rows,
+                   const int64_t* closed, int64_t* entries, uint8_t* valid, int64_t b, int64_t s, int64_t h, int64_t d,
+                   int64_t n_rows, int64_t len, int64_t n, int64_t topk, int64_t block, int isa) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    if (flushes_denormals()) return 5;
+    if (n < 1 || n > len || d % 2) return 6;
+    for (int64_t i = 0; i < b; i++)
+        if (rows[i] < 0 || rows[i] >= n_rows) return 6;
+    const int64_t sb = (d + block - 1) / block, kk = topk < n ? topk : n;
+    constexpr int64_t INVALID = INT64_MIN, LOW = 0xFFFFFFFFLL;
+    std::vector<float> keys;
+    std::vector<int64_t> rank;
+    try {
+        keys.resize(n * d);
+        rank.resize(n);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    for (int64_t i = 0; i < b; i++) {
+        const int64_t row = rows[i] * len;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t c0 = 0, g = 0; c0 < d; c0 += block, g++)
+                decode_block(FMT_FP4, isa, packed + (row + j) * (d / 2), keys.data() + j * d, c0,
+                             c0 + block < d ? c0 + block : d, scale[(row + j) * sb + g]);
+        for (int64_t t = 0; t < s; t++) {
+            const int64_t qi = i * s + t;
+            for (int64_t j = 0; j < n; j++) {
+                float score = 0.0f;
+                for (int64_t hh = 0; hh < h; hh++) {
+                    const float dp = dot(q + (qi * h + hh) * d, keys.data() + j * d, d, isa >= 2);
+                    score += (dp < 0.0f ? 0.0f : dp) * w[qi * h + hh];  // relu, NaN kept
+                }
+                if (std::isnan(score)) return 7;
+                const int32_t bits = static_cast<int32_t>(bits_of(score + 0.0f));  // + 0.0 turns -0.0 into 0.0
+                const int32_t order = bits ^ ((bits >> 31) & 0x7FFFFFFF);  // in the floats' order
+                rank[j] = j < closed[qi] ? static_cast<int64_t>(static_cast<uint64_t>(static_cast<int64_t>(order))
+                                                                << 32) | (LOW - j)
+                                         : INVALID;
+            }
+            std::partial_sort(rank.begin(), rank.begin() + kk, rank.end(), std::greater<int64_t>());
+            for (int64_t m = 0; m < kk; m++) {
+                const bool ok = rank[m] != INVALID;
+                entries[qi * kk + m] = ok ? LOW - (rank[m] & LOW) : 0;
+                valid[qi * kk + m] = ok;
+            }
+        }
+    }
+    return 0;
+}
+
 // mhcrun.ops.attention.window_mask: which window keys each query of a chunk of s tokens at positions start[i] + [0, s)
 // sees -> out [b, s, window + s] (bool bytes): the ring's slots (slot j holds the latest position before start that is
 // j mod window) within the query's window, then the chunk's own entries t' <= t within it.
@@ -1720,6 +1781,63 @@ int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, con
             std::memcpy(kv_state + at, kv + (i * s + t) * c, sizeof(float) * c);
             for (int64_t e = 0; e < c; e++) score_state[at + e] = sc[e] + bias[e];
         }
+    return 0;
+}
+
+// A compressor's decode step in which a row's token closes its group (mhcrun.model.Compressor.forward: one token a
+// row, at position start[i] >= 1; the rows whose token closes its group, start[i] % ratio == ratio - 1, say so in
+// closed [b] (bool bytes); at least one does, or the caller's one-call open step applies), on the state rows rows[i]
+// of kv_state, score_state [n_rows, len, c] (len = lead + ratio) as mhcrun.ops.compress.compress_chunk leaves them:
+// each token into its slot as mhc_open_group puts it; a closed group pooled into pooled [b, c / (lead ? 2 : 1)] (per
+// channel, the softmax over the group's slots of the score weighting kv, in fp32: within rounding of torch's softmax
+// and sum; with overlap (lead = ratio) the slots [0, ratio) of the previous group's first c / 2 channels, then the
+// slots [ratio, 2 ratio) of this group's second half; zeros for a row that closes none), and its state moved on: the
+// last `lead` slots become the first, the open group's slots zero kv and -inf score. 6 where a state row (or a row
+// twice) or a start does not fit, or no row closes (nothing written).
+int mhc_close_group(float* kv_state, float* score_state, const int64_t* rows, const float* kv, const float* score,
+                    const float* ape, const int64_t* start, float* pooled, uint8_t* closed, int64_t b, int64_t c,
+                    int64_t n_rows, int64_t len, int64_t ratio, int64_t lead) {
+    if (len != lead + ratio || (lead && lead != ratio) || (lead && c % 2)) return 6;
+    bool any = false;
+    for (int64_t i = 0; i < b; i++) {
+        if (rows[i] < 0 || rows[i] >= n_rows || start[i] < 1) return 6;
+        for (int64_t j = 0; j < i; j++)
+            if (rows[j] == rows[i]) return 6;
+        any |= start[i] % ratio == ratio - 1;
+    }
+    if (!any) return 6;
+    const int64_t d = lead ? c / 2 : c, span = lead + ratio;
+    for (int64_t i = 0; i < b; i++) {
+        float* ks = kv_state + rows[i] * len * c;
+        float* ss = score_state + rows[i] * len * c;
+        const int64_t at = (lead + start[i] % ratio) * c;
+        const float* bias = ape + (start[i] % ratio) * c;
+        std::memcpy(ks + at, kv + i * c, sizeof(float) * c);
+        for (int64_t e = 0; e < c; e++) ss[at + e] = score[i * c + e] + bias[e];
+        closed[i] = start[i] % ratio == ratio - 1;
+        if (!closed[i]) {
+            std::fill(pooled + i * d, pooled + (i + 1) * d, 0.0f);
+            continue;
+        }
+        for (int64_t e = 0; e < d; e++) {
+            float mx = -INFINITY;  // slot m's channel: the first half in the previous group's slots, else the second
+            for (int64_t m = 0; m < span; m++) mx = std::fmax(mx, ss[m * c + (lead && m >= lead ? d : 0) + e]);
+            float sum = 0.0f, acc = 0.0f;
+            for (int64_t m = 0; m < span; m++) {
+                const int64_t ch = m * c + (lead && m >= lead ? d : 0) + e;
+                const float p = std::exp(ss[ch] - mx);
+                sum += p;
+                acc += ks[ch] * p;
+            }
+            pooled[i * d + e] = acc / sum;
+        }
+        std::memmove(ks, ks + ratio * c, sizeof(float) * lead * c);
+        std::memmove(ss, ss + ratio * c, sizeof(float) * lead * c);
+        for (int64_t m = lead * c; m < len * c; m++) {
+            ks[m] = 0.0f;
+            ss[m] = -INFINITY;
+        }
+    }
     return 0;
 }
 

@@ -400,6 +400,34 @@ class CpuKernel:
                                                           block, 2 if self.isa >= 2 else 0)
         return None if rc else out
 
+    def index_topk(self, q: Tensor, w: Tensor, packed: Tensor, scale: Tensor, rows: Tensor, closed: Tensor, n: int,
+                   topk: int, block: int) -> tuple[Tensor, Tensor] | None:
+        """The indexer's scores and top-k over its fp4 key cache in one call (`mhc_index_topk`): q [b, s, h, d] fp32,
+        w [b, s, h] fp32, the cache's parts packed uint8 [B, L, d / 2] and scale fp32 [B, L, ceil(d / block)] read at
+        rows [b] (int64), entries j < n scored, j < closed [b, s] valid -> (entries int64, valid bool) [b, s,
+        min(topk, n)] as `index.select_topk` of `index.index_scores` gives them (the tie rule; the scores within
+        rounding: the dot products summed in another order), for decode's few queries (at most MAX_ROWS); None where
+        it does not apply (a NaN score included: the caller then takes the reference)."""
+        ts = (q, w, scale)
+        if not self.on or q.dim() != 4 or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) \
+                or packed.dtype != torch.uint8 or packed.device.type != "cpu" or rows.dtype != torch.int64 \
+                or closed.dtype != torch.int64:
+            return None
+        b, s, h, d = q.shape
+        if not 0 < b * s <= MAX_ROWS or packed.dim() != 3 or not 0 < n <= packed.shape[1] or topk < 1 \
+                or w.shape != (b, s, h) or rows.shape != (b,) or closed.shape != (b, s) \
+                or packed.shape[2] * 2 != d or scale.shape != (*packed.shape[:2], -(-d // block)):
+            return None
+        q, w, packed, scale, rows, closed = (t.contiguous() for t in (q, w, packed, scale, rows, closed))
+        kk = min(topk, n)
+        entries, valid = torch.empty(b, s, kk, dtype=torch.int64), torch.empty(b, s, kk, dtype=torch.bool)
+        rc = load_library(self.library).mhc_index_topk(q.data_ptr(), w.data_ptr(), packed.data_ptr(),
+                                                       scale.data_ptr(), rows.data_ptr(), closed.data_ptr(),
+                                                       entries.data_ptr(), valid.data_ptr(), b, s, h, d,
+                                                       packed.shape[0], packed.shape[1], n, topk, block,
+                                                       min(self.isa, 2))
+        return None if rc else (entries, valid)
+
     def open_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor, ape: Tensor,
                    start: Tensor, ratio: int, lead: int) -> bool:
         """A compressor's decode step that closes no group in one call (`mhc_open_group`), bitwise: score + ape[p %
@@ -417,6 +445,30 @@ class CpuKernel:
         return load_library(self.library).mhc_open_group(
             kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(), kv.data_ptr(), score.data_ptr(),
             ape.data_ptr(), start.data_ptr(), b, s, c, kv_state.shape[0], kv_state.shape[1], ratio, lead) == 0
+
+    def close_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
+                    ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
+        """A compressor's decode step in which some row's token closes its group, in one call (`mhc_close_group`):
+        one token a row (kv, score [b, 1, c], score before the bias) at positions start [b] >= 1 into distinct state
+        rows `rows` [b] of the buffers [B, lead + ratio, c]; -> (pooled [b, c / (2 if lead else 1)], closed [b] bool:
+        the rows whose group closed, their pooled group; zeros elsewhere), the state as `compress.compress_chunk`
+        leaves it (the pooling within rounding of its softmax and sum). None where it does not apply (no row closes
+        included; then nothing was written)."""
+        ts = (kv_state, score_state, kv, score, ape)
+        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in ts) \
+                or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or kv.shape[1] != 1 \
+                or score.shape != kv.shape or kv_state.shape != score_state.shape or kv_state.dim() != 3 \
+                or kv_state.shape[-1] != kv.shape[-1] or ape.shape != (ratio, kv.shape[-1]) \
+                or rows.shape != (kv.shape[0],) or start.shape != (kv.shape[0],):
+            return None
+        b, _, c = kv.shape
+        rows, start = rows.contiguous(), start.contiguous()
+        pooled, closed = torch.empty(b, c // 2 if lead else c), torch.empty(b, dtype=torch.bool)
+        rc = load_library(self.library).mhc_close_group(
+            kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(), kv.data_ptr(), score.data_ptr(),
+            ape.data_ptr(), start.data_ptr(), pooled.data_ptr(), closed.data_ptr(), b, c, kv_state.shape[0],
+            kv_state.shape[1], ratio, lead)
+        return None if rc else (pooled, closed)
 
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
@@ -548,6 +600,10 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.mhc_kv_fp4_decode.restype = ctypes.c_int
     lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mhc_index_topk.restype = ctypes.c_int
+    lib.mhc_index_topk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int]
+    lib.mhc_close_group.restype = ctypes.c_int
+    lib.mhc_close_group.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
