@@ -1059,7 +1059,8 @@ def test_close_group_step_in_one_call(overlap, starts):
     compress.compress_chunk): the pooled groups within rounding of the softmax and sum (with overlap the previous
     group's first half of the channels, then this group's second half), the new state bitwise (the closed group kept as
     the previous one, the open group emptied; a row whose group stays open given its token only), the other rows
-    untouched; rows out of order, the first group, a group past a window, rows at other positions in a group. It refuses a step that closes no group, a row twice, other dtypes and the kernel off."""
+    untouched; rows out of order, the first group, a group past a window, rows at other positions in a group. It
+    refuses a step that closes no group, a row twice, other dtypes and the kernel off."""
     from mhcrun.ops.compress import compress_chunk
 
     k = cpu_kernel()
@@ -1371,7 +1372,8 @@ def index_case(b: int, s: int, h: int, d: int, n_rows: int, length: int, exact: 
         q = torch.randint(-6, 3, (b, s, h, d), generator=g).float()
         scale = 2.0 ** torch.randint(-3, 3, (n_rows, length, -(-d // 32)), generator=g).float()
         scale[:, 3::4] = scale[:, 1::4][:, :twins]
-        w = 2.0 ** torch.randint(-2, 2, (b, s, h), generator=g).float() * (torch.rand(b, s, h, generator=g) - 0.2).sign()
+        sign = (torch.rand(b, s, h, generator=g) - 0.2).sign()
+        w = 2.0 ** torch.randint(-2, 2, (b, s, h), generator=g).float() * sign
     else:
         q = torch.randn(b, s, h, d, generator=g)
         scale = 2.0 ** torch.randint(-20, 20, (n_rows, length, -(-d // 32)), generator=g).float()
