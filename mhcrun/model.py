@@ -414,18 +414,28 @@ class Attention(nn.Module):
         as the earlier chunks left it, then this chunk) plus its compressed entries: CSA's top-k gathered by
         index, HCA's closed entries (with `static`: every entry slot, under the mask)."""
         b, s, _ = x.shape
-        win, dev, dtype = self.window, x.device, x.dtype
-        pos = start.view(-1, 1) + torch.arange(s, device=dev)
+        pos = start.view(-1, 1) + torch.arange(s, device=x.device)
         cos, sin = self.rope.at(pos)  # [b, s, rd/2]
         qr, q, kv = self.project(x, cos, sin)
-        stored = encode_entries(self.opts.cpu, self.ring.fmt, kv)
-        kv = decode_entries(self.opts.cpu, self.ring.fmt, stored, dtype)  # what the cache gives back
-        ring = self.ring.read((rows,), dtype)  # [b, window, hd]
         chosen = valid = None
         if self.ratio == 4:
             chosen, valid = self.indexer(x, qr, rows, start, cos, sin, static)
         if self.ratio:
             self.compressor(x, rows, start, static)
+        o = eager_first(lambda: self.attend_one(q, kv, rows, start, chosen, valid),
+                        lambda: self.attend_chunk(q, kv, rows, start, pos, chosen, valid, static))
+        return self.output(o, cos, sin)
+
+    def attend_chunk(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                     pos: torch.Tensor, chosen: torch.Tensor | None, valid: torch.Tensor | None,
+                     static: bool) -> torch.Tensor:
+        """The chunk's kv into the ring; q [b, s, H, hd] attending to the window, kv [b, s, hd] (this chunk's, before
+        storage rounds it) and the compressed entries (CSA: `chosen` where `valid` [b, s, k]) -> o [b, s, H, hd]."""
+        b, s = q.shape[:2]
+        win, dev, dtype = self.window, q.device, q.dtype
+        stored = encode_entries(self.opts.cpu, self.ring.fmt, kv)
+        kv = decode_entries(self.opts.cpu, self.ring.fmt, stored, dtype)  # what the cache gives back
+        ring = self.ring.read((rows,), dtype)  # [b, window, hd]
         comp = comp_mask = None
         if self.ratio and self.ratio != 4:  # HCA: every closed entry
             n = self.compressor.n_entries if static else int((start + s).max()) // self.ratio
@@ -452,7 +462,22 @@ class Attention(nn.Module):
                                    self.scale, sel, sel_mask)
         last = slice(max(0, s - win), s)  # the chunk's last `window` tokens go into the ring
         self.ring.store((rows.view(-1, 1), pos[:, last] % win), {p: t[:, last] for p, t in stored.items()})
-        return self.output(o, cos, sin)
+        return o
+
+    def attend_one(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                   chosen: torch.Tensor | None, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """`attend_chunk` for a decode step (one token a row) by the run's kernel in one call, reading the caches
+        where they lie (`CpuKernel.attend_decode`, within rounding of it); None where it does not apply (then nothing
+        was written)."""
+        if q.size(1) != 1 or self.ring.fmt.kind != "fp8" or not self.ring.fmt.pow2:
+            return None
+        comp = self.compressor.cache.parts() if self.ratio else None
+        if self.ratio and self.ratio != 4:  # HCA: every closed entry
+            n = int((start + 1).max()) // self.ratio
+            chosen = torch.arange(n, device=q.device).expand(q.size(0), 1, n)
+            valid = closed_mask(start, 1, n, self.ratio)
+        return self.opts.cpu.attend_decode(q, kv, self.ring.parts(), rows, start, comp, chosen, valid, self.attn_sink,
+                                           self.scale, KV_FP8_BLOCK)
 
     def attend(self, *args) -> torch.Tensor:
         """`sparse_attn(*args)`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.attend`, within

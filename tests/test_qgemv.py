@@ -1098,6 +1098,76 @@ def test_close_group_step_in_one_call(overlap, starts):
     assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)  # the refusals wrote nothing
 
 
+def fp8_cache(n_rows: int, length: int, nope: int, rd: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A kv cache of the fp8 format [n_rows, length, ...] holding random entries, as kvcache.encode stores them."""
+    from mhcrun.ops import kvcache
+
+    fmt = kvcache.CacheFormat("fp8", nope + rd, rd, True)
+    entries = kvcache.encode(fmt, torch.randn(n_rows, length, nope + rd, generator=g))
+    return {p: t.contiguous() for p, t in entries.items()}
+
+
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("layer, starts", [
+    ("window", [0]), ("window", [5, 40]), ("window", [15, 16]), ("window", [17, 3]),  # a new sequence; window edges
+    ("csa", [9, 70]), ("csa", [33]),  # top-k entries, some invalid
+    ("hca", [7]), ("hca", [31, 64]),  # every closed entry: none yet, and rows with different counts
+])
+def test_attend_decode_is_the_chunk_path(isa, layer, starts):
+    """`CpuKernel.attend_decode` (a decode step's attention reading the caches where they lie) against the model's
+    chunk path: the token's kv encoded into its ring slot bitwise (the other slots and rows untouched), and o within
+    rounding of sparse_attn over the ring as it was plus the token's own kv (window_mask) and the compressor's entries
+    (top-k by index with invalid slots, or every closed entry), on rows out of order at window-edge positions, a
+    partial fp8 block (nope 100 of block 64), 5 heads (a partial head group). It declines a non-finite kv (writing
+    nothing), a row twice, an entry outside the cache, other formats and the kernel off."""
+    from mhcrun.ops import kvcache
+    from mhcrun.ops.attention import closed_mask, window_mask
+
+    kern = kernel_in(isa)
+    g = gen(300 + sum(starts))
+    win, nope, rd, h, n_rows, c_len = 16, 100, 32, 5, 3, 20
+    d, fmt = nope + rd, kvcache.CacheFormat("fp8", nope + rd, rd, True)
+    b, start, rows = len(starts), torch.tensor(starts), torch.tensor([2, 0][:len(starts)])
+    ring, comp = fp8_cache(n_rows, win, nope, rd, g), fp8_cache(n_rows, c_len, nope, rd, g)
+    q, kv = torch.randn(b, 1, h, d, generator=g), torch.randn(b, 1, d, generator=g) * 3
+    sink = torch.randn(h, generator=g)
+    idx = valid = sel = sel_mask = None
+    keys = [kvcache.decode(fmt, {p: t[rows] for p, t in ring.items()}, torch.float32),
+            kvcache.simulate(fmt, kv)]
+    masks = [window_mask(start, 1, win)]
+    if layer == "csa":
+        idx = torch.randint(0, c_len, (b, 1, 6), generator=g)
+        valid = torch.rand(b, 1, 6, generator=g) < 0.7
+        sel = kvcache.decode(fmt, {p: t[rows.view(-1, 1, 1), idx] for p, t in comp.items()}, torch.float32)
+        sel_mask = valid
+    if layer == "hca":
+        n = int((start + 1).max()) // 8
+        idx, valid = torch.arange(n).expand(b, 1, n), closed_mask(start, 1, n, 8)
+        keys.append(kvcache.decode(fmt, {p: t[rows.view(-1, 1), torch.arange(n)] for p, t in comp.items()},
+                                   torch.float32))
+        masks.append(valid)
+    want = sparse_attn(q, torch.cat(keys, 1), torch.cat(masks, -1), sink, 0.3, sel, sel_mask)
+    want_ring = {p: t.clone() for p, t in ring.items()}
+    kvcache.store(want_ring, (rows.view(-1, 1), (start % win).view(-1, 1)), kvcache.encode(fmt, kv))
+    before = {p: t.clone() for p, t in ring.items()}
+    c = None if layer == "window" else comp
+    bad = kv.clone()
+    bad[-1, 0, 7] = float("inf")
+    assert kern.attend_decode(q, bad, ring, rows, start, c, idx, valid, sink, 0.3, 64) is None
+    assert all(torch.equal(ring[p].view(torch.uint8), before[p].view(torch.uint8)) for p in ring)  # nothing written
+    got = kern.attend_decode(q, kv, ring, rows, start, c, idx, valid, sink, 0.3, 64)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(ring[p].view(torch.uint8), want_ring[p].view(torch.uint8)) for p in ring)
+    assert kern.attend_decode(q[:1].expand(2, 1, h, d), kv[:1].expand(2, 1, d), ring, torch.tensor([1, 1]),
+                              start[:1].expand(2), None, None, None, sink, 0.3, 64) is None  # a row twice
+    if idx is not None and idx.numel():
+        assert kern.attend_decode(q, kv, ring, rows, start, c, idx + c_len, valid, sink, 0.3, 64) is None
+    plain = {"values": torch.zeros(n_rows, win, d)}
+    assert kern.attend_decode(q, kv, plain, rows, start, None, None, None, sink, 0.3, 64) is None
+    assert cpu_kernel("0").attend_decode(q, kv, ring, rows, start, c, idx, valid, sink, 0.3, 64) is None
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
     a stream comes out NaN where the reference puts it."""

@@ -132,7 +132,8 @@ def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: b
     return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
 
 
-ROUNDING_STEPS = ("attend", "index_topk", "close_group")  # within rounding of their references (sums in another order)
+# within rounding of their references (sums in another order)
+ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "close_group")
 KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined
 
 
@@ -172,17 +173,21 @@ def test_eager_decode_bitwise_small_steps_give_the_torch_ops_logits(tiny_fp8, mo
 @torch.inference_mode()
 @pytest.mark.parametrize("name", ROUNDING_STEPS)
 def test_eager_decode_rounding_calls_are_within_rounding(tiny_fp8, monkeypatch, name):
-    """The one-call attention (`CpuKernel.attend`) against sparse_attn, the indexer's one-call scores and top-k
-    (`CpuKernel.index_topk`) against index_scores + select_topk, and a compressor's one-call group close
-    (`CpuKernel.close_group`) against compress_chunk, inside the model's decode: without the FP8
-    simulation (which can turn a last-bit difference into a flipped FP8 rounding, as any summation order can:
-    docs/quantized.md) the logits stay within rounding over 30 steps of 2 rows across the window's and the groups'
-    edges; with it, the first steps agree as closely."""
+    """Each one-call step that is within rounding of its reference, inside the model's decode, the others on their
+    references in both runs: the attention (`CpuKernel.attend`) against sparse_attn, a decode step's attention on
+    the caches where they lie (`CpuKernel.attend_decode`) against the chunk path, the indexer's scores and top-k
+    (`CpuKernel.index_topk`) against index_scores + select_topk, a compressor's group close (`CpuKernel.close_group`)
+    against compress_chunk. Without the FP8 simulation (which can turn a last-bit difference into a flipped FP8
+    rounding, as any summation order can: docs/quantized.md) the logits stay within rounding over 30 steps of 2 rows
+    across the window's and the groups' edges; with it, the first steps agree as closely (the steps that read the FP8
+    and FP4 caches where they lie run only with it)."""
     if not cpu_kernel().on:
         pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    others = tuple(n for n in ROUNDING_STEPS if n != name)
     for quant_sim, steps in ((False, 30), (True, 8)):
-        if not quant_sim and name == "index_topk":  # the plain key cache (no FP4) takes the reference
+        if not quant_sim and name in ("index_topk", "attend_decode"):  # plain caches take the reference
             continue
+        small_steps(monkeypatch, others, on=False)
         calls = small_steps(monkeypatch, (name,), on=True)
         fast = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
         assert calls[name] > 0
@@ -190,6 +195,7 @@ def test_eager_decode_rounding_calls_are_within_rounding(tiny_fp8, monkeypatch, 
         ref = decode_logits(tiny_fp8, DECODE_PROMPTS, steps, quant_sim)
         for step, (f, r) in enumerate(zip(fast, ref, strict=True)):
             torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
 
 def test_mid_size_kept_quantised_matches_dequantised(mid2):
     """Full-width mid-size shapes (FP8 block 128, e8m0 scales, 64 FP4 experts) through the CLI with --layers."""

@@ -1553,6 +1553,36 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
 
 }  // namespace
 
+// One entry v [nope + rd] of the kv cache's fp8 format (pow2 scales) -> its e4m3 codes [nope], block scales
+// [ceil(nope / block)] and rope channels [rd], bitwise kvcache.encode (mhc_kv_fp8_encode says how). v finite.
+void encode_fp8_entry(const float* v, uint8_t* codes, float* scales, float* rope, int64_t nope, int64_t block,
+                      int64_t rd) {
+    for (int64_t k0 = 0, g = 0; k0 < nope; k0 += block, g++) {
+        const int64_t len = k0 + block < nope ? block : nope - k0;
+        const Pow2Scale sc = fp8_scale(v + k0, len);
+        scales[g] = sc.scale;
+        for (int64_t i = 0; i < len; i++) {
+            const float q = v[k0 + i] * sc.inv;
+            const E4m3Round rq = e4m3_round(q);
+            const uint32_t e = rq.e, t = uint32_t(rq.t);
+            // e4m3: below 2**-6 (e < 121) t is the code (a subnormal mantissa, or 8: the smallest normal, 2**-6);
+            // else t in [8, 16] steps of 2**(e-130): exponent field e - 120 and mantissa t - 8, 16 the next one's 8
+            const uint32_t code = e < 121 ? t : t == 16 ? (e - 119) << 3 : ((e - 120) << 3) | (t - 8);
+            codes[k0 + i] = uint8_t(code | (std::signbit(q) ? 0x80 : 0));
+        }
+    }
+    std::memcpy(rope, v + nope, sizeof(float) * rd);
+}
+
+// One entry of the kv cache's fp8 format (codes [nope], scales, rope [rd]) -> dst [nope + rd] fp32, bitwise
+// kvcache.decode (decode_block).
+void decode_fp8_entry(const uint8_t* codes, const float* scales, const float* rope, float* dst, int64_t nope,
+                      int64_t block, int64_t rd, int isa) {
+    for (int64_t c0 = 0, g = 0; c0 < nope; c0 += block, g++)
+        decode_block(FMT_FP8, isa, codes, dst, c0, c0 + block < nope ? c0 + block : nope, scales[g]);
+    std::memcpy(dst + nope, rope, sizeof(float) * rd);
+}
+
 extern "C" {
 
 // The post step of t rows: out[r, o, :] = sum_i comb[r, i, o] * res[r, i, :] + post[r, o] * y[r, :] (mhcrun.ops.hc
@@ -1659,13 +1689,7 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flush)
     for (int64_t r = 0; r < rows; r++) {
         flush |= take_caller_mode(caller);
-        const uint8_t* c = codes + r * nope;
-        float* dst = out + r * width;
-        for (int64_t c0 = 0, g = 0; c0 < nope; c0 += block, g++) {
-            const int64_t c1 = c0 + block < nope ? c0 + block : nope;
-            decode_block(FMT_FP8, isa, c, dst, c0, c1, scale[r * sb + g]);
-        }
-        std::memcpy(dst + nope, rope + r * rd, sizeof(float) * rd);
+        decode_fp8_entry(codes + r * nope, scale + r * sb, rope + r * rd, out + r * width, nope, block, rd, isa);
     }
     return flush ? 5 : 0;
 }
@@ -1911,6 +1935,82 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
             attend::head_group(hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
                                k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale,
                                d, sc.data(), o + (row * h + h0) * d);
+        }
+    }
+    return oom ? 4 : flush ? 5 : 0;
+}
+
+// Eager decode's attention of one token a row (mhcrun.model.Attention.forward, s = 1) in one call, over the window
+// ring and the compressor's entries as they lie in the kv cache's fp8 format (pow2 scales): each row's kv [b, d]
+// (nope + rd channels) encoded into the ring (rcodes [n_rows, win, nope], rscale [.., ceil(nope / block)], rrope [..,
+// rd]) at slot start[i] % win of row rows[i], bitwise kvcache.encode; then q [b, h, d] attends (mhc_attend's
+// sparse_attn, within rounding of it) to the ring's slots holding positions start[i] - ((start[i] - j) mod win) >= 0
+// (the window before the token and the token itself, as window_mask gives them) and to the k entries idx [b, k] of
+// the compressor's cache (ccodes, cscale, crope [n_rows, c_len, ...]; cvalid [b, k] bool bytes: which count; k may
+// be 0), each decoded bitwise as kvcache.decode; sink [h] -> o [b, h, d]. The (row, head group) pairs go to
+// `threads` threads. Returns 1 for a non-finite kv (nothing written: the caller takes torch's path), 6 for a row (or a
+// row twice), a start or an entry outside the buffers (nothing written), 4 out of memory, 5 where the thread flushes
+// subnormals.
+int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* rscale, float* rrope,
+                      const int64_t* rows, const int64_t* start, const uint8_t* ccodes, const float* cscale,
+                      const float* crope, const int64_t* idx, const uint8_t* cvalid, const float* sink, float* o,
+                      int64_t b, int64_t h, int64_t d, int64_t rd, int64_t block, int64_t n_rows, int64_t win,
+                      int64_t c_len, int64_t k, float scale, int isa, int threads) {
+    if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
+    if (flushes_denormals()) return 5;
+    const int64_t nope = d - rd, sb = (nope + block - 1) / block, nk = win + k;
+    if (nope < 1 || rd < 0 || win < 1) return 6;
+    for (int64_t i = 0; i < b; i++) {
+        if (rows[i] < 0 || rows[i] >= n_rows || start[i] < 0) return 6;
+        for (int64_t j = 0; j < i; j++)
+            if (rows[j] == rows[i]) return 6;
+        for (int64_t m = 0; m < k; m++)
+            if (idx[i * k + m] < 0 || idx[i * k + m] >= c_len) return 6;
+    }
+    for (int64_t i = 0; i < b * d; i++)
+        if (!std::isfinite(kv[i])) return 1;
+    std::vector<float> keys;
+    std::vector<uint8_t> mask;
+    try {
+        keys.resize(b * nk * d);
+        mask.resize(b * win);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    for (int64_t i = 0; i < b; i++) {
+        const int64_t at = rows[i] * win + start[i] % win;
+        encode_fp8_entry(kv + i * d, rcodes + at * nope, rscale + at * sb, rrope + at * rd, nope, block, rd);
+        for (int64_t j = 0; j < win; j++) mask[i * win + j] = start[i] - ((start[i] - j) % win + win) % win >= 0;
+    }
+    int oom = 0, flush = 0;
+    const int64_t groups = (h + attend::HG - 1) / attend::HG;
+    const unsigned caller = _mm_getcsr();
+#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
+    {
+        flush |= take_caller_mode(caller);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < b * nk; t++) {  // each key decoded once
+            const int64_t i = t / nk, j = t % nk;
+            const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
+            const uint8_t* c = j < win ? rcodes : ccodes;
+            const float* sc = j < win ? rscale : cscale;
+            const float* rp = j < win ? rrope : crope;
+            decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.data() + t * d, nope, block, rd, isa);
+        }
+        std::vector<float> sc;
+        try {
+            sc.resize(attend::HG * nk);
+        } catch (const std::bad_alloc&) {
+            oom = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < b * groups; t++) {
+            if (oom || flush) continue;
+            const int64_t i = t / groups, h0 = t % groups * attend::HG;
+            const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
+            const float* rk = keys.data() + i * nk * d;
+            attend::head_group(hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win, k ? rk + win * d : nullptr,
+                               k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc.data(), o + (i * h + h0) * d);
         }
     }
     return oom ? 4 : flush ? 5 : 0;
@@ -2214,24 +2314,8 @@ int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope
     if (flushes_denormals()) return 1;
     for (int64_t i = 0; i < rows * width; i++)
         if (!std::isfinite(x[i])) return 1;
-    for (int64_t r = 0; r < rows; r++) {
-        const float* v = x + r * width;
-        for (int64_t k0 = 0, g = 0; k0 < nope; k0 += block, g++) {
-            const int64_t len = k0 + block < nope ? block : nope - k0;
-            const Pow2Scale sc = fp8_scale(v + k0, len);
-            scales[r * sb + g] = sc.scale;
-            for (int64_t i = 0; i < len; i++) {
-                const float q = v[k0 + i] * sc.inv;
-                const E4m3Round rq = e4m3_round(q);
-                const uint32_t e = rq.e, t = uint32_t(rq.t);
-                // e4m3: below 2**-6 (e < 121) t is the code (a subnormal mantissa, or 8: the smallest normal, 2**-6);
-                // else t in [8, 16] steps of 2**(e-130): exponent field e - 120 and mantissa t - 8, 16 the next one's 8
-                const uint32_t code = e < 121 ? t : t == 16 ? (e - 119) << 3 : ((e - 120) << 3) | (t - 8);
-                codes[r * nope + k0 + i] = uint8_t(code | (std::signbit(q) ? 0x80 : 0));
-            }
-        }
-        std::memcpy(rope + r * rd, v + nope, sizeof(float) * rd);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        encode_fp8_entry(x + r * width, codes + r * nope, scales + r * sb, rope + r * rd, nope, block, rd);
     return 0;
 }
 

@@ -21,10 +21,12 @@ products of avx512bf16.
 The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
 instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
 other small steps, each in one call (`mhcrun.model.eager_first` picks them outside graphs): attention (`attend`:
-sparse_attn's ~20 ops and four small GEMMs), RMSNorm (`rms_norm`), RoPE (`rope_tail`), a compressor's step that
-closes no group (`open_group`), the encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`),
-the indexer queries' FP4 rounding (`fp4_simulate`) and the window mask (`window_mask`); a Linear's activation rounding
-and GEMV together (`linear`), and a step's routed experts (`moe_routed`).
+sparse_attn's ~20 ops and four small GEMMs; `attend_decode`: a decode step's whole attention, reading the FP8 ring
+and compressed entries where they lie), the indexer's scores and top-k (`index_topk`), RMSNorm (`rms_norm`), RoPE
+(`rope_tail`), a compressor's step that closes no group (`open_group`) and one that closes one (`close_group`), the
+encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding
+(`fp4_simulate`) and the window mask (`window_mask`); a Linear's activation rounding and GEMV together (`linear`), and
+a step's routed experts (`moe_routed`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -326,6 +328,54 @@ class CpuKernel:
                                                    torch.get_num_threads())
         return None if rc else o
 
+    def attend_decode(self, q: Tensor, kv: Tensor, ring: dict[str, Tensor], rows: Tensor, start: Tensor,
+                      comp: dict[str, Tensor] | None, idx: Tensor | None, valid: Tensor | None, sink: Tensor,
+                      scale: float, block: int) -> Tensor | None:
+        """Eager decode's attention of one token a row in one call (`mhc_attend_decode`): kv [b, 1, d] encoded into the
+        window ring (`ring`: the kv cache's fp8 parts "fp8", "scale", "rope" [B, window, ...], pow2 scales) at slot
+        start % window of rows `rows` [b], bitwise as kvcache.encode and Cache.store; then q [b, 1, h, d] attends to
+        the ring's window (window_mask's keys) and to the entries idx [b, 1, k] of the compressor's cache `comp` (the
+        same format) that `valid` [b, 1, k] marks, as sparse_attn (within rounding of it) -> o [b, 1, h, d]. fp32 CPU
+        tensors; None where it does not apply (a non-finite kv included: then nothing was written)."""
+        parts = [ring] if comp is None else [ring, comp]
+        if not self.on or self.isa < 1 or q.dim() != 4 or q.shape[1] != 1 or kv.shape != (q.shape[0], 1, q.shape[3]) \
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, kv, sink)) \
+                or any(set(p) != {"fp8", "scale", "rope"} or p["fp8"].dtype != torch.float8_e4m3fn
+                       or p["scale"].dtype != torch.float32 or p["rope"].dtype != torch.float32
+                       or p["fp8"].device.type != "cpu" or not all(t.is_contiguous() for t in p.values())
+                       for p in parts) \
+                or rows.dtype != torch.int64 or start.dtype != torch.int64 or (comp is None) != (idx is None):
+            return None
+        b, _, h, d = q.shape
+        n_rows, win, nope = ring["fp8"].shape
+        rd = d - nope
+        k = 0 if idx is None else idx.shape[-1]
+        shapes = [(ring["scale"], (n_rows, win, -(-nope // block))), (ring["rope"], (n_rows, win, rd)),
+                  (rows, (b,)), (start, (b,)), (sink, (h,))]
+        if comp is not None:
+            c_len = comp["fp8"].shape[1]
+            shapes += [(comp["fp8"], (n_rows, c_len, nope)), (comp["rope"], (n_rows, c_len, rd)),
+                       (comp["scale"], (n_rows, c_len, -(-nope // block))), (idx, (b, 1, k)),
+                       (valid, (b, 1, k))]
+        if rd < 0 or any(tuple(t.shape) != want for t, want in shapes) \
+                or (idx is not None and idx.dtype != torch.int64):
+            return None
+        q, kv, rows, start, sink = (t.contiguous() for t in (q, kv, rows, start, sink))
+        if comp is not None:
+            idx, valid = idx.contiguous(), valid.to(torch.bool).contiguous()
+        o = torch.empty_like(q)
+        c = comp or {}
+
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        rc = load_library(self.library).mhc_attend_decode(
+            q.data_ptr(), kv.data_ptr(), ring["fp8"].data_ptr(), ring["scale"].data_ptr(), ring["rope"].data_ptr(),
+            rows.data_ptr(), start.data_ptr(), ptr(c.get("fp8")), ptr(c.get("scale")), ptr(c.get("rope")), ptr(idx),
+            ptr(valid), sink.data_ptr(), o.data_ptr(), b, h, d, rd, block, n_rows, win,
+            0 if comp is None else c["fp8"].shape[1], k, scale, min(self.isa, 2), torch.get_num_threads())
+        return None if rc else o
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         """mhcrun.ops.norm.rms_norm in one call (`mhc_rms_norm`) for fp32 CPU x [..., d] of decode's few rows (at most
         MAX_ROWS) and an fp32 weight [d]: the products bitwise torch's, the mean of squares within rounding of it;
@@ -604,6 +654,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_index_topk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int]
     lib.mhc_close_group.restype = ctypes.c_int
     lib.mhc_close_group.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6
+    lib.mhc_attend_decode.restype = ctypes.c_int
+    lib.mhc_attend_decode.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 9 + [ctypes.c_float] + \
+        [ctypes.c_int] * 2
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_pre.restype = ctypes.c_int
