@@ -105,14 +105,17 @@ class HcBackend:
     """A run's backend for the hc steps (the model's `RunOptions.hc`) and its count of their executions.
 
     `torch_only` (MHCRUN_NKI_HC=0): always the torch reference. `sim` (MHCRUN_NKI_SIM: "exact" or "device", None
-    off): CPU calls run the kernels in the simulator with those numerics. `calls` [kernel, backend] counts
-    executions (KERNEL_NAMES x BACKENDS): eager calls here, the custom ops as they run (also inside compiled
-    graphs: `calls` is one of their arguments, which they update), and the regions' torch calls per step
-    (`count`)."""
+    off): CPU calls run the kernels in the simulator with those numerics. Executions are counted per kernel and
+    backend (KERNEL_NAMES x BACKENDS; `stats` sums the two counts): `calls` [kernel, backend] by the custom ops as they
+    run (also inside compiled graphs: `calls` is one of their arguments, which they update), `counted` by `count`:
+    eager calls and the regions' torch calls per step."""
 
     torch_only: bool = False
     sim: str | None = None
     calls: Tensor = field(default_factory=_new_calls, compare=False, repr=False)
+    # the counts made outside custom ops, [kernel][backend] flat, in Python: a tensor element's += costs ~15-60 us
+    counted: list[int] = field(default_factory=lambda: [0] * len(KERNEL_NAMES) * len(BACKENDS), compare=False,
+                               repr=False)
     cpu: CpuKernel = KERNEL_OFF  # the run's CPU kernel: its C++ runs the post and post+pre steps of decode rows
 
     def path(self, device_type: str) -> str:
@@ -130,15 +133,17 @@ class HcBackend:
         """Count n executions outside a custom op (an eager call, or a compiled region's torch calls)."""
         if torch.compiler.is_compiling():  # a traced count would be a guard on the counter: a recompile per call
             return
-        _tally(self.calls, kernel, backend, n)
+        self.counted[KERNEL_NAMES.index(kernel) * len(BACKENDS) + BACKENDS.index(backend)] += n
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Executions per kernel ("hc_expand", ..., "swiglu") per backend ("torch", "nki-sim", "nki")."""
-        rows = self.calls.tolist()
-        return {k: dict(zip(BACKENDS, rows[i], strict=True)) for i, k in enumerate(KERNEL_NAMES)}
+        rows, nb = self.calls.tolist(), len(BACKENDS)
+        return {k: {b: rows[i][j] + self.counted[i * nb + j] for j, b in enumerate(BACKENDS)}
+                for i, k in enumerate(KERNEL_NAMES)}
 
     def reset(self) -> None:
         self.calls.zero_()
+        self.counted[:] = [0] * len(self.counted)
 
 
 def _count(hc: HcBackend | None, kernel: str, backend: str) -> None:
@@ -544,9 +549,7 @@ def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Ten
     args = (y, residual, post, comb, fn_hi, fn_lo, scale, base, weight)
 
     def native(cpu: CpuKernel):
-        x_new = cpu.hc_post(y, residual, post, comb)
-        pre = None if x_new is None else cpu.hc_pre(x_new, fn, scale, base, weight, iters, eps, norm_eps)
-        return None if pre is None else (x_new, *pre)
+        return cpu.hc_post_pre(y, residual, post, comb, fn, scale, base, weight, iters, eps, norm_eps)
 
     return _dispatch("hc_post_pre", y, lambda: _post_pre_ok(*args, n, iters, eps, norm_eps),
                      lambda get: _run_post_pre(get, *args, norm_eps),

@@ -1617,9 +1617,9 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
 // post [t, n], comb [t, n, n] fp32. mixes = (x . fn^T) * rsqrt(mean(x^2) + norm_eps); pre = sigmoid(. * scale0 +
 // base) + eps, post = 2 sigmoid(.), comb = Sinkhorn of (. * scale2 + base) (softmax over each row, + eps, then
 // column, row, ..., column: `iters` column steps); h = rms_norm(collapse(x, pre) in x's dtype, weight).
-// work: fp32 scratch of n * d + (2 + n) * n floats. The mixes' dot products (fn: (2 + n) * n rows of n * d) are shared
-// among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns 6 for n > 64, 3 for an isa this
-// CPU lacks.
+// work: fp32 scratch of n * d + (2 + n) * n floats (null: the call makes its own). The mixes' dot products (fn: (2 +
+// n) * n rows of n * d) are shared among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns
+// 6 for n > 64, 3 for an isa this CPU lacks, 4 out of memory.
 int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, const float* base,
                const float* weight, void* h, float* post, float* comb, int64_t t, int64_t n, int64_t d,
                int64_t iters, float eps, float norm_eps, float* work, int isa, int threads) {
@@ -1628,6 +1628,15 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     if (n > 64) return 6;
     const int64_t k = n * d, mix = (2 + n) * n;
     const bool wide = isa >= 2;
+    std::vector<float> own;
+    if (!work) {
+        try {
+            own.resize(k + mix);
+        } catch (const std::bad_alloc&) {
+            return 4;
+        }
+        work = own.data();
+    }
     float* xf = work;
     float* m = work + k;
     for (int64_t r = 0; r < t; r++) {
@@ -1674,6 +1683,17 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
         for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
     }
     return 0;
+}
+
+// A site's post step and the next site's pre step in one call (mhcrun.nki.ops.hc_post_pre): mhc_hc_post of (y, res,
+// post, comb) into x_new [t, n, d], then mhc_hc_pre of x_new (post_out, comb_out: the pre step's mixes). Their codes.
+int mhc_hc_post_pre(int bf16, const void* y, const void* res, const float* post, const float* comb, void* x_new,
+                    const float* fn, const float* scale, const float* base, const float* weight, void* h,
+                    float* post_out, float* comb_out, int64_t t, int64_t n, int64_t d, int64_t iters, float eps,
+                    float norm_eps, float* work, int isa, int threads) {
+    const int rc = mhc_hc_post(bf16, y, res, post, comb, x_new, t, n, d, isa);
+    return rc ? rc : mhc_hc_pre(bf16, x_new, fn, scale, base, weight, h, post_out, comb_out, t, n, d, iters, eps,
+                                norm_eps, work, isa, threads);
 }
 
 // mhcrun.ops.kvcache.decode of the fp8 format (the kv cache with the quantisation simulated) in fp32, bitwise: each

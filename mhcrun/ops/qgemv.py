@@ -114,7 +114,7 @@ class CpuKernel:
         caller takes its usual path)."""
         k = w.in_features
         rows = x.numel() // k if k else 0
-        if not rows or x.dtype != torch.float32 or x.device.type != "cpu" or not self.takes(w, rows) \
+        if not rows or x.dtype != torch.float32 or not x.is_cpu or not self.takes(w, rows) \
                 or self.gemm_first(rows):
             return None
         scale, kind = _scale_arg(w)
@@ -172,7 +172,7 @@ class CpuKernel:
         `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
-        if not self.on or not t or t > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" \
+        if not self.on or not t or t > MAX_ROWS or x.dtype != torch.float32 or not x.is_cpu \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
                 or len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 \
                 or w1.out_features != w3.out_features or w2.out_features != d:
@@ -196,7 +196,7 @@ class CpuKernel:
         (`mhc_qgemm_bf16`, exact up to the summation order where x and the scales qualify); None where it does not
         apply (no GEMM engine, a float weight, x or the scales that do not qualify): the caller then takes its fp32
         path."""
-        if not self.gemm or not w.kernel or w.fmt == "float" or x2.device.type != "cpu":
+        if not self.gemm or not w.kernel or w.fmt == "float" or not x2.is_cpu:
             return None
         m, k = x2.shape
         scale, kind = _scale_arg(w)
@@ -220,7 +220,7 @@ class CpuKernel:
         decode's few rows (at most MAX_ROWS * 64: an indexer query's heads); None where it does not apply (non-finite
         x included)."""
         k = x.shape[-1] if x.dim() else 0
-        if not self.on or x.dtype != torch.float32 or x.device.type != "cpu" or not k \
+        if not self.on or x.dtype != torch.float32 or not x.is_cpu or not k \
                 or x.numel() // k > MAX_ROWS * 64:
             return None
         y = x.clone(memory_format=torch.contiguous_format)
@@ -248,7 +248,7 @@ class CpuKernel:
         CPU fp32/bf16 x of any number of rows (decode's few, a prefill chunk's many: rows split over torch's
         threads); None when it does not apply (then the caller takes the torch path)."""
         k = x.shape[-1]
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not k or not self.on:
+        if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or not k or not self.on:
             return None
         src = x.float().contiguous()
         y = torch.empty_like(src)
@@ -260,7 +260,7 @@ class CpuKernel:
     def hc_takes(self, streams: Tensor, *ts: Tensor) -> bool:
         """Whether the mHC steps' C++ (`hc_post`, `hc_pre`) takes streams [..., n, d] (and ts): the kernel on, CPU
         tensors, fp32 or bf16 streams, at most MAX_ROWS rows (above, torch's few large ops are as fast)."""
-        return (self.on and all(t.device.type == "cpu" for t in (streams, *ts)) and streams.dim() >= 2
+        return (self.on and all(t.is_cpu for t in (streams, *ts)) and streams.dim() >= 2
                 and streams.dtype in (torch.float32, torch.bfloat16)
                 and 0 < streams.numel() <= MAX_ROWS * streams.shape[-1] * streams.shape[-2])
 
@@ -284,20 +284,43 @@ class CpuKernel:
         x [..., n, d] (fp32 or bf16), fn [(2+n)*n, n*d], scale [3], base [(2+n)*n], weight [d] fp32 -> h [..., d],
         post [..., n], comb [..., n, n] (fp32), within rounding of the reference (its GEMV, mean squares and
         softmax summed in another order); None where it does not apply (`hc_takes`)."""
+        out = self.hc_post_pre(None, x, None, None, fn, scale, base, weight, iters, eps, norm_eps)
+        return None if out is None else out[1:]
+
+    def hc_post_pre(self, y: Tensor | None, residual: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
+                    scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
+                    norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """`hc_post` of (y, residual, post, comb), then `hc_pre` of its streams, in one call -> (the streams, h, post,
+        comb); with y None, `hc_pre` of residual alone (the streams returned as they are). None where either does not
+        apply."""
+        x = residual
         if not self.hc_takes(x, fn, scale, base, weight) or any(t.dtype != torch.float32 for t in (fn, scale, base,
                                                                                                     weight)):
+            return None
+        if y is not None and (y.dtype != x.dtype or post.dtype != torch.float32 or comb.dtype != torch.float32
+                              or not self.hc_takes(x, post, comb)):
             return None
         *lead, n, d = x.shape
         t = x.numel() // (n * d)
         x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
         h = x.new_empty((*lead, d))
-        post, comb = torch.empty((*lead, n)), torch.empty((*lead, n, n))
-        work = torch.empty(n * d + (2 + n) * n)
-        rc = load_library(self.library).mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(),
-                                                   scale.data_ptr(), base.data_ptr(), weight.data_ptr(),
-                                                   h.data_ptr(), post.data_ptr(), comb.data_ptr(), t, n, d, iters,
-                                                   eps, norm_eps, work.data_ptr(), self.isa, torch.get_num_threads())
-        return None if rc else (h, post, comb)
+        post_out, comb_out = torch.empty((*lead, n)), torch.empty((*lead, n, n))
+        lib = load_library(self.library)
+        if y is None:
+            streams = x
+            rc = lib.mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(), scale.data_ptr(),
+                                base.data_ptr(), weight.data_ptr(), h.data_ptr(), post_out.data_ptr(),
+                                comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
+                                torch.get_num_threads())
+        else:
+            y, post, comb = (v.contiguous() for v in (y, post, comb))
+            streams = torch.empty_like(x)
+            rc = lib.mhc_hc_post_pre(int(x.dtype == torch.bfloat16), y.data_ptr(), x.data_ptr(), post.data_ptr(),
+                                     comb.data_ptr(), streams.data_ptr(), fn.data_ptr(), scale.data_ptr(),
+                                     base.data_ptr(), weight.data_ptr(), h.data_ptr(), post_out.data_ptr(),
+                                     comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
+                                     torch.get_num_threads())
+        return None if rc else (streams, h, post_out, comb_out)
 
     def attend(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None = None,
                sel_mask: Tensor | None = None) -> Tensor | None:
@@ -306,7 +329,7 @@ class CpuKernel:
         it does not apply (the caller then takes sparse_attn)."""
         ts = (q, kv) if sel is None else (q, kv, sel)
         if not self.on or q.dim() != 4 or q.shape[1] > MAX_ROWS or (sel is None) != (sel_mask is None) \
-                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+                or any(t.dtype != torch.float32 or not t.is_cpu for t in ts):
             return None
         b, s, h, d = q.shape
         n, k = kv.shape[1], 0 if sel is None else sel.shape[2]
@@ -339,10 +362,10 @@ class CpuKernel:
         tensors; None where it does not apply (a non-finite kv included: then nothing was written)."""
         parts = [ring] if comp is None else [ring, comp]
         if not self.on or self.isa < 1 or q.dim() != 4 or q.shape[1] != 1 or kv.shape != (q.shape[0], 1, q.shape[3]) \
-                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, kv, sink)) \
+                or any(t.dtype != torch.float32 or not t.is_cpu for t in (q, kv, sink)) \
                 or any(set(p) != {"fp8", "scale", "rope"} or p["fp8"].dtype != torch.float8_e4m3fn
                        or p["scale"].dtype != torch.float32 or p["rope"].dtype != torch.float32
-                       or p["fp8"].device.type != "cpu" or not all(t.is_contiguous() for t in p.values())
+                       or not p["fp8"].is_cpu or not all(t.is_contiguous() for t in p.values())
                        for p in parts) \
                 or rows.dtype != torch.int64 or start.dtype != torch.int64 or (comp is None) != (idx is None):
             return None
@@ -382,7 +405,7 @@ class CpuKernel:
         None where it does not apply."""
         d = x.shape[-1] if x.dim() else 0
         if not self.on or not d or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-                or x.device.type != "cpu" or weight.device.type != "cpu" or weight.shape != (d,) \
+                or not x.is_cpu or not weight.is_cpu or weight.shape != (d,) \
                 or x.numel() // d > MAX_ROWS:
             return None
         xc = x.contiguous()
@@ -396,7 +419,7 @@ class CpuKernel:
         [..., rope_dim // 2] of x's rank whose leading dims are x's first ones followed by ones (a head dim they
         share), at most MAX_ROWS rows of them (decode); None where it does not apply."""
         ts = (x, cos, sin)
-        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) \
+        if not self.on or any(t.dtype != torch.float32 or not t.is_cpu for t in ts) \
                 or cos.shape != sin.shape or cos.dim() != x.dim() or 2 * cos.shape[-1] != rope_dim \
                 or not 0 < rope_dim <= x.shape[-1]:
             return None
@@ -419,7 +442,7 @@ class CpuKernel:
         fp32 [..., nope + rd]; None where it does not apply."""
         ts = (codes, scale, rope)
         if not self.on or codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 \
-                or rope.dtype != torch.float32 or any(t.device.type != "cpu" for t in ts):
+                or rope.dtype != torch.float32 or any(not t.is_cpu for t in ts):
             return None
         lead, nope, rd = codes.shape[:-1], codes.shape[-1], rope.shape[-1]
         rows = math.prod(lead)
@@ -438,7 +461,7 @@ class CpuKernel:
         (`mhc_kv_fp4_decode`): packed uint8 [..., k / 2], scale fp32 [..., ceil(k / block)], CPU tensors -> fp32
         [..., k]; None where it does not apply."""
         if not self.on or packed.dtype != torch.uint8 or scale.dtype != torch.float32 \
-                or packed.device.type != "cpu" or scale.device.type != "cpu":
+                or not packed.is_cpu or not scale.is_cpu:
             return None
         lead, k = packed.shape[:-1], 2 * packed.shape[-1]
         rows = math.prod(lead)
@@ -459,8 +482,8 @@ class CpuKernel:
         rounding: the dot products summed in another order), for decode's few queries (at most MAX_ROWS); None where
         it does not apply (a NaN score included: the caller then takes the reference)."""
         ts = (q, w, scale)
-        if not self.on or q.dim() != 4 or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) \
-                or packed.dtype != torch.uint8 or packed.device.type != "cpu" or rows.dtype != torch.int64 \
+        if not self.on or q.dim() != 4 or any(t.dtype != torch.float32 or not t.is_cpu for t in ts) \
+                or packed.dtype != torch.uint8 or not packed.is_cpu or rows.dtype != torch.int64 \
                 or closed.dtype != torch.int64:
             return None
         b, s, h, d = q.shape
@@ -485,7 +508,7 @@ class CpuKernel:
         into rows `rows` [b] of the state buffers [B, len, c] at slots lead + start % ratio + [0, s). False where it
         does not apply (then nothing was written)."""
         ts = (kv_state, score_state, kv, score, ape)
-        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in ts) \
+        if not self.on or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in ts) \
                 or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or score.shape != kv.shape \
                 or kv_state.shape != score_state.shape or kv_state.shape[-1] != kv.shape[-1] \
                 or ape.shape != (ratio, kv.shape[-1]) or rows.numel() != kv.shape[0] or start.numel() != kv.shape[0]:
@@ -505,7 +528,7 @@ class CpuKernel:
         leaves it (the pooling within rounding of its softmax and sum). None where it does not apply (no row closes
         included; then nothing was written)."""
         ts = (kv_state, score_state, kv, score, ape)
-        if not self.on or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in ts) \
+        if not self.on or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in ts) \
                 or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or kv.shape[1] != 1 \
                 or score.shape != kv.shape or kv_state.shape != score_state.shape or kv_state.dim() != 3 \
                 or kv_state.shape[-1] != kv.shape[-1] or ape.shape != (ratio, kv.shape[-1]) \
@@ -523,7 +546,7 @@ class CpuKernel:
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
         of decode's few rows and chunks; None where it does not apply."""
-        if not self.on or start.dtype != torch.int64 or start.device.type != "cpu" or start.dim() != 1 \
+        if not self.on or start.dtype != torch.int64 or not start.is_cpu or start.dim() != 1 \
                 or start.numel() * s > MAX_ROWS or s < 1 or window < 1:
             return None
         start = start.contiguous()
@@ -535,7 +558,7 @@ class CpuKernel:
         """mhcrun.ops.kvcache.encode of the fp8 format with power-of-two scales, bitwise, in one call
         (`mhc_kv_fp8_encode`): fp32 CPU x [..., nope + rope_dim] -> {"fp8": codes, "scale", "rope"} as it gives them,
         for decode's few entries (at most MAX_ROWS * 16); None where it does not apply (non-finite x included)."""
-        if not self.on or x.dtype != torch.float32 or x.device.type != "cpu" or not 0 <= rope_dim < x.shape[-1]:
+        if not self.on or x.dtype != torch.float32 or not x.is_cpu or not 0 <= rope_dim < x.shape[-1]:
             return None
         lead, nope = x.shape[:-1], x.shape[-1] - rope_dim
         rows = math.prod(lead)
@@ -659,6 +682,9 @@ def load_library(path: str) -> ctypes.CDLL:
         [ctypes.c_int] * 2
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+    lib.mhc_hc_post_pre.restype = ctypes.c_int
+    lib.mhc_hc_post_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 4 + \
+        [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
