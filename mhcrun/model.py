@@ -508,16 +508,21 @@ def swiglu_expert(w1: Callable, w2: Callable, w3: Callable, limit: float, x: tor
 
 
 class Gate(nn.Module):
-    def __init__(self, layer_id: int, cfg: ModelConfig):
+    def __init__(self, layer_id: int, cfg: ModelConfig, opts: RunOptions):
         super().__init__()
         self.topk, self.score_func, self.route_scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
         self.hash = layer_id < cfg.n_hash_layers  # routes by token id (tid2eid), else by score (weight, bias)
+        self.opts = opts
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = gate_scores(x, self.weight, self.score_func)
-        if self.hash:
-            return route(scores, self.topk, self.route_scale, self.score_func, hash_ids=self.tid2eid[token_ids])
-        return route(scores, self.topk, self.route_scale, self.score_func, bias=self.bias)
+        """x [T, d] -> (weights [T, k], expert ids [T, k]); in CPU eager decode the run's kernel scores and routes in
+        one call (`CpuKernel.route`, the scores within rounding)."""
+        hash_ids = self.tid2eid[token_ids] if self.hash else None
+        bias = None if self.hash else self.bias
+        return eager_first(lambda: self.opts.cpu.route(x, self.weight, bias, hash_ids, self.topk, self.route_scale,
+                                                       self.score_func),
+                           lambda: route(gate_scores(x, self.weight, self.score_func), self.topk, self.route_scale,
+                                         self.score_func, bias=bias, hash_ids=hash_ids))
 
 
 class MoE(nn.Module):
@@ -527,7 +532,7 @@ class MoE(nn.Module):
         super().__init__()
         self.dim, self.n_experts = cfg.dim, cfg.n_routed_experts
         self.opts = opts
-        self.gate = Gate(layer_id, cfg)
+        self.gate = Gate(layer_id, cfg, opts)
         self.owned = opts.tp.experts(cfg.n_routed_experts)  # this rank's block of experts; the others hold nothing
         self.experts = nn.ModuleList(
             Expert(cfg.swiglu_limit, opts) if e in self.owned else nn.Identity() for e in range(cfg.n_routed_experts))

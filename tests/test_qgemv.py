@@ -1168,6 +1168,48 @@ def test_attend_decode_is_the_chunk_path(isa, layer, starts):
     assert cpu_kernel("0").attend_decode(q, kv, ring, rows, start, c, idx, valid, sink, 0.3, 64) is None
 
 
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("t, d, hashed", [(1, 2048, False), (3, 100, False), (2, 64, True)])
+def test_route_is_gate_scores_and_route(isa, score_func, t, d, hashed):
+    """`CpuKernel.route` (the gate's scores and routing in one call) against moe.gate_scores + moe.route: the same
+    experts in the same order and the weights within rounding, by score with a bias or by hash ids, one or several
+    rows, widths off the vectors, logits past softplus's threshold of 20; two equal experts (an exact tie inside the
+    top-k) come lower first. It declines NaN scores, other dtypes, more rows than decode's, a hash id outside the
+    experts, and the kernel off."""
+    from mhcrun.ops.moe import gate_scores, route
+
+    kern, g, e, k = kernel_in(isa), gen(500 + t + d), 64, 6
+    x, weight = torch.randn(t, d, generator=g), torch.randn(e, d, generator=g) * (3 / d ** 0.5)
+    weight[9] = weight[5]  # experts 5 and 9 score the same
+    x[0] = weight[5] * (40 / weight[5].square().sum())  # row 0's logit of 5 and 9: 40, past the threshold
+    bias = None if hashed else torch.randn(e, generator=g) * 0.1
+    if bias is not None:
+        bias[9] = bias[5]
+    ids = torch.randint(0, e, (t, k), generator=g) if hashed else None
+    got = kern.route(x, weight, bias, ids, k, 1.5, score_func)
+    scores = gate_scores(x, weight, score_func)
+    want = route(scores, k, 1.5, score_func, bias=bias, hash_ids=ids)
+    if not hashed:  # torch.topk leaves the order of exact ties open: the lower expert first, as the kernel puts them
+        biased = (scores + bias).tolist()
+        order = [sorted(range(k), key=lambda m, r=r: (-biased[r][want[1][r, m]], want[1][r, m].item()))
+                 for r in range(t)]
+        want = tuple(v.gather(1, torch.tensor(order)) for v in want)
+    assert got is not None and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    if not hashed:
+        assert {5, 9} <= set(got[1][0].tolist()) and got[1][0].tolist().index(5) < got[1][0].tolist().index(9)
+        nan = x.clone()
+        nan[-1, 3] = float("nan")
+        assert kern.route(nan, weight, bias, ids, k, 1.5, score_func) is None
+    else:
+        assert kern.route(x, weight, bias, ids + e, k, 1.5, score_func) is None
+    assert kern.route(x.double(), weight, bias, ids, k, 1.5, score_func) is None
+    assert kern.route(x.expand(qgemv.MAX_ROWS + 1, d) if t == 1 else x[:0], weight, bias, None, k, 1.5,
+                      score_func) is None
+    assert cpu_kernel("0").route(x, weight, bias, ids, k, 1.5, score_func) is None
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
     """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
     a stream comes out NaN where the reference puts it."""

@@ -2036,6 +2036,64 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
     return oom ? 4 : flush ? 5 : 0;
 }
 
+// mhcrun.ops.moe's gate_scores and route for t rows (decode's few) in one call: x [t, d], weight [e, d] fp32; the
+// scores (score_func 0 softmax, 1 sigmoid, 2 sqrt of softplus (x above 20 kept, as torch's threshold)) of the
+// logits x . weight_j (within rounding of torch's: the dot products in another order, exp and log1p of the C
+// library); the k experts of each row: hash [t, k] (null: by score) or the k largest scores + bias [e] (null: none),
+// largest first, the lower expert first among exact ties (torch.topk leaves their order open) -> idx [t, k] int64 and
+// weights [t, k] fp32: the scores chosen (normalised to sum 1 but for softmax) times route_scale. The logits' dot
+// products go to `threads` threads. Returns 7 for a NaN score (the caller takes torch's path), 6 for a hash id
+// outside [0, e) or k > e.
+int mhc_route(const float* x, const float* w, const float* bias, const int64_t* hash, float* weights, int64_t* idx,
+              int64_t t, int64_t d, int64_t e, int64_t k, int score_func, float route_scale, int isa, int threads) {
+    if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
+    if (flushes_denormals()) return 5;
+    if (k < 1 || k > e) return 6;
+    if (hash)
+        for (int64_t i = 0; i < t * k; i++)
+            if (hash[i] < 0 || hash[i] >= e) return 6;
+    std::vector<float> scores(t * e);
+    const unsigned caller = _mm_getcsr();
+#pragma omp parallel for schedule(static) num_threads(e * d >= 65536 ? threads : 1)
+    for (int64_t j = 0; j < t * e; j++) {
+        take_caller_mode(caller);
+        scores[j] = dot(x + j / e * d, w + j % e * d, d, isa >= 2);
+    }
+    std::vector<int64_t> order(e);
+    for (int64_t r = 0; r < t; r++) {
+        float* sc = scores.data() + r * e;
+        if (score_func == 0) {
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < e; j++) mx = std::fmax(mx, sc[j]);
+            for (int64_t j = 0; j < e; j++) sum += (sc[j] = std::exp(sc[j] - mx));
+            for (int64_t j = 0; j < e; j++) sc[j] /= sum;
+        } else {
+            for (int64_t j = 0; j < e; j++)
+                sc[j] = score_func == 1 ? 1.0f / (1.0f + std::exp(-sc[j]))
+                                        : std::sqrt(sc[j] > 20.0f ? sc[j] : std::log1p(std::exp(sc[j])));
+        }
+        for (int64_t j = 0; j < e; j++)
+            if (std::isnan(sc[j])) return 7;
+        int64_t* ids = idx + r * k;
+        if (hash) {
+            std::memcpy(ids, hash + r * k, sizeof(int64_t) * k);
+        } else {
+            for (int64_t j = 0; j < e; j++) order[j] = j;
+            const auto biased = [&](int64_t j) { return bias ? sc[j] + bias[j] : sc[j]; };
+            std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+                const float va = biased(a), vb = biased(b);
+                return va > vb || (va == vb && a < b);
+            });
+            std::memcpy(ids, order.data(), sizeof(int64_t) * k);
+        }
+        float* wt = weights + r * k;
+        float sum = 0.0f;
+        for (int64_t m = 0; m < k; m++) sum += (wt[m] = sc[ids[m]]);
+        for (int64_t m = 0; m < k; m++) wt[m] = (score_func == 0 ? wt[m] : wt[m] / sum) * route_scale;
+    }
+    return 0;
+}
+
 // The best instruction set of this CPU the kernel has: 3 AVX-512 with BF16 dot products (also VBMI, BMI2), 2
 // AVX-512 (F, BW, VL), 1 AVX2, 0 neither (all also need F16C and FMA).
 int mhc_qgemv_isa(void) {

@@ -399,6 +399,34 @@ class CpuKernel:
             0 if comp is None else c["fp8"].shape[1], k, scale, min(self.isa, 2), torch.get_num_threads())
         return None if rc else o
 
+    def route(self, x: Tensor, weight: Tensor, bias: Tensor | None, hash_ids: Tensor | None, topk: int,
+              route_scale: float, score_func: str) -> tuple[Tensor, Tensor] | None:
+        """`moe.gate_scores` and `moe.route` in one call (`mhc_route`): x [T, d], weight [E, d], bias [E] fp32 (or
+        None), hash_ids [T, k] int64 (or None) -> (weights [T, k] fp32, expert ids [T, k] int64), the scores within
+        rounding of torch's, exact ties to the lower expert; for decode's few rows (at most MAX_ROWS); None where it
+        does not apply (a NaN score included)."""
+        funcs = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+        ts = (x, weight) if bias is None else (x, weight, bias)
+        if not self.on or score_func not in funcs or x.dim() != 2 or weight.dim() != 2 \
+                or any(t.dtype != torch.float32 or not t.is_cpu for t in ts):
+            return None
+        t, d = x.shape
+        e = weight.shape[0]
+        if not 0 < t <= MAX_ROWS or weight.shape[1] != d or not 0 < topk <= e \
+                or (bias is not None and bias.shape != (e,)) \
+                or (hash_ids is not None and (hash_ids.shape != (t, topk) or hash_ids.dtype != torch.int64)):
+            return None
+        x, weight = x.contiguous(), weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        hash_ids = None if hash_ids is None else hash_ids.contiguous()
+        weights, idx = torch.empty(t, topk), torch.empty(t, topk, dtype=torch.int64)
+        rc = load_library(self.library).mhc_route(x.data_ptr(), weight.data_ptr(),
+                                                  None if bias is None else bias.data_ptr(),
+                                                  None if hash_ids is None else hash_ids.data_ptr(),
+                                                  weights.data_ptr(), idx.data_ptr(), t, d, e, topk, funcs[score_func],
+                                                  route_scale, min(self.isa, 2), torch.get_num_threads())
+        return None if rc else (weights, idx)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         """mhcrun.ops.norm.rms_norm in one call (`mhc_rms_norm`) for fp32 CPU x [..., d] of decode's few rows (at most
         MAX_ROWS) and an fp32 weight [d]: the products bitwise torch's, the mean of squares within rounding of it;
@@ -679,6 +707,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_close_group.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6
     lib.mhc_attend_decode.restype = ctypes.c_int
     lib.mhc_attend_decode.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 9 + [ctypes.c_float] + \
+        [ctypes.c_int] * 2
+    lib.mhc_route.restype = ctypes.c_int
+    lib.mhc_route.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_float] + \
         [ctypes.c_int] * 2
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
