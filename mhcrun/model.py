@@ -540,6 +540,7 @@ class MoE(nn.Module):
         self.limit = cfg.swiglu_limit
         self.gathered: dict[str, QWeight | ExpertSet] = {}  # made by gather_experts for the static path
         self.in_place: bool | None = None  # whether the run's CPU kernel reads every expert where it lies
+        self.shared_in_place: tuple[ExpertSet, ...] | None = None  # the shared expert's w1, w3, w2 so (() where not)
 
     def gather_experts(self) -> None:
         """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): where
@@ -624,8 +625,26 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, token_ids.reshape(-1))
         y = (self.routed_gathered if static or self.reads_in_place(x.shape[0]) else self.routed_loop)(x, weights, idx)
         y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
-        y += self.shared_experts(x)
+        y += self.shared(x)
         return y.type_as(x).view(shape)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert of x [T, d]; in CPU eager decode by the run's kernel in one call, as a routed expert of a
+        set of one weighted 1 (`CpuKernel.moe_routed`: within rounding through silu's exp)."""
+        def fast() -> torch.Tensor | None:
+            lins = [getattr(self.shared_experts, name) for name in ("w1", "w3", "w2")]
+            if not self.opts.cpu.on or len({lin.act_quant for lin in lins}) != 1:
+                return None
+            if self.shared_in_place is None:  # learnt once; nothing is copied
+                sets = tuple(expert_set([lin.w]) for lin in lins)
+                self.shared_in_place = sets if all(s is not None for s in sets) else ()
+            if not self.shared_in_place:
+                return None
+            t, act = x.shape[0], lins[0].act_quant and self.opts.quant_sim
+            return self.opts.cpu.moe_routed(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.int64),
+                                            *self.shared_in_place, self.limit, ACT_FP8_BLOCK if act else 0)
+
+        return eager_first(fast, lambda: self.shared_experts(x))
 
 
 class Carry(NamedTuple):

@@ -114,6 +114,29 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
+def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):
+    """With the fused kernel, an eager step's shared expert is one `moe_routed` call over a set of that one expert read
+    in place, weighted 1: the module's own forward within rounding (silu's exp), with the activation rounding and
+    without; bf16 rows, or the kernel off, take the module's forward."""
+    kernel = cpu_kernel()
+    if not kernel.on:
+        pytest.skip(f"CPU kernel {kernel.status()}")
+    model, _ = models(tiny_fp8)
+    model.opts.cpu = kernel
+    ffn = model.layers[1].ffn
+    x = torch.randn(3, model.cfg.dim)
+    for quant_sim in (True, False):
+        model.opts.quant_sim = quant_sim
+        torch.testing.assert_close(ffn.shared(x), ffn.shared_experts(x), rtol=1e-5, atol=1e-6)
+    sets = ffn.shared_in_place
+    assert len(sets) == 3 and sets[0].ptrs[0, 0] == ffn.shared_experts.w1.w.data.data_ptr()
+    assert torch.equal(ffn.shared(x.bfloat16()), ffn.shared_experts(x.bfloat16()))
+    off, _ = models(tiny_fp8)
+    off.opts.cpu = cpu_kernel("0")
+    assert torch.equal(off.layers[1].ffn.shared(x), off.layers[1].ffn.shared_experts(x))
+    assert off.layers[1].ffn.shared_in_place is None
+
+
 BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "fp4_simulate", "window_mask")
 
 
@@ -133,7 +156,7 @@ def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: b
 
 
 # within rounding of their references (sums in another order)
-ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "close_group", "route")
+ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "close_group", "route", "moe_routed")
 KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined
 
 
@@ -177,7 +200,8 @@ def test_eager_decode_rounding_calls_are_within_rounding(tiny_fp8, monkeypatch, 
     references in both runs: the attention (`CpuKernel.attend`) against sparse_attn, a decode step's attention on
     the caches where they lie (`CpuKernel.attend_decode`) against the chunk path, the indexer's scores and top-k
     (`CpuKernel.index_topk`) against index_scores + select_topk, a compressor's group close (`CpuKernel.close_group`)
-    against compress_chunk, the gate (`CpuKernel.route`) against gate_scores + route. Without the FP8 simulation
+    against compress_chunk, the gate (`CpuKernel.route`) against gate_scores + route, the routed and shared experts
+    (`CpuKernel.moe_routed`) against their GEMVs and swiglu. Without the FP8 simulation
     (which can turn a last-bit difference into a flipped FP8 rounding, as any summation order can: docs/quantized.md)
     the logits stay within rounding over 30 steps of 2 rows across the window's and the groups' edges; with it, the
     first steps agree as closely (the steps that read the FP8 and FP4 caches where they lie run only with it)."""
