@@ -1246,16 +1246,17 @@ def attn_case(b: int, s: int, h: int, n: int, k: int, d: int, seed: int = 0) -> 
     return q, kv, mask, torch.randn(h, generator=g), d ** -0.5, sel, sel_mask
 
 
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("b, s, h, n, k, d", [(1, 1, 16, 162, 64, 512), (2, 1, 16, 129, 0, 512), (2, 3, 3, 7, 0, 72),
-                                              (2, 1, 13, 9, 4, 13), (1, 2, 9, 1, 0, 8), (1, 1, 1, 1, 1, 1)])
-def test_attend_against_sparse_attn(b, s, h, n, k, d):
-    """The C++ attention of decode rows (`CpuKernel.attend`) is within rounding of the reference sparse_attn: the
-    decode shapes of CSA (window + compressed + gathered) and of the window alone, batch > 1, several queries a row,
-    heads not a multiple of the eight taken together, dims not a multiple of the eight lanes, a single key. A row
-    whose gathered keys are all invalid, and gathered keys that hold the largest scores, included."""
-    k_ = cpu_kernel()
-    if not k_.on:
-        pytest.skip(k_.status())
+                                              (2, 1, 13, 9, 4, 13), (1, 2, 9, 1, 0, 8), (1, 1, 1, 1, 1, 1),
+                                              (1, 1, 5, 4, 3, 40)])
+def test_attend_against_sparse_attn(isa, b, s, h, n, k, d):
+    """The C++ attention of decode rows (`CpuKernel.attend`) is within rounding of the reference sparse_attn, in
+    AVX-512 and AVX2: the decode shapes of CSA (window + compressed + gathered) and of the window alone, batch > 1,
+    several queries a row, heads not a multiple of the eight taken together, dims not a multiple of the lanes (8, 16,
+    and 32 channels at a time: partial halves), an odd number of keys (two at a time), a single key. A row whose
+    gathered keys are all invalid, and gathered keys that hold the largest scores, included."""
+    k_ = kernel_in(isa)
     args = list(attn_case(b, s, h, n, k, d))
     if k:
         args[6][0, 0] = False  # no gathered key valid
@@ -1265,14 +1266,13 @@ def test_attend_against_sparse_attn(b, s, h, n, k, d):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_attend_declines_what_it_does_not_take_and_keeps_nan():
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_attend_declines_what_it_does_not_take_and_keeps_nan(isa):
     """bf16 tensors, more than MAX_ROWS queries a row, shapes other than the ones it reads (a broadcast mask, gathered
     keys without their mask) and the kernel off: None (the caller takes sparse_attn). NaN
     comes out where the reference puts it: a NaN in a key nobody sees (its channel: 0 * NaN), a query with no valid key
     (all of it)."""
-    k = cpu_kernel()
-    if not k.on:
-        pytest.skip(k.status())
+    k = kernel_in(isa)
     q, kv, mask, sink, scale, sel, sm = attn_case(2, 1, 4, 6, 3, 16)
     assert k.attend(q.bfloat16(), kv.bfloat16(), mask, sink, scale, sel.bfloat16(), sm) is None
     assert k.attend(q, kv, mask, sink, scale, sel.bfloat16(), sm) is None

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <functional>
 #include <immintrin.h>
+#include <memory>
 #include <new>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1436,27 +1437,93 @@ inline void softmax(float* sc, const uint8_t* mask, int64_t n, const uint8_t* sm
     for (int64_t j = 0; j < nk; j++) sc[j] /= denom;
 }
 
+// scores<HN> with AVX-512 (the same sums in another order): two keys at a time, each of the heads' q chunks loaded
+// once for both (the loads no longer outnumber the FMAs), sixteen lanes, the tail of d under a mask.
 template <int HN>
-AVX2 void heads(const float* q, const float* kv, const uint8_t* mask, int64_t n, const float* sel,
-                const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d, float* sc, float* o) {
-    scores<HN>(q, kv, n, sel, nk, d, sc);
-    for (int hh = 0; hh < HN; hh++) softmax(sc + hh * nk, mask, n, smask, nk, sink[hh], scale);
-    weighted<HN>(sc, kv, n, sel, nk, d, o);  // masked keys too: 0 * a NaN key is NaN, as in the reference
+AVX512 void scores16(const float* q, const float* kv, int64_t n, const float* sel, int64_t nk, int64_t d, float* sc) {
+    const __mmask16 tail = lanes16(d % 16);
+    const int64_t d16 = d / 16 * 16;
+    int64_t j = 0;
+    for (; j < nk; j += 2) {
+        const bool pair = j + 1 < nk;
+        const float* k0 = key_at(kv, n, sel, j, d);
+        const float* k1 = pair ? key_at(kv, n, sel, j + 1, d) : k0;
+        __m512 a0[HN], a1[HN];
+        for (int hh = 0; hh < HN; hh++) a0[hh] = a1[hh] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d16; i += 16) {
+            const __m512 c0 = _mm512_loadu_ps(k0 + i), c1 = _mm512_loadu_ps(k1 + i);
+            for (int hh = 0; hh < HN; hh++) {
+                const __m512 qv = _mm512_loadu_ps(q + hh * d + i);
+                a0[hh] = _mm512_fmadd_ps(qv, c0, a0[hh]);
+                a1[hh] = _mm512_fmadd_ps(qv, c1, a1[hh]);
+            }
+        }
+        if (tail) {
+            const __m512 c0 = _mm512_maskz_loadu_ps(tail, k0 + d16), c1 = _mm512_maskz_loadu_ps(tail, k1 + d16);
+            for (int hh = 0; hh < HN; hh++) {
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, q + hh * d + d16);
+                a0[hh] = _mm512_fmadd_ps(qv, c0, a0[hh]);
+                a1[hh] = _mm512_fmadd_ps(qv, c1, a1[hh]);
+            }
+        }
+        for (int hh = 0; hh < HN; hh++) {
+            sc[hh * nk + j] = _mm512_reduce_add_ps(a0[hh]);
+            if (pair) sc[hh * nk + j + 1] = _mm512_reduce_add_ps(a1[hh]);
+        }
+    }
 }
 
-// Heads [h0, h0 + hn) (hn <= HG) of one query: q, o at head h0, sink at h0.
-inline void head_group(int hn, const float* q, const float* kv, const uint8_t* mask, int64_t n, const float* sel,
-                       const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d, float* sc,
-                       float* o) {
+// weighted<HN> with AVX-512 (the same sums in another order): 32 channels at a time, each key's chunk loaded once for
+// all the heads, the tail of d under masks.
+template <int HN>
+AVX512 void weighted16(const float* p, const float* kv, int64_t n, const float* sel, int64_t nk, int64_t d, float* o) {
+    for (int64_t i = 0; i < d; i += 32) {
+        const __mmask16 m0 = lanes16(d - i), m1 = lanes16(d - i - 16 > 0 ? d - i - 16 : 0);
+        __m512 a0[HN], a1[HN];
+        for (int hh = 0; hh < HN; hh++) a0[hh] = a1[hh] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j++) {
+            const float* key = key_at(kv, n, sel, j, d) + i;
+            const __m512 c0 = _mm512_maskz_loadu_ps(m0, key), c1 = _mm512_maskz_loadu_ps(m1, key + 16);
+            for (int hh = 0; hh < HN; hh++) {
+                const __m512 pb = _mm512_set1_ps(p[hh * nk + j]);
+                a0[hh] = _mm512_fmadd_ps(pb, c0, a0[hh]);
+                a1[hh] = _mm512_fmadd_ps(pb, c1, a1[hh]);
+            }
+        }
+        for (int hh = 0; hh < HN; hh++) {
+            _mm512_mask_storeu_ps(o + hh * d + i, m0, a0[hh]);
+            _mm512_mask_storeu_ps(o + hh * d + i + 16, m1, a1[hh]);
+        }
+    }
+}
+
+template <int HN>
+void heads(bool wide, const float* q, const float* kv, const uint8_t* mask, int64_t n, const float* sel,
+           const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d, float* sc, float* o) {
+    if (wide)
+        scores16<HN>(q, kv, n, sel, nk, d, sc);
+    else
+        scores<HN>(q, kv, n, sel, nk, d, sc);
+    for (int hh = 0; hh < HN; hh++) softmax(sc + hh * nk, mask, n, smask, nk, sink[hh], scale);
+    if (wide)  // masked keys too: 0 * a NaN key is NaN, as in the reference
+        weighted16<HN>(sc, kv, n, sel, nk, d, o);
+    else
+        weighted<HN>(sc, kv, n, sel, nk, d, o);
+}
+
+// Heads [h0, h0 + hn) (hn <= HG) of one query: q, o at head h0, sink at h0; `wide`: AVX-512 (else AVX2).
+inline void head_group(bool wide, int hn, const float* q, const float* kv, const uint8_t* mask, int64_t n,
+                       const float* sel, const uint8_t* smask, int64_t nk, const float* sink, float scale, int64_t d,
+                       float* sc, float* o) {
     switch (hn) {
-        case 8: heads<8>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 7: heads<7>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 6: heads<6>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 5: heads<5>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 4: heads<4>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 3: heads<3>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        case 2: heads<2>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
-        default: heads<1>(q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 8: heads<8>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 7: heads<7>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 6: heads<6>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 5: heads<5>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 4: heads<4>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 3: heads<3>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        case 2: heads<2>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
+        default: heads<1>(wide, q, kv, mask, n, sel, smask, nk, sink, scale, d, sc, o); break;
     }
 }
 
@@ -1749,26 +1816,26 @@ int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const 
         if (rows[i] < 0 || rows[i] >= n_rows) return 6;
     const int64_t sb = (d + block - 1) / block, kk = topk < n ? topk : n;
     constexpr int64_t INVALID = INT64_MIN, LOW = 0xFFFFFFFFLL;
-    std::vector<float> keys;
+    std::unique_ptr<float[]> keys(new (std::nothrow) float[n * d]);  // every value written below: not zeroed
     std::vector<int64_t> rank;
     try {
-        keys.resize(n * d);
         rank.resize(n);
     } catch (const std::bad_alloc&) {
         return 4;
     }
+    if (!keys) return 4;
     for (int64_t i = 0; i < b; i++) {
         const int64_t row = rows[i] * len;
         for (int64_t j = 0; j < n; j++)
             for (int64_t c0 = 0, g = 0; c0 < d; c0 += block, g++)
-                decode_block(FMT_FP4, isa, packed + (row + j) * (d / 2), keys.data() + j * d, c0,
+                decode_block(FMT_FP4, isa, packed + (row + j) * (d / 2), keys.get() + j * d, c0,
                              c0 + block < d ? c0 + block : d, scale[(row + j) * sb + g]);
         for (int64_t t = 0; t < s; t++) {
             const int64_t qi = i * s + t;
             for (int64_t j = 0; j < n; j++) {
                 float score = 0.0f;
                 for (int64_t hh = 0; hh < h; hh++) {
-                    const float dp = dot(q + (qi * h + hh) * d, keys.data() + j * d, d, isa >= 2);
+                    const float dp = dot(q + (qi * h + hh) * d, keys.get() + j * d, d, isa >= 2);
                     score += (dp < 0.0f ? 0.0f : dp) * w[qi * h + hh];  // relu, NaN kept
                 }
                 if (std::isnan(score)) return 7;
@@ -1930,11 +1997,12 @@ int mhc_rope_tail(const float* x, const float* cos, const float* sin, float* out
 // be 0: both null), sink [h] -> o [b, s, h, d]. Per query and head: p = softmax over the valid keys of both sets of
 // q.key * scale, the sink adding exp(sink - max) to the denominator only; o = sum of p * key. A query with no valid
 // key gets NaN (as the reference's exp(-inf - -inf)); NaN scores propagate. The (query, head) pairs go to `threads`
-// threads, eight heads a task (each key read once for them). Returns 4 out of memory, 5 where a thread flushes
-// subnormals.
+// threads, eight heads a task (each key read once for them), in AVX-512 with isa >= 2 (two keys at a time), else
+// AVX2. Returns 3 for an isa this CPU lacks (or below AVX2), 4 out of memory, 5 where a thread flushes subnormals.
 int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float* sel, const uint8_t* smask,
                const float* sink, float* o, int64_t b, int64_t s, int64_t h, int64_t n, int64_t k, int64_t d,
-               float scale, int threads) {
+               float scale, int isa, int threads) {
+    if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
     int oom = 0, flush = 0;
     const int64_t groups = (h + attend::HG - 1) / attend::HG, nk = n + k;
     const unsigned caller = _mm_getcsr();
@@ -1952,7 +2020,7 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
             if (oom || flush) continue;
             const int64_t row = t / groups, bi = row / s, h0 = t % groups * attend::HG;  // row: query (bi, si)
             const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
-            attend::head_group(hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
+            attend::head_group(isa >= 2, hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
                                k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale,
                                d, sc.data(), o + (row * h + h0) * d);
         }
@@ -1989,14 +2057,14 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
     }
     for (int64_t i = 0; i < b * d; i++)
         if (!std::isfinite(kv[i])) return 1;
-    std::vector<float> keys;
+    std::unique_ptr<float[]> keys(new (std::nothrow) float[b * nk * d]);  // every value written below: not zeroed
     std::vector<uint8_t> mask;
     try {
-        keys.resize(b * nk * d);
         mask.resize(b * win);
     } catch (const std::bad_alloc&) {
         return 4;
     }
+    if (!keys) return 4;
     for (int64_t i = 0; i < b; i++) {
         const int64_t at = rows[i] * win + start[i] % win;
         encode_fp8_entry(kv + i * d, rcodes + at * nope, rscale + at * sb, rrope + at * rd, nope, block, rd);
@@ -2015,7 +2083,7 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
             const uint8_t* c = j < win ? rcodes : ccodes;
             const float* sc = j < win ? rscale : cscale;
             const float* rp = j < win ? rrope : crope;
-            decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.data() + t * d, nope, block, rd, isa);
+            decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.get() + t * d, nope, block, rd, isa);
         }
         std::vector<float> sc;
         try {
@@ -2028,8 +2096,9 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
             if (oom || flush) continue;
             const int64_t i = t / groups, h0 = t % groups * attend::HG;
             const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
-            const float* rk = keys.data() + i * nk * d;
-            attend::head_group(hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win, k ? rk + win * d : nullptr,
+            const float* rk = keys.get() + i * nk * d;
+            attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,
+                               k ? rk + win * d : nullptr,
                                k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc.data(), o + (i * h + h0) * d);
         }
     }

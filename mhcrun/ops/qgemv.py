@@ -347,7 +347,7 @@ class CpuKernel:
         rc = load_library(self.library).mhc_attend(q.data_ptr(), kv.data_ptr(), mask.data_ptr(),
                                                    None if sel is None else sel.data_ptr(),
                                                    None if sel_mask is None else sel_mask.data_ptr(), sink.data_ptr(),
-                                                   o.data_ptr(), b, s, h, n, k, d, scale,
+                                                   o.data_ptr(), b, s, h, n, k, d, scale, min(self.isa, 2),
                                                    torch.get_num_threads())
         return None if rc else o
 
@@ -682,7 +682,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_post.restype = ctypes.c_int
     lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_attend.restype = ctypes.c_int
-    lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
     lib.mhc_open_group.restype = ctypes.c_int
     lib.mhc_open_group.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
     lib.mhc_moe_routed.restype = ctypes.c_int
