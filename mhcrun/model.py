@@ -396,7 +396,8 @@ class Attention(nn.Module):
         """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); cos, sin [b, s, rd/2]."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # weightless per-head norm
+        q = eager_first(lambda: self.opts.cpu.rms_norm(q, None, self.eps),  # weightless per-head norm, in q's dtype
+                        lambda: q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps))
         q = rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim)
         kv = rotate(self.opts.cpu, self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
         return qr, q, kv

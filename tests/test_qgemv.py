@@ -965,9 +965,9 @@ def hc_case(rows: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
 @pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (16, 64), (2, 7), (1, 2048)])
 def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA; AVX-512: sixteen values a step,
-    the last step partial); the pre step (mixes GEMV, Sinkhorn, collapse, RMSNorm) is within rounding of the torch
-    reference: post and comb within 2e-6 (more for longer sums; a mean of squares over one value fewer is refused), the
-    sublayer input within 2e-6 relative (fp32) or one bf16 step (bf16).
+    the last step partial); the pre step (mixes GEMV, Sinkhorn, collapse, RMSNorm) and the head's collapse are within
+    rounding of the torch references: post and comb within 2e-6 (more for longer sums; a mean of squares over one
+    value fewer is refused), the sublayer input and the head's output within 2e-6 relative (fp32) or one bf16 step.
     Rows up to MAX_ROWS, d not a multiple of the eight or sixteen lanes, and the mid-size config's width."""
     from mhcrun.nki.ops import _ref_pre
     from mhcrun.ops import hc as ref
@@ -995,14 +995,23 @@ def test_hc_steps_against_the_reference(isa, dtype, rows, d):
         step = rh.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
         assert ((h.float() - rh.float()).abs() <= step).all()
     assert (comb.sum(-2) - 1).abs().max() < 1e-5  # Sinkhorn ends on a column step
+    head = k.hc_head(want, c["fn"][:4], c["scale"][:1], c["base"][:4], 1e-6, 1e-6)  # V4's final collapse
+    rhead = ref.hc_head(want, c["fn"][:4], c["scale"][:1], c["base"][:4], 1e-6, 1e-6)
+    assert head.dtype == dtype and head.shape == rhead.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(head, rhead, rtol=2e-6, atol=2e-6)
+    else:
+        assert ((head.float() - rhead.float()).abs() <= rhead.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7).all()
+    assert k.hc_head(want, c["fn"], c["scale"][:1], c["base"][:4], 1e-6, 1e-6) is None  # the pre step's mixes
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("shape", [(1, 1, 1024), (3, 1, 512), (qgemv.MAX_ROWS, 7), (2, 2048)])
 def test_rms_norm_in_one_call(isa, shape):
     """CpuKernel.rms_norm is mhcrun.ops.norm.rms_norm within rounding (the mean of squares summed in another order; the
-    products then as torch's): 2 ulp-scale relative; rows up to MAX_ROWS, widths off the lanes. It declines more rows,
-    bf16, a weight of another width, the kernel off; a NaN in a row makes that row NaN, as the reference."""
+    products then as torch's): 2 ulp-scale relative; rows up to MAX_ROWS, widths off the lanes; without a weight (the
+    attention's per-head norm), decode's rows of heads. It declines more rows, bf16, a weight of another width, the
+    kernel off; a NaN in a row makes that row NaN, as the reference."""
     from mhcrun.ops.norm import rms_norm
 
     k = kernel_in(isa)
@@ -1020,6 +1029,10 @@ def test_rms_norm_in_one_call(isa, shape):
     bad = x.reshape(-1, shape[-1]).clone()
     bad[0, 3] = float("nan")
     assert torch.equal(k.rms_norm(bad, w, 1e-6).isnan(), rms_norm(bad, w, 1e-6).isnan())
+    heads = x.reshape(-1, shape[-1]).expand(qgemv.HEAD_ROWS, -1, -1)  # no weight: the attention's per-head norm
+    torch.testing.assert_close(k.rms_norm(heads, None, 1e-6), heads * torch.rsqrt(heads.square().mean(-1, True) + 1e-6),
+                               rtol=3e-7, atol=0)
+    assert k.rms_norm(torch.randn(qgemv.MAX_ROWS * qgemv.HEAD_ROWS + 1, 8), None, 1e-6) is None
 
 
 @pytest.mark.parametrize("overlap", [True, False])

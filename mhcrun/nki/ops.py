@@ -586,7 +586,8 @@ def hc_head(x: Tensor, fn: Tensor, fn_hi: Tensor | None, fn_lo: Tensor | None, s
         fn_hi, fn_lo = split_hi_lo(fn)
     return _dispatch("hc_head", x, lambda: _head_ok(x, fn_hi, fn_lo, scale, base, eps, norm_eps),
                      lambda get: _run_head(get, x, fn_hi, fn_lo, scale, base, norm_eps), ref,
-                     lambda *b: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps, *b), hc)
+                     lambda *b: torch.ops.mhcrun.hc_head(x, fn, fn_hi, fn_lo, scale, base, eps, norm_eps, *b), hc,
+                     lambda cpu: cpu.hc_head(x, fn, scale, base, eps, norm_eps))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, hc: HcBackend | None = None) -> Tensor:

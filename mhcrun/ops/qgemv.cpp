@@ -1684,6 +1684,8 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
 // post [t, n], comb [t, n, n] fp32. mixes = (x . fn^T) * rsqrt(mean(x^2) + norm_eps); pre = sigmoid(. * scale0 +
 // base) + eps, post = 2 sigmoid(.), comb = Sinkhorn of (. * scale2 + base) (softmax over each row, + eps, then
 // column, row, ..., column: `iters` column steps); h = rms_norm(collapse(x, pre) in x's dtype, weight).
+// With post null (comb, weight unused), V4's head collapse (mhcrun.ops.hc.hc_head): fn [n, n * d], scale [1], base
+// [n]; h = collapse(x, pre) in x's dtype, no norm.
 // work: fp32 scratch of n * d + (2 + n) * n floats (null: the call makes its own). The mixes' dot products (fn: (2 +
 // n) * n rows of n * d) are shared among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns
 // 6 for n > 64, 3 for an isa this CPU lacks, 4 out of memory.
@@ -1693,7 +1695,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
     if (n > 64) return 6;
-    const int64_t k = n * d, mix = (2 + n) * n;
+    const int64_t k = n * d, mix = post ? (2 + n) * n : n;  // the head: its pre weights only
     const bool wide = isa >= 2;
     std::vector<float> own;
     if (!work) {
@@ -1713,10 +1715,16 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t j = 0; j < mix; j++) m[j] = dot(xf, fn + j * k, k, wide) * rs;
         float pre[64];
-        for (int64_t i = 0; i < n; i++) {
-            pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
-            post[r * n + i] = 2.0f * sigmoid(m[n + i] * scale[1] + base[n + i]);
+        for (int64_t i = 0; i < n; i++) pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
+        if (!post) {  // the head: the collapse alone
+            for (int64_t e = 0; e < d; e++) {
+                float acc = pre[0] * xf[e];
+                for (int64_t i = 1; i < n; i++) acc += pre[i] * xf[i * d + e];
+                act_put(h, bf16, r * d + e, acc);
+            }
+            continue;
         }
+        for (int64_t i = 0; i < n; i++) post[r * n + i] = 2.0f * sigmoid(m[n + i] * scale[1] + base[n + i]);
         float* c = comb + r * n * n;
         for (int64_t i = 0; i < n * n; i++) c[i] = m[2 * n + i] * scale[2] + base[2 * n + i];
         for (int64_t i = 0; i < n; i++) {  // softmax over each row
@@ -1952,8 +1960,8 @@ int mhc_close_group(float* kv_state, float* score_state, const int64_t* rows, co
     return 0;
 }
 
-// mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] -> out [rows, d]: x * (1 / sqrt(mean(x^2) + eps)),
-// then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
+// mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] (null: none) -> out [rows, d]: x * (1 /
+// sqrt(mean(x^2) + eps)), then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
 // torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU
 // lacks, 5 where the thread flushes subnormals.
 int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t d, float eps, int isa) {
@@ -1964,7 +1972,7 @@ int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64
         const float* v = x + r * d;
         const float ms = dot(v, v, d, isa >= 2) * inv_d;
         const float rs = 1.0f / std::sqrt(ms + eps);
-        for (int64_t e = 0; e < d; e++) out[r * d + e] = w[e] * (v[e] * rs);
+        for (int64_t e = 0; e < d; e++) out[r * d + e] = w ? w[e] * (v[e] * rs) : v[e] * rs;
     }
     return 0;
 }

@@ -52,6 +52,7 @@ SOURCE = Path(__file__).with_name("qgemv.cpp")
 TORCH_OPS = Path(__file__).with_name("torch_ops.cpp")
 RC_EXPERT = 8  # qgemv.cpp: a routed expert index outside its set
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
+HEAD_ROWS = 128  # rows a token may bring to a per-head step (its heads: V4's 128 at most)
 AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
 FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
@@ -287,6 +288,24 @@ class CpuKernel:
         out = self.hc_post_pre(None, x, None, None, fn, scale, base, weight, iters, eps, norm_eps)
         return None if out is None else out[1:]
 
+    def hc_head(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, eps: float, norm_eps: float) -> Tensor | None:
+        """mhcrun.ops.hc.hc_head (V4's final collapse) in one call (`mhc_hc_pre` without post): x [..., n, d] (fp32 or
+        bf16), fn [n, n*d], scale [1], base [n] fp32 -> [..., d] in x's dtype, within rounding of the reference (the
+        mixes summed in another order; the collapse in stream order, as it); None where it does not apply
+        (`hc_takes`)."""
+        if not self.hc_takes(x, fn, scale, base) or any(t.dtype != torch.float32 for t in (fn, scale, base)):
+            return None
+        *lead, n, d = x.shape
+        if fn.shape != (n, n * d) or base.shape != (n,) or scale.numel() != 1:
+            return None
+        x, fn, scale, base = (v.contiguous() for v in (x, fn, scale, base))
+        h = x.new_empty((*lead, d))
+        rc = load_library(self.library).mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(),
+                                                    scale.data_ptr(), base.data_ptr(), None, h.data_ptr(), None, None,
+                                                    x.numel() // (n * d), n, d, 0, eps, norm_eps, None, self.isa,
+                                                    torch.get_num_threads())
+        return None if rc else h
+
     def hc_post_pre(self, y: Tensor | None, residual: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
                     scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
                     norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -427,19 +446,21 @@ class CpuKernel:
                                                   route_scale, min(self.isa, 2), torch.get_num_threads())
         return None if rc else (weights, idx)
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor | None:
         """mhcrun.ops.norm.rms_norm in one call (`mhc_rms_norm`) for fp32 CPU x [..., d] of decode's few rows (at most
-        MAX_ROWS) and an fp32 weight [d]: the products bitwise torch's, the mean of squares within rounding of it;
-        None where it does not apply."""
+        MAX_ROWS) and an fp32 weight [d], or with weight None x * rsqrt(mean(x^2) + eps) of decode's rows of heads (the
+        attention's weightless per-head norm: at most MAX_ROWS * HEAD_ROWS rows): the products bitwise torch's, the
+        mean of squares within rounding of it; None where it does not apply."""
         d = x.shape[-1] if x.dim() else 0
-        if not self.on or not d or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-                or not x.is_cpu or not weight.is_cpu or weight.shape != (d,) \
-                or x.numel() // d > MAX_ROWS:
+        rows = MAX_ROWS if weight is not None else MAX_ROWS * HEAD_ROWS
+        weighs = weight is not None
+        if not self.on or not d or x.dtype != torch.float32 or not x.is_cpu or x.numel() // d > rows \
+                or (weighs and (weight.dtype != torch.float32 or not weight.is_cpu or weight.shape != (d,))):
             return None
         xc = x.contiguous()
         out = torch.empty_like(xc)
-        rc = load_library(self.library).mhc_rms_norm(xc.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
-                                                     x.numel() // d, d, eps, self.isa)
+        rc = load_library(self.library).mhc_rms_norm(xc.data_ptr(), None if weight is None else weight.contiguous()
+                                                     .data_ptr(), out.data_ptr(), x.numel() // d, d, eps, self.isa)
         return None if rc else out
 
     def rope_tail(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, inverse: bool = False) -> Tensor | None:
