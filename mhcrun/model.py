@@ -152,10 +152,13 @@ def eager_first(fast: Callable[[], T | None], ref: Callable[[], T]) -> T:
 
 def encode_entries(cpu: CpuKernel, fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """`kvcache.encode`; in CPU eager the run's kernel encodes fp32 entries of the fp8 format (power-of-two scales)
-    in one call (`CpuKernel.kv_fp8_encode`, bitwise)."""
-    fp8 = fmt.kind == "fp8" and fmt.pow2
-    return eager_first(lambda: cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK) if fp8 else None,
-                       lambda: kvcache.encode(fmt, x))
+    and of the fp4 format in one call (`CpuKernel.kv_fp8_encode`, `CpuKernel.kv_fp4_encode`, bitwise)."""
+    def fast() -> dict[str, torch.Tensor] | None:
+        if fmt.kind == "fp8" and fmt.pow2:
+            return cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK)
+        return cpu.kv_fp4_encode(x, INDEX_FP4_BLOCK) if fmt.kind == "fp4" else None
+
+    return eager_first(fast, lambda: kvcache.encode(fmt, x))
 
 
 def decode_entries(cpu: CpuKernel, fmt: CacheFormat, parts: dict[str, torch.Tensor],

@@ -1425,9 +1425,11 @@ def test_kv_fp8_encode_is_the_reference_bitwise():
 
 @pytest.mark.parametrize("shape", [(1, 1, 16, 128), (2, 1, 3, 100), (1, 5)])
 def test_fp4_simulate_is_the_reference_bitwise(shape):
-    """`CpuKernel.fp4_simulate` equals quant.fp4_simulate bit for bit: the e2m1 grid, its midpoints (ties to the even
-    mantissa) and their neighbours, both signs and -0.0, blocks at scales 2**-130 .. 2**125 (subnormal inputs, the
-    amax floor, the largest scales), a partial last block."""
+    """`CpuKernel.fp4_simulate` equals quant.fp4_simulate bit for bit, and `CpuKernel.kv_fp4_encode` kvcache.encode of
+    the fp4 format (codes and scales): the e2m1 grid, its midpoints (ties to the even mantissa) and their neighbours,
+    both signs and -0.0, blocks at scales 2**-130 .. 2**125 (subnormal inputs, the amax floor, the largest scales), a
+    partial last block; an odd width is declined by the encoder."""
+    from mhcrun.ops import kvcache
     from mhcrun.ops.quant import fp4_simulate
 
     k = cpu_kernel()
@@ -1445,6 +1447,12 @@ def test_fp4_simulate_is_the_reference_bitwise(shape):
         flat[min(3, flat.numel() - 1)] = -0.0
         got, want = k.fp4_simulate(x, 32), fp4_simulate(x, 32)
         assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        enc = k.kv_fp4_encode(x, 32)  # the same rounding as the indexer keys' cache entries
+        if shape[-1] % 2:
+            assert enc is None  # two codes a byte
+            continue
+        ref = kvcache.encode(kvcache.CacheFormat("fp4", shape[-1]), x)
+        assert enc is not None and torch.equal(enc["fp4"], ref["fp4"]) and torch.equal(enc["scale"], ref["scale"])
 
 
 def test_fp4_simulate_declines_what_it_does_not_take():
@@ -1456,7 +1464,8 @@ def test_fp4_simulate_declines_what_it_does_not_take():
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[0, 0, 2, 7] = bad
-        assert k.fp4_simulate(y, 32) is None
+        assert k.fp4_simulate(y, 32) is None and k.kv_fp4_encode(y, 32) is None
+    assert k.kv_fp4_encode(x.bfloat16(), 32) is None and cpu_kernel("0").kv_fp4_encode(x, 32) is None
     assert k.fp4_simulate(x.bfloat16(), 32) is None
     assert k.fp4_simulate(torch.randn(qgemv.MAX_ROWS * 64 + 1, 32), 32) is None
     assert cpu_kernel("0").fp4_simulate(x, 32) is None

@@ -137,7 +137,7 @@ def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):
     assert off.layers[1].ffn.shared_in_place is None
 
 
-BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "fp4_simulate", "window_mask")
+BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "kv_fp4_encode", "fp4_simulate", "window_mask")
 
 
 def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: bool = True) -> list[torch.Tensor]:

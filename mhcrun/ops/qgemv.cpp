@@ -2431,6 +2431,40 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
     return 0;
 }
 
+// fp4_simulate's rounding of fp32 rows x [rows, k] in blocks of `block` (see mhc_fp4_simulate), written as the rounded
+// values into out (x itself allowed) and/or as kvcache's fp4 entries (packed codes, block scales). 1, writing nothing,
+// for a non-finite x or a thread that flushes subnormals.
+static int fp4_blocks(const float* x, int64_t rows, int64_t k, int64_t block, float* out, uint8_t* packed,
+                      float* scales) {
+    if (flushes_denormals()) return 1;
+    for (int64_t i = 0; i < rows * k; i++)
+        if (!std::isfinite(x[i])) return 1;
+    const int64_t sb = (k + block - 1) / block;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k0 = 0, g = 0; k0 < k; k0 += block, g++) {
+            const float* v = x + r * k + k0;
+            const int64_t len = k0 + block < k ? block : k - k0;
+            const Pow2Scale sc = pow2_scale(v, len, 6.0f * 0x1p-126f, 6.0f);
+            if (scales) scales[r * sb + g] = sc.scale;
+            for (int64_t i = 0; i < len; i++) {
+                const float q = std::fmin(std::fmax(v[i] * sc.inv, -6.0f), 6.0f);
+                const float a = std::fabs(q);
+                const float step = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f;
+                const float t = a / step;  // exact: a power of two
+                const float rounded = std::fmin(((t + 0x1p23f) - 0x1p23f) * step, 6.0f);  // half to even
+                if (out) out[r * k + k0 + i] = std::copysign(rounded, q) * sc.scale;
+                if (packed) {  // the grid index of the magnitude: 2a on [0, 2), a + 2 on [2, 4), a / 2 + 4 on [4, 6]
+                    const int grid = int(rounded < 2.0f ? rounded * 2.0f : rounded < 4.0f ? rounded + 2.0f
+                                                                                          : rounded * 0.5f + 4.0f);
+                    const int code = grid | (std::signbit(q) ? 8 : 0);
+                    uint8_t& byte = packed[(r * k + k0 + i) / 2];
+                    byte = (k0 + i) % 2 ? uint8_t((byte & 0x0F) | (code << 4)) : uint8_t(code);
+                }
+            }
+        }
+    return 0;
+}
+
 // mhcrun.ops.quant.fp4_simulate(x, block) in place on fp32 rows [rows, k], bitwise: per block of `block` values (the
 // last may be partial), scale = pow2_ceil(max(amax, 6 * 2**-126) / 6) (a normal power of two: the one division
 // rounds as torch's), q = x / scale (as x times the inverse: the same correctly rounded product), rounded to the
@@ -2438,24 +2472,16 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
 // sign kept, -0.0 included), times the scale (exact). Returns 1, leaving x as it was, when x holds a non-finite value
 // or the thread flushes subnormals (the caller then takes torch's path).
 int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
-    if (flushes_denormals()) return 1;
-    for (int64_t i = 0; i < rows * k; i++)
-        if (!std::isfinite(x[i])) return 1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t k0 = 0; k0 < k; k0 += block) {
-            float* v = x + r * k + k0;
-            const int64_t len = k0 + block < k ? block : k - k0;
-            const Pow2Scale sc = pow2_scale(v, len, 6.0f * 0x1p-126f, 6.0f);
-            for (int64_t i = 0; i < len; i++) {
-                const float q = std::fmin(std::fmax(v[i] * sc.inv, -6.0f), 6.0f);
-                const float a = std::fabs(q);
-                const float step = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f;
-                const float t = a / step;  // exact: a power of two
-                const float rounded = std::fmin(((t + 0x1p23f) - 0x1p23f) * step, 6.0f);  // half to even
-                v[i] = std::copysign(rounded, q) * sc.scale;
-            }
-        }
-    return 0;
+    return fp4_blocks(x, rows, k, block, x, nullptr, nullptr);
+}
+
+// mhcrun.ops.kvcache.encode of the fp4 format (indexer keys), bitwise: each row of x [rows, k] (k even) -> its e2m1
+// codes packed [rows, k / 2] (low nibble first; the code's sign that of the rounded value, -0.0 included) and block
+// scales [rows, ceil(k / block)] fp32, as quantize_act_fp4 gives them (fp4_simulate's rounding). Returns 1, writing
+// nothing, when x holds a non-finite value or the thread flushes subnormals (the caller then takes torch's path).
+int mhc_kv_fp4_encode(const float* x, uint8_t* packed, float* scales, int64_t rows, int64_t k, int64_t block) {
+    if (k % 2) return 6;
+    return fp4_blocks(x, rows, k, block, nullptr, packed, scales);
 }
 
 // mhcrun.ops.kvcache.encode of the fp8 format (pow2 scales) in fp32, bitwise: each row of x [rows, nope + rd] ->

@@ -25,8 +25,8 @@ sparse_attn's ~20 ops and four small GEMMs; `attend_decode`: a decode step's who
 and compressed entries where they lie), the indexer's scores and top-k (`index_topk`), RMSNorm (`rms_norm`), RoPE
 (`rope_tail`), a compressor's step that closes no group (`open_group`) and one that closes one (`close_group`), the
 encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding
-(`fp4_simulate`) and the window mask (`window_mask`); a Linear's activation rounding and GEMV together (`linear`), and
-a step's routed experts (`moe_routed`).
+(`fp4_simulate`), the indexer keys' encoding (`kv_fp4_encode`) and the window mask (`window_mask`); a Linear's
+activation rounding and GEMV together (`linear`), and a step's routed experts (`moe_routed`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -550,6 +550,25 @@ class CpuKernel:
                                                        min(self.isa, 2))
         return None if rc else (entries, valid)
 
+    def kv_fp4_encode(self, x: Tensor, block: int) -> dict[str, Tensor] | None:
+        """mhcrun.ops.kvcache.encode of the fp4 format (indexer keys), bitwise, in one call (`mhc_kv_fp4_encode`): fp32
+        CPU x [..., k] (k even) -> {"fp4": packed codes uint8 [..., k / 2], "scale": fp32 [..., ceil(k / block)]} as it
+        gives them, for decode's few entries (at most MAX_ROWS * 16); None where it does not apply (non-finite x
+        included)."""
+        k = x.shape[-1] if x.dim() else 0
+        if not self.on or x.dtype != torch.float32 or not x.is_cpu or not k or k % 2:
+            return None
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        if not rows or rows > MAX_ROWS * 16:
+            return None
+        x = x.contiguous()
+        packed, scale = torch.empty(*lead, k // 2, dtype=torch.uint8), torch.empty(*lead, -(-k // block))
+        if load_library(self.library).mhc_kv_fp4_encode(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rows, k,
+                                                        block):
+            return None
+        return {"fp4": packed, "scale": scale}
+
     def open_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor, ape: Tensor,
                    start: Tensor, ratio: int, lead: int) -> bool:
         """A compressor's decode step that closes no group in one call (`mhc_open_group`), bitwise: score + ape[p %
@@ -732,6 +751,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_route.restype = ctypes.c_int
     lib.mhc_route.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_float] + \
         [ctypes.c_int] * 2
+    lib.mhc_kv_fp4_encode.restype = ctypes.c_int
+    lib.mhc_kv_fp4_encode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_post_pre.restype = ctypes.c_int
