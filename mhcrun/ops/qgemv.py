@@ -18,15 +18,16 @@ It also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 pan
 decoded once, by AMX tiles where the CPU has them (Intel's Sapphire Rapids and later), else by the BF16 dot
 products of avx512bf16.
 
-The same library runs the mHC post and post+pre steps of eager decode rows (`hc_post`, `hc_pre`: one call each
-instead of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
+The same library runs the mHC steps of eager decode rows (`hc_post`, `hc_post_pre`, `hc_head`: one call each instead
+of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
 other small steps, each in one call (`mhcrun.model.eager_first` picks them outside graphs): attention (`attend`:
 sparse_attn's ~20 ops and four small GEMMs; `attend_decode`: a decode step's whole attention, reading the FP8 ring
 and compressed entries where they lie), the indexer's scores and top-k (`index_topk`), RMSNorm (`rms_norm`), RoPE
 (`rope_tail`), a compressor's step that closes no group (`open_group`) and one that closes one (`close_group`), the
 encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding
 (`fp4_simulate`), the indexer keys' encoding (`kv_fp4_encode`) and the window mask (`window_mask`); a Linear's
-activation rounding and GEMV together (`linear`), and a step's routed experts (`moe_routed`).
+activation rounding and GEMV together (`linear`), the gate (`route`), and a step's routed experts and its shared
+expert (`moe_routed`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
