@@ -93,17 +93,21 @@ def test_kept_quantised_regions_stages_match_eager(tiny_fp8, kernel):
     assert [r.tokens for r in regions] == [r.tokens for r in eager]
 
 
+def kernel_moe(path: Path) -> tuple:
+    """(the model on the run's CPU kernel, its layer 1's MoE, 3 rows of x for it); skips where the kernel is off."""
+    kernel = cpu_kernel()
+    if not kernel.on:
+        pytest.skip(f"CPU kernel {kernel.status()}")
+    model, _ = models(path)
+    model.opts.cpu = kernel
+    return model, model.layers[1].ffn, torch.randn(3, model.cfg.dim)
+
+
 def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     """With the fused kernel, an eager step of at most MAX_ROWS tokens runs a layer's routed experts as the static
     path does (one kernel call a projection over the experts read in place), giving the per-expert loop's output;
     more rows, or the kernel off, take the loop and read nothing in place."""
-    kernel = cpu_kernel()
-    if not kernel.on:
-        pytest.skip(f"CPU kernel {kernel.status()}")
-    model, _ = models(tiny_fp8)
-    model.opts.cpu = kernel
-    ffn = model.layers[1].ffn
-    x = torch.randn(3, model.cfg.dim)
+    model, ffn, x = kernel_moe(tiny_fp8)
     weights, idx = ffn.gate(x, torch.tensor([5, 9, 11]))
     assert ffn.reads_in_place(3) and all(isinstance(ffn.gathered[w], ExpertSet) for w in ("w1", "w2", "w3"))
     assert not ffn.reads_in_place(qgemv.MAX_ROWS + 1)
@@ -118,13 +122,7 @@ def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):
     """With the fused kernel, an eager step's shared expert is one `moe_routed` call over a set of that one expert read
     in place, weighted 1: the module's own forward within rounding (silu's exp), with the activation rounding and
     without; bf16 rows, or the kernel off, take the module's forward."""
-    kernel = cpu_kernel()
-    if not kernel.on:
-        pytest.skip(f"CPU kernel {kernel.status()}")
-    model, _ = models(tiny_fp8)
-    model.opts.cpu = kernel
-    ffn = model.layers[1].ffn
-    x = torch.randn(3, model.cfg.dim)
+    model, ffn, x = kernel_moe(tiny_fp8)
     for quant_sim in (True, False):
         model.opts.quant_sim = quant_sim
         torch.testing.assert_close(ffn.shared(x), ffn.shared_experts(x), rtol=1e-5, atol=1e-6)

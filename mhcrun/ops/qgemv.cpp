@@ -1527,6 +1527,26 @@ inline void head_group(bool wide, int hn, const float* q, const float* kv, const
     }
 }
 
+// Inside a parallel region: the (query row, head group) tasks of `rows` queries of h heads shared among its threads,
+// call(row, h0, hn, sc) each (heads [h0, h0 + hn), sc: this thread's scratch for HG * nk scores); oom set where the
+// scratch cannot be had, and no task runs once oom or flush is set.
+template <class F>
+void head_group_tasks(int64_t rows, int64_t h, int64_t nk, int& oom, int flush, F call) {
+    std::vector<float> sc;
+    try {
+        sc.resize(HG * nk);
+    } catch (const std::bad_alloc&) {
+        oom = 1;
+    }
+    const int64_t groups = (h + HG - 1) / HG;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < rows * groups; t++) {
+        if (oom || flush) continue;
+        const int64_t row = t / groups, h0 = t % groups * HG;
+        call(row, h0, h - h0 < HG ? int(h - h0) : HG, sc.data());
+    }
+}
+
 }  // namespace attend
 
 // ---------------------------------------------------------------- GEMV jobs: one weight and its rows of x
@@ -2012,26 +2032,17 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
                float scale, int isa, int threads) {
     if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
     int oom = 0, flush = 0;
-    const int64_t groups = (h + attend::HG - 1) / attend::HG, nk = n + k;
+    const int64_t nk = n + k;
     const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
         flush |= take_caller_mode(caller);
-        std::vector<float> sc;
-        try {
-            sc.resize(attend::HG * nk);
-        } catch (const std::bad_alloc&) {
-            oom = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < b * s * groups; t++) {
-            if (oom || flush) continue;
-            const int64_t row = t / groups, bi = row / s, h0 = t % groups * attend::HG;  // row: query (bi, si)
-            const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
+        attend::head_group_tasks(b * s, h, nk, oom, flush, [&](int64_t row, int64_t h0, int hn, float* sc) {
+            const int64_t bi = row / s;  // row: query (bi, si)
             attend::head_group(isa >= 2, hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
                                k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale,
-                               d, sc.data(), o + (row * h + h0) * d);
-        }
+                               d, sc, o + (row * h + h0) * d);
+        });
     }
     return oom ? 4 : flush ? 5 : 0;
 }
@@ -2079,7 +2090,6 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
         for (int64_t j = 0; j < win; j++) mask[i * win + j] = start[i] - ((start[i] - j) % win + win) % win >= 0;
     }
     int oom = 0, flush = 0;
-    const int64_t groups = (h + attend::HG - 1) / attend::HG;
     const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
@@ -2093,22 +2103,12 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
             const float* rp = j < win ? rrope : crope;
             decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.get() + t * d, nope, block, rd, isa);
         }
-        std::vector<float> sc;
-        try {
-            sc.resize(attend::HG * nk);
-        } catch (const std::bad_alloc&) {
-            oom = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < b * groups; t++) {
-            if (oom || flush) continue;
-            const int64_t i = t / groups, h0 = t % groups * attend::HG;
-            const int hn = h - h0 < attend::HG ? int(h - h0) : attend::HG;
+        attend::head_group_tasks(b, h, nk, oom, flush, [&](int64_t i, int64_t h0, int hn, float* sc) {
             const float* rk = keys.get() + i * nk * d;
             attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,
-                               k ? rk + win * d : nullptr,
-                               k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc.data(), o + (i * h + h0) * d);
-        }
+                               k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc,
+                               o + (i * h + h0) * d);
+        });
     }
     return oom ? 4 : flush ? 5 : 0;
 }
