@@ -246,7 +246,8 @@ def test_generate_prompt_ids_json(greedy_ref):
     kernels = res["stats"]["kernels"]  # without the simulator: the CPU kernel's C++ (decode rows), else torch
     assert {"hc_post_pre", "hc_post", "hc_head"} <= set(kernels)
     assert kernels["hc_post_pre"]["cpu"] + kernels["hc_post_pre"]["torch"] > 0
-    assert kernels["hc_post_pre"]["nki-sim"] == kernels["hc_head"]["cpu"] == 0
+    assert kernels["hc_head"]["cpu"] + kernels["hc_head"]["torch"] == N  # once a forward: the prefill, N - 1 steps
+    assert kernels["hc_post_pre"]["nki-sim"] == kernels["hc_head"]["nki-sim"] == 0
 
 
 def test_generate_json_is_one_object_per_line():
