@@ -636,15 +636,16 @@ class MoE(nn.Module):
         """The shared expert of x [T, d]; in CPU eager decode by the run's kernel in one call, as a routed expert of a
         set of one weighted 1 (`CpuKernel.moe_routed`: within rounding through silu's exp)."""
         def fast() -> torch.Tensor | None:
-            lins = [getattr(self.shared_experts, name) for name in ("w1", "w3", "w2")]
-            if not self.opts.cpu.on or len({lin.act_quant for lin in lins}) != 1:
+            if not self.opts.cpu.on:
                 return None
-            if self.shared_in_place is None:  # learnt once; nothing is copied
+            if self.shared_in_place is None:  # learnt once (one activation rounding for all three); nothing is copied
+                lins = [getattr(self.shared_experts, name) for name in ("w1", "w3", "w2")]
                 sets = tuple(expert_set([lin.w]) for lin in lins)
-                self.shared_in_place = sets if all(s is not None for s in sets) else ()
+                same = len({lin.act_quant for lin in lins}) == 1
+                self.shared_in_place = sets if same and all(s is not None for s in sets) else ()
             if not self.shared_in_place:
                 return None
-            t, act = x.shape[0], lins[0].act_quant and self.opts.quant_sim
+            t, act = x.shape[0], self.shared_experts.w1.act_quant and self.opts.quant_sim
             return self.opts.cpu.moe_routed(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.int64),
                                             *self.shared_in_place, self.limit, ACT_FP8_BLOCK if act else 0)
 

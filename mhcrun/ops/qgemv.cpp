@@ -1661,6 +1661,20 @@ void encode_fp8_entry(const float* v, uint8_t* codes, float* scales, float* rope
     std::memcpy(rope, v + nope, sizeof(float) * rd);
 }
 
+// A compressor's token into its state slot: kv as it is, the score plus its positional bias (one rounding, as torch's
+// add).
+void put_token(float* kv_slot, float* score_slot, const float* kv, const float* score, const float* bias, int64_t c) {
+    std::memcpy(kv_slot, kv, sizeof(float) * c);
+    for (int64_t e = 0; e < c; e++) score_slot[e] = score[e] + bias[e];
+}
+
+// One entry of the fp4 format (indexer keys: packed codes [k / 2], scales [ceil(k / block)]) -> dst [k] fp32, bitwise
+// kvcache.decode (decode_block).
+void decode_fp4_entry(const uint8_t* packed, const float* scales, float* dst, int64_t k, int64_t block, int isa) {
+    for (int64_t c0 = 0, g = 0; c0 < k; c0 += block, g++)
+        decode_block(FMT_FP4, isa, packed, dst, c0, c0 + block < k ? c0 + block : k, scales[g]);
+}
+
 // One entry of the kv cache's fp8 format (codes [nope], scales, rope [rd]) -> dst [nope + rd] fp32, bitwise
 // kvcache.decode (decode_block).
 void decode_fp8_entry(const uint8_t* codes, const float* scales, const float* rope, float* dst, int64_t nope,
@@ -1781,14 +1795,15 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
 }
 
 // A site's post step and the next site's pre step in one call (mhcrun.nki.ops.hc_post_pre): mhc_hc_post of (y, res,
-// post, comb) into x_new [t, n, d], then mhc_hc_pre of x_new (post_out, comb_out: the pre step's mixes). Their codes.
+// post, comb) into x_new [t, n, d], then mhc_hc_pre of x_new (post_out, comb_out: the pre step's mixes); with y null,
+// mhc_hc_pre of res alone (x_new unused). Their codes.
 int mhc_hc_post_pre(int bf16, const void* y, const void* res, const float* post, const float* comb, void* x_new,
                     const float* fn, const float* scale, const float* base, const float* weight, void* h,
                     float* post_out, float* comb_out, int64_t t, int64_t n, int64_t d, int64_t iters, float eps,
                     float norm_eps, float* work, int isa, int threads) {
-    const int rc = mhc_hc_post(bf16, y, res, post, comb, x_new, t, n, d, isa);
-    return rc ? rc : mhc_hc_pre(bf16, x_new, fn, scale, base, weight, h, post_out, comb_out, t, n, d, iters, eps,
-                                norm_eps, work, isa, threads);
+    const int rc = y ? mhc_hc_post(bf16, y, res, post, comb, x_new, t, n, d, isa) : 0;
+    return rc ? rc : mhc_hc_pre(bf16, y ? x_new : res, fn, scale, base, weight, h, post_out, comb_out, t, n, d, iters,
+                                eps, norm_eps, work, isa, threads);
 }
 
 // mhcrun.ops.kvcache.decode of the fp8 format (the kv cache with the quantisation simulated) in fp32, bitwise: each
@@ -1817,10 +1832,7 @@ int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
     const int64_t sb = (k + block - 1) / block;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c0 = 0, g = 0; c0 < k; c0 += block, g++)
-            decode_block(FMT_FP4, isa, packed + r * (k / 2), out + r * k, c0, c0 + block < k ? c0 + block : k,
-                         scale[r * sb + g]);
+    for (int64_t r = 0; r < rows; r++) decode_fp4_entry(packed + r * (k / 2), scale + r * sb, out + r * k, k, block, isa);
     return 0;
 }
 
@@ -1855,9 +1867,7 @@ int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const 
     for (int64_t i = 0; i < b; i++) {
         const int64_t row = rows[i] * len;
         for (int64_t j = 0; j < n; j++)
-            for (int64_t c0 = 0, g = 0; c0 < d; c0 += block, g++)
-                decode_block(FMT_FP4, isa, packed + (row + j) * (d / 2), keys.get() + j * d, c0,
-                             c0 + block < d ? c0 + block : d, scale[(row + j) * sb + g]);
+            decode_fp4_entry(packed + (row + j) * (d / 2), scale + (row + j) * sb, keys.get() + j * d, d, block, isa);
         for (int64_t t = 0; t < s; t++) {
             const int64_t qi = i * s + t;
             for (int64_t j = 0; j < n; j++) {
@@ -1914,11 +1924,9 @@ int mhc_open_group(float* kv_state, float* score_state, const int64_t* rows, con
         if (rows[i] < 0 || rows[i] >= n_rows || start[i] < 0 || lead + start[i] % ratio + s > len) return 6;
     for (int64_t i = 0; i < b; i++)
         for (int64_t t = 0; t < s; t++) {
-            const int64_t p = start[i] + t, at = (rows[i] * len + lead + start[i] % ratio + t) * c;
-            const float* sc = score + (i * s + t) * c;
-            const float* bias = ape + (p % ratio) * c;
-            std::memcpy(kv_state + at, kv + (i * s + t) * c, sizeof(float) * c);
-            for (int64_t e = 0; e < c; e++) score_state[at + e] = sc[e] + bias[e];
+            const int64_t at = (rows[i] * len + lead + start[i] % ratio + t) * c;
+            put_token(kv_state + at, score_state + at, kv + (i * s + t) * c, score + (i * s + t) * c,
+                      ape + ((start[i] + t) % ratio) * c, c);
         }
     return 0;
 }
@@ -1950,9 +1958,7 @@ int mhc_close_group(float* kv_state, float* score_state, const int64_t* rows, co
         float* ks = kv_state + rows[i] * len * c;
         float* ss = score_state + rows[i] * len * c;
         const int64_t at = (lead + start[i] % ratio) * c;
-        const float* bias = ape + (start[i] % ratio) * c;
-        std::memcpy(ks + at, kv + i * c, sizeof(float) * c);
-        for (int64_t e = 0; e < c; e++) ss[at + e] = score[i * c + e] + bias[e];
+        put_token(ks + at, ss + at, kv + i * c, score + i * c, ape + (start[i] % ratio) * c, c);
         closed[i] = start[i] % ratio == ratio - 1;
         if (!closed[i]) {
             std::fill(pooled + i * d, pooled + (i + 1) * d, 0.0f);

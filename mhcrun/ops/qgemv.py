@@ -325,21 +325,14 @@ class CpuKernel:
         x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
         h = x.new_empty((*lead, d))
         post_out, comb_out = torch.empty((*lead, n)), torch.empty((*lead, n, n))
-        lib = load_library(self.library)
-        if y is None:
-            streams = x
-            rc = lib.mhc_hc_pre(int(x.dtype == torch.bfloat16), x.data_ptr(), fn.data_ptr(), scale.data_ptr(),
-                                base.data_ptr(), weight.data_ptr(), h.data_ptr(), post_out.data_ptr(),
-                                comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
-                                torch.get_num_threads())
-        else:
+        if y is not None:
             y, post, comb = (v.contiguous() for v in (y, post, comb))
-            streams = torch.empty_like(x)
-            rc = lib.mhc_hc_post_pre(int(x.dtype == torch.bfloat16), y.data_ptr(), x.data_ptr(), post.data_ptr(),
-                                     comb.data_ptr(), streams.data_ptr(), fn.data_ptr(), scale.data_ptr(),
-                                     base.data_ptr(), weight.data_ptr(), h.data_ptr(), post_out.data_ptr(),
-                                     comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
-                                     torch.get_num_threads())
+        streams = x if y is None else torch.empty_like(x)
+        ptrs = [None if v is None else v.data_ptr() for v in (y, x, post, comb, None if y is None else streams)]
+        rc = load_library(self.library).mhc_hc_post_pre(
+            int(x.dtype == torch.bfloat16), *ptrs, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), weight.data_ptr(),
+            h.data_ptr(), post_out.data_ptr(), comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
+            torch.get_num_threads())
         return None if rc else (streams, h, post_out, comb_out)
 
     def attend(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None = None,
@@ -453,15 +446,16 @@ class CpuKernel:
         attention's weightless per-head norm: at most MAX_ROWS * HEAD_ROWS rows): the products bitwise torch's, the
         mean of squares within rounding of it; None where it does not apply."""
         d = x.shape[-1] if x.dim() else 0
-        rows = MAX_ROWS if weight is not None else MAX_ROWS * HEAD_ROWS
         weighs = weight is not None
+        rows = MAX_ROWS if weighs else MAX_ROWS * HEAD_ROWS
         if not self.on or not d or x.dtype != torch.float32 or not x.is_cpu or x.numel() // d > rows \
                 or (weighs and (weight.dtype != torch.float32 or not weight.is_cpu or weight.shape != (d,))):
             return None
         xc = x.contiguous()
         out = torch.empty_like(xc)
-        rc = load_library(self.library).mhc_rms_norm(xc.data_ptr(), None if weight is None else weight.contiguous()
-                                                     .data_ptr(), out.data_ptr(), x.numel() // d, d, eps, self.isa)
+        w_ptr = weight.contiguous().data_ptr() if weighs else None
+        rc = load_library(self.library).mhc_rms_norm(xc.data_ptr(), w_ptr, out.data_ptr(), x.numel() // d, d, eps,
+                                                     self.isa)
         return None if rc else out
 
     def rope_tail(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, inverse: bool = False) -> Tensor | None:
