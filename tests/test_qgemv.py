@@ -515,22 +515,59 @@ def test_bf16_dot_fp8_against_reference(n, k, block, m):
     check_groups(run(kernel, x3, w, s, "fp8", block), x3, w_ref)
 
 
+def fp4_rows_x(rows: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """x [m, 1, k] for the FP4 rows named: "int" (FP8-rounded: one 15-bit window a chunk of 128 inputs, or two
+    where a chunk's values span more), "int2" (every chunk's first value 1.5 * 2**-14, its lowest bit 2**-15, with
+    values of about 1 beside it: two windows in every chunk), "bf16" (1.5 * 2**-40: a chunk spans more than 30
+    bits, so the BF16 dot products take it)."""
+    x3 = act_rounded(m, 1, k, g=g)
+    if rows != "int":
+        x3[..., ::128] = 1.5 * 2.0**(-14 if rows == "int2" else -40)
+    return x3
+
+
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(200, 320), (33, 70), (64, 4096), (5, 2), (9, 96), (7, 160), (3, 256)])
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
-def test_bf16_dot_fp4_against_reference(n, k, m):
-    """FP4 weights (every byte, so every code in both nibbles) by vdpbf16ps, four groups of 32 a step: rows that
-    end inside a step or a group's 16 bytes, scales past the row's end never read, both scale encodings, and
-    e8m0 byte 0 (2**-127, subnormal) among the scales."""
+@pytest.mark.parametrize("rows", ["int", "int2", "bf16"])
+def test_bf16_dot_fp4_against_reference(n, k, m, rows):
+    """FP4 weights (every byte, so every code in both nibbles) by 16-bit integer dot products (one window or two) or
+    by vdpbf16ps, four groups of 32 a step: rows that end inside a step or a group's 16 bytes, scales past the
+    row's end never read, both scale encodings, and e8m0 byte 0 (2**-127, subnormal) among the scales."""
     kernel, g = bf16_kernel(), gen(3100 + m + k)
     p = every_byte_fp4(n, k)
     _, s = fp4_weight(n, k, g, e8m0=bool(m % 2))
     if m % 2:
         s.view(torch.uint8)[0, 0] = 0
     w_ref = dequantize(QWeight(p, s, 32))
-    x3 = act_rounded(m, 1, k, g=g)
-    assert kernel.takes_bf16(x3)
+    x3 = fp4_rows_x(rows, m, k, g)
+    assert kernel.takes_bf16(x3) and kernel.takes_int(x3) == (rows != "bf16")
     check_groups(run(kernel, x3, p, s, "fp4", 32), x3, w_ref)
+
+
+@needs_kernel
+def test_fp4_int_rows_take_and_refuse():
+    """The integer rows take a chunk of 128 inputs spanning 30 bits and refuse 31 (to the BF16 dot products, or the
+    fp32 rows where x is not exact in bf16), a non-finite value, and values outside 2**-125 .. 2**100; where they
+    take x the result equals the reference within the fp32 bound (a kernel that dropped the high window would miss
+    by about 2**15 times the rest)."""
+    kernel, plain, g = bf16_kernel(), kernel_in("avx512"), gen(3150)
+    n, k = 48, 256
+    p, s = fp4_weight(n, k, g)
+    w_ref = dequantize(QWeight(p, s, 32))
+    x3 = torch.zeros(1, 1, k)
+    x3[0, 0, :128] = 1.0
+    x3[0, 0, 5] = (2.0**24 - 1.0) * 2.0**6  # below 2**30, the chunk's lowest bit 2**0: two windows
+    x3[0, 0, 130:140] = -3.0 * 2.0**-40
+    assert kernel.takes_int(x3)
+    check_groups(run(kernel, x3, p, s, "fp4", 32), x3, w_ref)
+    for i, value in ((5, 2.0**30), (7, 2.0**-126), (9, 2.0**101), (11, math.inf), (13, math.nan)):
+        bad = x3.clone()
+        bad[0, 0, i] = value
+        assert not kernel.takes_int(bad), value
+        y, ref = run(kernel, bad, p, s, "fp4", 32), run(plain, bad, p, s, "fp4", 32)
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), value
+        check_groups(y.nan_to_num(), bad.nan_to_num(), w_ref) if math.isfinite(value) else None
 
 
 @needs_kernel

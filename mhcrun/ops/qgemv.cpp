@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <immintrin.h>
 #include <memory>
@@ -54,6 +55,7 @@ extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,f16c,fma")))
 
 namespace {
@@ -69,6 +71,9 @@ struct Job {
     float* y;               // [M, N]
     int64_t m, n, k, block, groups, row_bytes, s_cols, x_stride;
     const uint16_t* xb = nullptr;  // x in bf16 for the dot-product rows (namespace avx512bf16), or null
+    const int16_t* xi = nullptr;   // x as integers for the FP4 integer rows (make_int_x), or null; then
+    const float* xi_scale = nullptr;   // each row's chunk scales
+    const uint8_t* xi_two = nullptr;   // and whether a chunk takes two windows
 };
 
 struct E8m0Table {
@@ -543,6 +548,129 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
         fp4_step<R, false>(w, b, 0, t, fp4_scales(sc, b / 16), xs, acc);
     }
     if (b < bytes) fp4_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(sc, b / 16), xs, acc);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// ---------------------------------------------------------------- FP4 rows by 16-bit integer dot products (vpdpwssd)
+// On Intel's Sapphire Rapids vdpbf16ps retires at half the FMA's rate and the FP4 rows above are bound by it; vpdpwssd
+// (pairs of int16 products summed into int32) retires ~2.8 times as fast. The e2m1 codes are small integers (twice
+// each value: 0, 1, 2, 3, 4, 6, 8, 12), and an x that DeepSeek's FP8 activation rounding made is too, in units of
+// its chunk's smallest bit: each chunk of 128 inputs (one 64-byte step, four groups) is written as integers X times
+// 2**q (q: the lowest set bit of the chunk's values), in one 15-bit window when every |X| < 2**15 and in two (X = hi *
+// 2**15 + lo) when every |X| < 2**30 (an FP8-rounded block spans at most 18 bits). A lane's eight products sum
+// exactly in int32 (< 2**22) and convert exactly to fp32; the two windows join in one rounding, the chunk's 2**(q - 1)
+// scales exactly (q >= -125), and the group's scale multiplies as on the other rows: the result is the fp32 GEMV's
+// up to the summation order, as there. x with a non-finite value, or a chunk that spans more than 30 bits or lies
+// outside 2**-125 .. 2**100, takes the other rows.
+
+constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
+
+// The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, in fp4_slot's order, zero
+// past k), the chunk's scale 2**(q - 1); per chunk whether any row needs the hi window. False where x does not
+// qualify (see above).
+struct IntX {
+    std::vector<int16_t> v;
+    std::vector<float> scale;
+    std::vector<uint8_t> two;
+    int64_t chunks = 0;
+};
+
+inline bool make_int_x(const float* x, int64_t rows, int64_t k, IntX& out) {
+    const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
+    int slot[INT_CHUNK];
+    for (int i = 0; i < INT_CHUNK; i++) slot[i] = fp4_slot(i);
+    out.chunks = chunks;
+    out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
+    out.scale.assign(rows * chunks, 1.0f);
+    out.two.assign(chunks, 0);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const float* v = x + r * k + c * INT_CHUNK;
+            const int n = k - c * INT_CHUNK < INT_CHUNK ? int(k - c * INT_CHUNK) : INT_CHUNK;
+            int lo = 1000, hi = -1000;  // the chunk's lowest set bit, and the bit above its largest magnitude
+            for (int i = 0; i < n; i++) {
+                const uint32_t u = bits_of(v[i]) & 0x7FFFFFFFu, e = u >> 23;
+                if (!u) continue;
+                if (e == 0 || e == 255) return false;  // subnormal (below 2**-125 anyway), inf, NaN
+                const uint32_t m = (u & 0x7FFFFFu) | 0x800000u;
+                const int low = int(e) - 150 + __builtin_ctz(m);
+                lo = low < lo ? low : lo;
+                hi = int(e) - 126 > hi ? int(e) - 126 : hi;
+            }
+            if (hi == -1000) continue;  // all zero
+            if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
+            if (hi - lo > INT_WINDOW) out.two[c] = 1;
+            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
+            int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
+            for (int i = 0; i < n; i++) {
+                const uint32_t u = bits_of(v[i]), a = u & 0x7FFFFFFFu;
+                if (!a) continue;
+                const int shift = int(a >> 23) - 150 - lo;  // >= -23: the bits shifted out are zero
+                const uint64_t m = (a & 0x7FFFFFu) | 0x800000u;
+                const int64_t mag = int64_t(shift >= 0 ? m << shift : m >> -shift);
+                const int64_t sgn = (u >> 31) ? -1 : 1;
+                dst[slot[i]] = int16_t(sgn * (mag & ((1 << INT_WINDOW) - 1)));
+                dst[INT_CHUNK + slot[i]] = int16_t(sgn * (mag >> INT_WINDOW));
+            }
+        }
+    return true;
+}
+
+// The e2m1 codes as twice their values, int16, each twice over (entry i: code i % 16), for vpermw.
+struct IntTable {
+    alignas(64) int16_t e2m1x2[32];
+    IntTable() {
+        const int16_t mag[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+        for (int c = 0; c < 32; c++) e2m1x2[c] = int16_t(c & 8 ? -mag[c & 7] : mag[c & 7]);
+    }
+};
+const IntTable INT_TABLE;
+
+// Four int16 vectors of x against the decoded weights, summed per lane in int32 (exact) -> fp32 (exact).
+AVX512VNNI INLINE __m512 int_dot(const __m512i (&v)[4], const int16_t* x) {
+    const __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512(x)),
+                                          v[1], _mm512_loadu_si512(x + 32));
+    const __m512i q = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[2], _mm512_loadu_si512(x + 64)),
+                                          v[3], _mm512_loadu_si512(x + 96));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(p, q));
+}
+
+// fp4: 64 bytes (chunk c, groups 4c .. 4c + 3) at w + b (TAIL: those in mk, the rest zero) into acc of each row.
+template <int R, bool TAIL>
+AVX512VNNI INLINE void fp4_int_step(const uint8_t* w, int64_t b, __mmask64 mk, __m512i t, __m512 s,
+                                    const int16_t* const* xs, const float* const* xsc, bool two, __m512 (&acc)[R]) {
+    const __m512i raw = TAIL ? _mm512_maskz_loadu_epi8(mk, w + b) : _mm512_loadu_si512(w + b);
+    const __m512i v[4] = {_mm512_permutexvar_epi16(raw, t), _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), t),
+                          _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), t),
+                          _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), t)};
+    const int64_t c = b / 64;
+    for (int r = 0; r < R; r++) {
+        const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
+        __m512 f = int_dot(v, x);
+        if (two) f = _mm512_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm512_set1_ps(0x1p15f), f);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(xsc[r][c])), s, acc[r]);
+    }
+}
+
+template <int R>
+AVX512VNNI void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const int64_t bytes = j.k / 2;
+    const __m512i t = _mm512_load_si512(INT_TABLE.e2m1x2);
+    const float* xsc[R];
+    for (int r = 0; r < R; r++) xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
+    alignas(64) float sc[ROW_GROUPS];
+    row_scales(j, n, sc);
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 64 <= bytes; b += 64) {
+        prefetch_ahead(w + b);
+        fp4_int_step<R, false>(w, b, 0, t, fp4_scales(sc, b / 16), xs, xsc, j.xi_two[b / 64], acc);
+    }
+    if (b < bytes)
+        fp4_int_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(sc, b / 16), xs, xsc,
+                              j.xi_two[b / 64], acc);
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
@@ -1167,6 +1295,16 @@ struct Bf16Rows {
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
 };
 
+struct IntRows {  // FP4 weights only (prepare_x)
+    using X = int16_t;
+    static const X* x_of(const Job& j, int64_t i) { return j.xi + i * j.x_stride; }
+    template <int R> static bool fp8(const Job&, int64_t, const X* const*, float*) { return false; }
+    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
+        avx512bf16::fp4_int_row<R>(j, n, xs, out);
+    }
+    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
+};
+
 struct Avx2Rows {
     using X = float;
     static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
@@ -1566,13 +1704,22 @@ Job make_job(int fmt, int scale_kind, const void* w, const void* s, const float*
     return j;
 }
 
+// Whether FP4 rows multiply x [rows, k] by integer dot products (avx512bf16::make_int_x, made into `out`): AVX-512
+// VNNI, and x qualifies.
+inline bool takes_int(const float* x, int64_t rows, int64_t k, avx512bf16::IntX& out) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && avx512bf16::make_int_x(x, rows, k, out);
+}
+
 // The x a job's rows read, made by prepare_x.
 struct XBuf {
     std::vector<float> f;
     std::vector<uint16_t> h;
+    avx512bf16::IntX i;
 };
 
-// Points the job at the x its rows read, made in `own`: with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
+// Points the job at the x its rows read, made in `own`: with isa 3, fp4 whose x the integer rows take (takes_int),
+// x as integer windows (j.xi); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
 // takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their order (j.xb); else for fp4 (and
 // bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
 // reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
@@ -1582,6 +1729,11 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
+        if (isa == 3 && j.fmt == FMT_FP4 && fits && takes_int(j.x, rows, k, own.i)) {
+            j.x_stride = own.i.chunks * 2 * avx512bf16::INT_CHUNK;
+            j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
+            return true;
+        }
         if (isa == 3 && fits && avx512bf16::takes_bf16(j.x, rows * k)) {
             const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
             j.x_stride = (k + width - 1) / width * width;
@@ -1631,7 +1783,8 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         const Unit& t = units[u];
         flush |= take_caller_mode(caller);
         const Job& j = jobs[t.job];
-        nan |= (j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
+        nan |= (j.xi ? run_rows<IntRows>(j, t.n0, t.n1)
+                : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
     }
     (void)nan;  // NaN rows are written as NaN (run_row)
@@ -2192,6 +2345,13 @@ int mhc_qgemv_isa(void) {
 // and at least 2**-110 in magnitude. 1 or 0.
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
 
+// Whether x [rows, k] takes the FP4 integer rows (avx512bf16::make_int_x): AVX-512 VNNI, every value finite, and each
+// chunk of 128 inputs of a row within 30 bits of its lowest set bit, inside 2**-125 .. 2**100. 1 or 0.
+int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
+    avx512bf16::IntX unused;
+    return takes_int(x, rows, k, unused) ? 1 : 0;
+}
+
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU
 // that is neither AMD's nor has AMX. Zen 4 retires vdpbf16ps at the FMA's instruction rate (twice its products): the
 // dot rows decode FP8 1.7x and FP4 1.3x faster there; an Intel Xeon (Sapphire Rapids) VM retired it at half the
@@ -2311,41 +2471,92 @@ inline bool in_set(const int64_t* idx, int64_t count, int64_t experts) {
 // scale_kind, block, [N, K']). The rows of one expert are multiplied together (each weight byte read once per four
 // rows); the rows of all the experts go to the threads in one parallel region. Return codes as mhc_qgemv's, and 8
 // where an index lies outside [0, experts).
+// The jobs of routed experts read in place, for run_jobs: add() takes one set's experts (as mhc_qgemv_experts
+// describes), scatter() puts their rows' results where they go. Jobs of one batch whose x rows are the same (w1 and
+// w3 of a decode token, every expert of it) share one prepared x.
+class ExpertBatch {
+  public:
+    std::vector<Job> jobs;
+
+    // 0, or 4 out of memory.
+    int add(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y, int64_t b,
+            int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa) {
+        try {
+            return add_set(fmt, ptrs, idx, scale_kind, x, y, b, kk, kx, n, k, block, isa);
+        } catch (const std::bad_alloc&) {
+            return 4;
+        }
+    }
+
+    void scatter() const {
+        for (const Part& part : parts)
+            for (size_t r = 0; r < part.at.size(); r++)
+                std::memcpy(part.out + part.at[r] * part.n, part.y.data() + r * part.n, sizeof(float) * part.n);
+    }
+
+  private:
+    struct Part {
+        float* out;
+        int64_t n;
+        std::vector<int64_t> at;  // the rows of out
+        std::vector<float> x, y;
+        XBuf own;
+    };
+    std::deque<Part> parts;  // one per job; a deque keeps each in place
+
+    int add_set(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y, int64_t b,
+                int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa) {
+        std::vector<int64_t> used;  // the experts in order of first use
+        std::vector<std::vector<int64_t>> pairs;  // each expert's (b, j) as b * kk + j
+        std::unordered_map<int64_t, size_t> slot;
+        for (int64_t p = 0; p < b * kk; p++) {
+            auto [it, fresh] = slot.emplace(idx[p], used.size());
+            if (fresh) used.push_back(idx[p]), pairs.emplace_back();
+            pairs[it->second].push_back(p);
+        }
+        for (size_t e = 0; e < used.size(); e++) {
+            const int64_t rows = static_cast<int64_t>(pairs[e].size());
+            Part part{y, n, pairs[e], std::vector<float>(rows * k), std::vector<float>(rows * n), {}};
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t p = pairs[e][r], src = (p / kk) * kx + (kx > 1 ? p % kk : 0);
+                std::memcpy(part.x.data() + r * k, x + src * k, sizeof(float) * k);
+            }
+            parts.push_back(std::move(part));
+            Part& mine = parts.back();
+            const int64_t* at = ptrs + 2 * used[e];
+            Job j = make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]), reinterpret_cast<const void*>(at[1]),
+                             mine.x.data(), mine.y.data(), rows, n, k, block, 1);
+            if (!share_x(j)) {
+                if (!prepare_x(j, isa, mine.own)) return 4;
+            }
+            jobs.push_back(j);
+        }
+        return 0;
+    }
+
+    // Points j at the x an earlier job of the same layout prepared from the same rows; false where there is none.
+    bool share_x(Job& j) const {
+        for (size_t i = 0; i < jobs.size(); i++) {
+            const Job& o = jobs[i];
+            if (o.fmt != j.fmt || o.block != j.block || o.k != j.k || o.m != j.m || o.s_cols != j.s_cols ||
+                std::memcmp(parts[i].x.data(), j.x, sizeof(float) * j.m * j.k))
+                continue;
+            j.x = o.x, j.xb = o.xb, j.xi = o.xi, j.xi_scale = o.xi_scale, j.xi_two = o.xi_two, j.x_stride = o.x_stride;
+            return true;
+        }
+        return false;
+    }
+};
+
 int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64_t* idx, int scale_kind, const float* x,
                       float* y, int64_t b, int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa,
                       int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
     if (!in_set(idx, b * kk, experts)) return 8;
-    std::vector<int64_t> used;  // the experts in order of first use
-    std::vector<std::vector<int64_t>> pairs;  // each expert's (b, j) as b * kk + j
-    std::unordered_map<int64_t, size_t> slot;
-    for (int64_t p = 0; p < b * kk; p++) {
-        auto [it, fresh] = slot.emplace(idx[p], used.size());
-        if (fresh) used.push_back(idx[p]), pairs.emplace_back();
-        pairs[it->second].push_back(p);
-    }
-    const size_t g = used.size();
-    std::vector<std::vector<float>> xs(g), ys(g);
-    std::vector<XBuf> own(g);
-    std::vector<Job> jobs;
-    for (size_t e = 0; e < g; e++) {
-        const int64_t rows = static_cast<int64_t>(pairs[e].size());
-        xs[e].resize(rows * k);
-        ys[e].resize(rows * n);
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t p = pairs[e][r], src = (p / kk) * kx + (kx > 1 ? p % kk : 0);
-            std::memcpy(xs[e].data() + r * k, x + src * k, sizeof(float) * k);
-        }
-        const int64_t* at = ptrs + 2 * used[e];
-        jobs.push_back(make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]),
-                                reinterpret_cast<const void*>(at[1]), xs[e].data(), ys[e].data(), rows, n, k, block,
-                                1));
-        if (!prepare_x(jobs.back(), isa, own[e])) return 4;
-    }
-    const int rc = run_jobs(jobs, isa, threads);
-    for (size_t e = 0; e < g; e++)
-        for (size_t r = 0; r < pairs[e].size(); r++)
-            std::memcpy(y + pairs[e][r] * n, ys[e].data() + r * n, sizeof(float) * n);
+    ExpertBatch batch;
+    if (batch.add(fmt, ptrs, idx, scale_kind, x, y, b, kk, kx, n, k, block, isa)) return 4;
+    const int rc = run_jobs(batch.jobs, isa, threads);
+    batch.scatter();
     return rc;
 }
 
@@ -2369,12 +2580,15 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
     }
     const float* xin = x;
     if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs1, experts, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa,
-                                   threads))
-        return rc;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs3, experts, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa,
-                                   threads))
-        return rc;
+    if (int rc = check_args(fmt, block, isa)) return rc;
+    {  // w1 and w3 in one parallel region, on one prepared x
+        ExpertBatch gate_up;
+        if (gate_up.add(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa) ||
+            gate_up.add(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa))
+            return 4;
+        if (int rc = run_jobs(gate_up.jobs, isa, threads)) return rc;
+        gate_up.scatter();
+    }
     for (int64_t r = 0; r < t * k; r++)
         for (int64_t e = 0; e < inter; e++) {
             float a = g[r * inter + e], b = u[r * inter + e];

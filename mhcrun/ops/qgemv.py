@@ -14,6 +14,10 @@ Without a compiler, on a CPU with neither, or with MHCRUN_CPU_KERNEL=0, the kern
 False, its methods decline and the callers take torch's path); `status()` says why. Where no run opened one
 (a model built without a runner) the kernel is `KERNEL_OFF`.
 
+With AVX-512 BF16 (isa avx512bf16) the rows multiply FP8/FP4 weights decoded to bf16 by BF16 dot products where x
+is exact in bf16 (`takes_bf16`), and FP4 weights by 16-bit integer dot products first where x is FP8-rounded
+(`takes_int`).
+
 It also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32 output rows, each
 decoded once, by AMX tiles where the CPU has them (Intel's Sapphire Rapids and later), else by the BF16 dot
 products of avx512bf16.
@@ -216,6 +220,16 @@ class CpuKernel:
         xf = x.float().contiguous()
         return self.isa == ISAS["avx512bf16"] and bool(load_library(self.library).mhc_takes_bf16(xf.data_ptr(),
                                                                                                  xf.numel()))
+
+    def takes_int(self, x: Tensor) -> bool:
+        """Whether GEMVs over FP4 weights multiply this x [..., K] by 16-bit integer dot products (isa avx512bf16 on a
+        CPU with AVX-512 VNNI): every value finite, and each chunk of 128 inputs of a row within 30 bits of its lowest
+        set bit, inside 2**-125 .. 2**100 (as FP8-rounded x always is); qgemv.cpp's FP4 integer rows say why that is
+        exact. FP4 GEMVs prefer these rows to the BF16 dot products."""
+        xf = x.float().contiguous()
+        k = xf.shape[-1] if xf.dim() else 0
+        return self.isa == ISAS["avx512bf16"] and k > 0 and bool(
+            load_library(self.library).mhc_takes_int(xf.data_ptr(), xf.numel() // k, k))
 
     def fp4_simulate(self, x: Tensor, block: int) -> Tensor | None:
         """mhcrun.ops.quant.fp4_simulate(x, block), bitwise, in one call (`mhc_fp4_simulate`), for a CPU fp32 x of
@@ -700,6 +714,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qgemm_amx.restype = ctypes.c_int
     lib.mhc_takes_bf16.restype = ctypes.c_int
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.mhc_takes_int.restype = ctypes.c_int
+    lib.mhc_takes_int.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
