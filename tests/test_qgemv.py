@@ -80,7 +80,7 @@ def test_kernel_builds_where_it_can():
         pytest.skip("CPU without AVX-512")
     if shutil.which(Env.read().cxx) is None:
         pytest.skip("no C++ compiler")
-    bf16 = {"avx512_bf16", "avx512vbmi", "bmi2"} <= cpu_flags()
+    bf16 = {"avx512_bf16", "avx512_vnni", "avx512vbmi", "bmi2"} <= cpu_flags()
     amx = " + amx" if bf16 and {"amx_tile", "amx_bf16"} <= cpu_flags() else ""  # prefill chunks by AMX tiles
     assert cpu_kernel().on and cpu_kernel().status() == ("avx512bf16" if bf16 and (cpu_vendor() == "AuthenticAMD"
                                                                                     or amx) else "avx512") + amx
@@ -479,7 +479,7 @@ def test_generate_reports_the_kernel(tmp_path):
 
 
 def bf16_kernel() -> CpuKernel:
-    """The kernel in avx512bf16 (skipping where this CPU lacks AVX-512 BF16 or VBMI)."""
+    """The kernel in avx512bf16 (skipping where this CPU lacks AVX-512 BF16, VNNI or VBMI)."""
     return kernel_in("avx512bf16")
 
 

@@ -54,8 +54,7 @@ extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, 
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
-#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx512vbmi,bmi2,f16c,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,bmi2,f16c,fma")))
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,f16c,fma")))
 
 namespace {
@@ -512,32 +511,24 @@ AVX512BF16 INLINE __m512 fp4_scales(const float* sc, int64_t c) {
     return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + c)));
 }
 
-// fp4: 64 bytes (128 inputs, groups c .. c + 3) at w + b (TAIL: those in mk, the rest zero) into acc of each row:
-// four vpermw through the e2m1 table `t` make the bf16 weights (fewer shuffles than byte tables and unpacks: FP4 rows
-// 17.7 -> 19.4 GB/s in L3 on 2 Zen 4 cores).
-template <int R, bool TAIL>
-AVX512BF16 INLINE void fp4_step(const uint8_t* w, int64_t b, __mmask64 mk, __m512i t, __m512 s,
-                                const uint16_t* const* xs, __m512 (&acc)[R]) {
+// fp4: the 128 nibbles of 64 bytes at w + b (TAIL: those in mk, the rest zero) through the 32-word table t (entry i:
+// code i % 16) -> four vectors of words in fp4_slot's order: four vpermw (fewer shuffles than byte tables and
+// unpacks: FP4 rows 17.7 -> 19.4 GB/s in L3 on 2 Zen 4 cores).
+template <bool TAIL>
+AVX512BF16 INLINE void fp4_words(const uint8_t* w, int64_t b, __mmask64 mk, __m512i t, __m512i (&v)[4]) {
     const __m512i raw = TAIL ? _mm512_maskz_loadu_epi8(mk, w + b) : _mm512_loadu_si512(w + b);
-    const __m512bh v0 = as_bh(_mm512_permutexvar_epi16(raw, t));
-    const __m512bh v1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), t));
-    const __m512bh v2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), t));
-    const __m512bh v3 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), t));
-    for (int r = 0; r < R; r++) {
-        const uint16_t* x = xs[r] + 2 * b;
-        __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), v0, load_xb(x));
-        __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), v2, load_xb(x + 64));
-        p = _mm512_dpbf16_ps(p, v1, load_xb(x + 32));
-        q = _mm512_dpbf16_ps(q, v3, load_xb(x + 96));
-        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p, q), s, acc[r]);
-    }
+    v[0] = _mm512_permutexvar_epi16(raw, t);
+    v[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), t);
+    v[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), t);
+    v[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), t);
 }
 
-template <int R>
-AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, float* out) {
+// fp4 row n: each 64-byte step (128 inputs, groups c .. c + 3) into acc of each row of x by `step` (a struct whose
+// run<R, TAIL>(w, b, mk, s, acc) takes the step's bytes and its four groups' scales s), then the sums.
+template <int R, class Step>
+AVX512BF16 INLINE void fp4_steps(const Job& j, int64_t n, const Step& step, float* out) {
     const uint8_t* w = j.w + n * j.row_bytes;
     const int64_t bytes = j.k / 2;
-    const __m512i t = _mm512_load_si512(BF16.e2m1_32);
     alignas(64) float sc[ROW_GROUPS];
     row_scales(j, n, sc);
     __m512 acc[R];
@@ -545,10 +536,34 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
     int64_t b = 0;
     for (; b + 64 <= bytes; b += 64) {
         prefetch_ahead(w + b);
-        fp4_step<R, false>(w, b, 0, t, fp4_scales(sc, b / 16), xs, acc);
+        step.template run<R, false>(w, b, 0, fp4_scales(sc, b / 16), acc);
     }
-    if (b < bytes) fp4_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(sc, b / 16), xs, acc);
+    if (b < bytes) step.template run<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), fp4_scales(sc, b / 16), acc);
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// fp4 by vdpbf16ps: the e2m1 table in bf16 against x in bf16.
+struct Bf16Fp4Step {
+    __m512i t;
+    const uint16_t* const* xs;
+    template <int R, bool TAIL>
+    AVX512BF16 INLINE void run(const uint8_t* w, int64_t b, __mmask64 mk, __m512 s, __m512 (&acc)[R]) const {
+        __m512i v[4];
+        fp4_words<TAIL>(w, b, mk, t, v);
+        for (int r = 0; r < R; r++) {
+            const uint16_t* x = xs[r] + 2 * b;
+            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(v[0]), load_xb(x));
+            __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(v[2]), load_xb(x + 64));
+            p = _mm512_dpbf16_ps(p, as_bh(v[1]), load_xb(x + 32));
+            q = _mm512_dpbf16_ps(q, as_bh(v[3]), load_xb(x + 96));
+            acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p, q), s, acc[r]);
+        }
+    }
+};
+
+template <int R>
+AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, float* out) {
+    fp4_steps<R>(j, n, Bf16Fp4Step{_mm512_load_si512(BF16.e2m1_32), xs}, out);
 }
 
 // ---------------------------------------------------------------- FP4 rows by 16-bit integer dot products (vpdpwssd)
@@ -627,7 +642,7 @@ struct IntTable {
 const IntTable INT_TABLE;
 
 // Four int16 vectors of x against the decoded weights, summed per lane in int32 (exact) -> fp32 (exact).
-AVX512VNNI INLINE __m512 int_dot(const __m512i (&v)[4], const int16_t* x) {
+AVX512BF16 INLINE __m512 int_dot(const __m512i (&v)[4], const int16_t* x) {
     const __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512(x)),
                                           v[1], _mm512_loadu_si512(x + 32));
     const __m512i q = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[2], _mm512_loadu_si512(x + 64)),
@@ -635,43 +650,31 @@ AVX512VNNI INLINE __m512 int_dot(const __m512i (&v)[4], const int16_t* x) {
     return _mm512_cvtepi32_ps(_mm512_add_epi32(p, q));
 }
 
-// fp4: 64 bytes (chunk c, groups 4c .. 4c + 3) at w + b (TAIL: those in mk, the rest zero) into acc of each row.
-template <int R, bool TAIL>
-AVX512VNNI INLINE void fp4_int_step(const uint8_t* w, int64_t b, __mmask64 mk, __m512i t, __m512 s,
-                                    const int16_t* const* xs, const float* const* xsc, bool two, __m512 (&acc)[R]) {
-    const __m512i raw = TAIL ? _mm512_maskz_loadu_epi8(mk, w + b) : _mm512_loadu_si512(w + b);
-    const __m512i v[4] = {_mm512_permutexvar_epi16(raw, t), _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), t),
-                          _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), t),
-                          _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), t)};
-    const int64_t c = b / 64;
-    for (int r = 0; r < R; r++) {
-        const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
-        __m512 f = int_dot(v, x);
-        if (two) f = _mm512_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm512_set1_ps(0x1p15f), f);
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(xsc[r][c])), s, acc[r]);
+// fp4 by vpdpwssd: the e2m1 table as integers against x's integer windows (chunk c = b / 64, in one window or two).
+struct IntFp4Step {
+    __m512i t;
+    const int16_t* const* xs;
+    const float* xsc[MB];  // each row's chunk scales
+    const uint8_t* two;    // whether a chunk takes two windows
+    template <int R, bool TAIL>
+    AVX512BF16 INLINE void run(const uint8_t* w, int64_t b, __mmask64 mk, __m512 s, __m512 (&acc)[R]) const {
+        __m512i v[4];
+        fp4_words<TAIL>(w, b, mk, t, v);
+        const int64_t c = b / 64;
+        for (int r = 0; r < R; r++) {
+            const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
+            __m512 f = int_dot(v, x);
+            if (two[c]) f = _mm512_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm512_set1_ps(0x1p15f), f);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(xsc[r][c])), s, acc[r]);
+        }
     }
-}
+};
 
 template <int R>
-AVX512VNNI void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
-    const uint8_t* w = j.w + n * j.row_bytes;
-    const int64_t bytes = j.k / 2;
-    const __m512i t = _mm512_load_si512(INT_TABLE.e2m1x2);
-    const float* xsc[R];
-    for (int r = 0; r < R; r++) xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
-    alignas(64) float sc[ROW_GROUPS];
-    row_scales(j, n, sc);
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 64 <= bytes; b += 64) {
-        prefetch_ahead(w + b);
-        fp4_int_step<R, false>(w, b, 0, t, fp4_scales(sc, b / 16), xs, xsc, j.xi_two[b / 64], acc);
-    }
-    if (b < bytes)
-        fp4_int_step<R, true>(w, b, _bzhi_u64(~0ull, unsigned(bytes - b)), t, fp4_scales(sc, b / 16), xs, xsc,
-                              j.xi_two[b / 64], acc);
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+AVX512BF16 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
+    IntFp4Step step{_mm512_load_si512(INT_TABLE.e2m1x2), xs, {}, j.xi_two};
+    for (int r = 0; r < R; r++) step.xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
+    fp4_steps<R>(j, n, step, out);
 }
 
 }  // namespace avx512bf16
@@ -1704,12 +1707,6 @@ Job make_job(int fmt, int scale_kind, const void* w, const void* s, const float*
     return j;
 }
 
-// Whether FP4 rows multiply x [rows, k] by integer dot products (avx512bf16::make_int_x, made into `out`): AVX-512
-// VNNI, and x qualifies.
-inline bool takes_int(const float* x, int64_t rows, int64_t k, avx512bf16::IntX& out) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && avx512bf16::make_int_x(x, rows, k, out);
-}
 
 // The x a job's rows read, made by prepare_x.
 struct XBuf {
@@ -1718,7 +1715,7 @@ struct XBuf {
     avx512bf16::IntX i;
 };
 
-// Points the job at the x its rows read, made in `own`: with isa 3, fp4 whose x the integer rows take (takes_int),
+// Points the job at the x its rows read, made in `own`: with isa 3, fp4 whose x the integer rows take (make_int_x),
 // x as integer windows (j.xi); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
 // takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their order (j.xb); else for fp4 (and
 // bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
@@ -1729,7 +1726,7 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
-        if (isa == 3 && j.fmt == FMT_FP4 && fits && takes_int(j.x, rows, k, own.i)) {
+        if (isa == 3 && j.fmt == FMT_FP4 && fits && avx512bf16::make_int_x(j.x, rows, k, own.i)) {
             j.x_stride = own.i.chunks * 2 * avx512bf16::INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
             return true;
@@ -2330,14 +2327,14 @@ int mhc_route(const float* x, const float* w, const float* bias, const int64_t* 
     return 0;
 }
 
-// The best instruction set of this CPU the kernel has: 3 AVX-512 with BF16 dot products (also VBMI, BMI2), 2
+// The best instruction set of this CPU the kernel has: 3 AVX-512 with BF16 dot products (also VNNI, VBMI, BMI2), 2
 // AVX-512 (F, BW, VL), 1 AVX2, 0 neither (all also need F16C and FMA).
 int mhc_qgemv_isa(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma")) return 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
-                       __builtin_cpu_supports("bmi2") ? 3 : 2;
+        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+                       __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi2") ? 3 : 2;
     return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
@@ -2345,11 +2342,11 @@ int mhc_qgemv_isa(void) {
 // and at least 2**-110 in magnitude. 1 or 0.
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
 
-// Whether x [rows, k] takes the FP4 integer rows (avx512bf16::make_int_x): AVX-512 VNNI, every value finite, and each
+// Whether x [rows, k] takes the FP4 integer rows of isa 3 (avx512bf16::make_int_x): every value finite, and each
 // chunk of 128 inputs of a row within 30 bits of its lowest set bit, inside 2**-125 .. 2**100. 1 or 0.
 int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
     avx512bf16::IntX unused;
-    return takes_int(x, rows, k, unused) ? 1 : 0;
+    return avx512bf16::make_int_x(x, rows, k, unused) ? 1 : 0;
 }
 
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU

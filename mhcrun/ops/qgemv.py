@@ -222,8 +222,8 @@ class CpuKernel:
                                                                                                  xf.numel()))
 
     def takes_int(self, x: Tensor) -> bool:
-        """Whether GEMVs over FP4 weights multiply this x [..., K] by 16-bit integer dot products (isa avx512bf16 on a
-        CPU with AVX-512 VNNI): every value finite, and each chunk of 128 inputs of a row within 30 bits of its lowest
+        """Whether GEMVs over FP4 weights multiply this x [..., K] by 16-bit integer dot products (isa avx512bf16,
+        which has AVX-512 VNNI): every value finite, and each chunk of 128 inputs of a row within 30 bits of its lowest
         set bit, inside 2**-125 .. 2**100 (as FP8-rounded x always is); qgemv.cpp's FP4 integer rows say why that is
         exact. FP4 GEMVs prefer these rows to the BF16 dot products."""
         xf = x.float().contiguous()
