@@ -529,29 +529,34 @@ def fp4_rows_x(rows: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(200, 320), (33, 70), (64, 4096), (5, 2), (9, 96), (7, 160), (3, 256)])
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
-@pytest.mark.parametrize("rows", ["int", "int2", "bf16"])
-def test_bf16_dot_fp4_against_reference(n, k, m, rows):
-    """FP4 weights (every byte, so every code in both nibbles) by 16-bit integer dot products (one window or two) or
-    by vdpbf16ps, four groups of 32 a step: rows that end inside a step or a group's 16 bytes, scales past the
-    row's end never read, both scale encodings, and e8m0 byte 0 (2**-127, subnormal) among the scales."""
-    kernel, g = bf16_kernel(), gen(3100 + m + k)
+@pytest.mark.parametrize("isa, rows", [("avx512bf16", "int"), ("avx512bf16", "int2"), ("avx512bf16", "bf16"),
+                                       ("avx2", "int"), ("avx2", "int2")])
+def test_fp4_dot_rows_against_reference(n, k, m, isa, rows):
+    """FP4 weights (every byte, so every code in both nibbles) by 16-bit integer dot products (one window or two:
+    vpdpwssd in avx512bf16, four groups of 32 a step; vpmaddwd in avx2, two) or by vdpbf16ps: rows that end inside a
+    step or a group's 16 bytes, scales past the row's end never read, both scale encodings, and e8m0 byte 0 (2**-127,
+    subnormal) as every scale of the first row (whose result then rests on them alone: x times 2**80 keeps it far
+    above the check's absolute slack) and one of the second's."""
+    kernel, g = kernel_in(isa), gen(3100 + m + k)
     p = every_byte_fp4(n, k)
     _, s = fp4_weight(n, k, g, e8m0=bool(m % 2))
     if m % 2:
-        s.view(torch.uint8)[0, 0] = 0
+        s.view(torch.uint8)[0] = 0
+        s.view(torch.uint8)[1:2, 0] = 0
     w_ref = dequantize(QWeight(p, s, 32))
-    x3 = fp4_rows_x(rows, m, k, g)
-    assert kernel.takes_bf16(x3) and kernel.takes_int(x3) == (rows != "bf16")
+    x3 = fp4_rows_x(rows, m, k, g) * 2.0**(80 if m % 2 else 0)
+    assert kernel.takes_bf16(x3) == (isa == "avx512bf16") and kernel.takes_int(x3) == (rows != "bf16")
     check_groups(run(kernel, x3, p, s, "fp4", 32), x3, w_ref)
 
 
 @needs_kernel
-def test_fp4_int_rows_take_and_refuse():
+@pytest.mark.parametrize("isa, plain", [("avx512bf16", "avx512"), ("avx2", "off")])
+def test_fp4_int_rows_take_and_refuse(isa, plain):
     """The integer rows take a chunk of 128 inputs spanning 30 bits and refuse 31 (to the BF16 dot products, or the
-    fp32 rows where x is not exact in bf16), a non-finite value, and values outside 2**-125 .. 2**100; where they
-    take x the result equals the reference within the fp32 bound (a kernel that dropped the high window would miss
-    by about 2**15 times the rest)."""
-    kernel, plain, g = bf16_kernel(), kernel_in("avx512"), gen(3150)
+    fp32 rows where x is not exact in bf16 or the CPU lacks them), a non-finite value, and values outside 2**-125 ..
+    2**100; where they take x the result equals the reference within the fp32 bound (a kernel that dropped the high
+    window would miss by about 2**15 times the rest); where they refuse it, NaN where the plain path gives NaN."""
+    kernel, g = kernel_in(isa), gen(3150)
     n, k = 48, 256
     p, s = fp4_weight(n, k, g)
     w_ref = dequantize(QWeight(p, s, 32))
@@ -565,9 +570,11 @@ def test_fp4_int_rows_take_and_refuse():
         bad = x3.clone()
         bad[0, 0, i] = value
         assert not kernel.takes_int(bad), value
-        y, ref = run(kernel, bad, p, s, "fp4", 32), run(plain, bad, p, s, "fp4", 32)
+        y = run(kernel, bad, p, s, "fp4", 32)
+        ref = run(kernel_in(plain), bad, p, s, "fp4", 32) if plain != "off" else F.linear(bad[:, 0], w_ref)[:, None]
         assert torch.equal(torch.isnan(y), torch.isnan(ref)), value
-        check_groups(y.nan_to_num(), bad.nan_to_num(), w_ref) if math.isfinite(value) else None
+        if math.isfinite(value):
+            check_groups(y, bad, w_ref)
 
 
 @needs_kernel

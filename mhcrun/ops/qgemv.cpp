@@ -20,6 +20,7 @@
 // finite and small enough that no dequantised value overflows, checked once when the weight is loaded.
 // With AVX-512 BF16 (isa 3) and x exact in bf16 (as DeepSeek's FP8 activation rounding leaves it), fp8 and fp4
 // weights are decoded to bf16 instead and multiplied by vdpbf16ps (namespace avx512bf16 says when that is exact).
+// With isa 3 or AVX2 and x FP8-rounded, fp4 weights are multiplied as 16-bit integers ("x as integers" says how).
 // Return codes: 0 done; 3 the instruction set asked for is not this CPU's; 4 out of memory; 5 the calling thread
 // flushes subnormals (the threads it runs on take its mode: take_caller_mode); 6 fp4 on AVX2 with a block that is not
 // a multiple of 32 (DeepSeek's is 32); 8 a routed expert's index outside its set (mhc_qgemv_experts, mhc_moe_routed:
@@ -360,6 +361,71 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
     }
 }
 
+// ---------------------------------------------------------------- x as integers, for the FP4 integer rows
+// The e2m1 codes are small integers (twice each value: 0, 1, 2, 3, 4, 6, 8, 12), and an x that DeepSeek's FP8
+// activation rounding made is too, in units of its chunk's smallest bit: each chunk of 128 inputs is written as
+// integers X times 2**q (q: the lowest set bit of the chunk's values), in one 15-bit window when every |X| < 2**15 and
+// in two (X = hi * 2**15 + lo) when every |X| < 2**30 (an FP8-rounded block spans at most 18 bits). The integer rows
+// (avx512bf16's by vpdpwssd, avx2's by vpmaddwd) sum a lane's products of 16-bit integers exactly in int32 (at most
+// eight products of |2w| <= 12 and |X| < 2**15 a lane: < 2**22) and convert them exactly to fp32; the two windows join
+// in one rounding, the chunk's 2**(q - 1) scales exactly (q >= -125), and the group's scale multiplies as on the other
+// rows: the result is the fp32 GEMV's up to the summation order, as there. x with a non-finite value, or a chunk that
+// spans more than 30 bits or lies outside 2**-125 .. 2**100, takes the other rows.
+
+constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
+
+// The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, each input i of the chunk at
+// slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1); per chunk whether
+// any row needs the hi window. False where x does not qualify (see above).
+struct IntX {
+    std::vector<int16_t> v;
+    std::vector<float> scale;
+    std::vector<uint8_t> two;
+    int64_t chunks = 0;
+};
+
+inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), IntX& out) {
+    const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
+    int slot[INT_CHUNK];
+    for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
+    out.chunks = chunks;
+    out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
+    out.scale.assign(rows * chunks, 1.0f);
+    out.two.assign(chunks, 0);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const float* v = x + r * k + c * INT_CHUNK;
+            const int n = k - c * INT_CHUNK < INT_CHUNK ? int(k - c * INT_CHUNK) : INT_CHUNK;
+            int lo = 1000, hi = -1000;  // the chunk's lowest set bit, and the bit above its largest magnitude
+            for (int i = 0; i < n; i++) {
+                const uint32_t u = bits_of(v[i]) & 0x7FFFFFFFu, e = u >> 23;
+                if (!u) continue;
+                if (e == 0 || e == 255) return false;  // subnormal (below 2**-125 anyway), inf, NaN
+                const uint32_t m = (u & 0x7FFFFFu) | 0x800000u;
+                const int low = int(e) - 150 + __builtin_ctz(m);
+                lo = low < lo ? low : lo;
+                hi = int(e) - 126 > hi ? int(e) - 126 : hi;
+            }
+            if (hi == -1000) continue;  // all zero
+            if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
+            if (hi - lo > INT_WINDOW) out.two[c] = 1;
+            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
+            int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
+            for (int i = 0; i < n; i++) {
+                const uint32_t u = bits_of(v[i]), a = u & 0x7FFFFFFFu;
+                if (!a) continue;
+                const int shift = int(a >> 23) - 150 - lo;  // >= -23: the bits shifted out are zero
+                const uint64_t m = (a & 0x7FFFFFu) | 0x800000u;
+                const int64_t mag = int64_t(shift >= 0 ? m << shift : m >> -shift);
+                const int64_t sgn = (u >> 31) ? -1 : 1;
+                dst[slot[i]] = int16_t(sgn * (mag & ((1 << INT_WINDOW) - 1)));
+                dst[INT_CHUNK + slot[i]] = int16_t(sgn * (mag >> INT_WINDOW));
+            }
+        }
+    return true;
+}
+
+
 // ---------------------------------------------------------------- AVX-512 with BF16 dot products (vdpbf16ps)
 // Where x is exact in bf16, as DeepSeek's FP8 activation rounding leaves it before every FP8 / FP4 GEMM, the weights
 // are decoded to bf16 (exact: e4m3 and e2m1 values have at most four significant bits) and multiplied by
@@ -568,68 +634,7 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
 
 // ---------------------------------------------------------------- FP4 rows by 16-bit integer dot products (vpdpwssd)
 // On Intel's Sapphire Rapids vdpbf16ps retires at half the FMA's rate and the FP4 rows above are bound by it; vpdpwssd
-// (pairs of int16 products summed into int32) retires ~2.8 times as fast. The e2m1 codes are small integers (twice
-// each value: 0, 1, 2, 3, 4, 6, 8, 12), and an x that DeepSeek's FP8 activation rounding made is too, in units of
-// its chunk's smallest bit: each chunk of 128 inputs (one 64-byte step, four groups) is written as integers X times
-// 2**q (q: the lowest set bit of the chunk's values), in one 15-bit window when every |X| < 2**15 and in two (X = hi *
-// 2**15 + lo) when every |X| < 2**30 (an FP8-rounded block spans at most 18 bits). A lane's eight products sum
-// exactly in int32 (< 2**22) and convert exactly to fp32; the two windows join in one rounding, the chunk's 2**(q - 1)
-// scales exactly (q >= -125), and the group's scale multiplies as on the other rows: the result is the fp32 GEMV's
-// up to the summation order, as there. x with a non-finite value, or a chunk that spans more than 30 bits or lies
-// outside 2**-125 .. 2**100, takes the other rows.
-
-constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
-
-// The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, in fp4_slot's order, zero
-// past k), the chunk's scale 2**(q - 1); per chunk whether any row needs the hi window. False where x does not
-// qualify (see above).
-struct IntX {
-    std::vector<int16_t> v;
-    std::vector<float> scale;
-    std::vector<uint8_t> two;
-    int64_t chunks = 0;
-};
-
-inline bool make_int_x(const float* x, int64_t rows, int64_t k, IntX& out) {
-    const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
-    int slot[INT_CHUNK];
-    for (int i = 0; i < INT_CHUNK; i++) slot[i] = fp4_slot(i);
-    out.chunks = chunks;
-    out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
-    out.scale.assign(rows * chunks, 1.0f);
-    out.two.assign(chunks, 0);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const float* v = x + r * k + c * INT_CHUNK;
-            const int n = k - c * INT_CHUNK < INT_CHUNK ? int(k - c * INT_CHUNK) : INT_CHUNK;
-            int lo = 1000, hi = -1000;  // the chunk's lowest set bit, and the bit above its largest magnitude
-            for (int i = 0; i < n; i++) {
-                const uint32_t u = bits_of(v[i]) & 0x7FFFFFFFu, e = u >> 23;
-                if (!u) continue;
-                if (e == 0 || e == 255) return false;  // subnormal (below 2**-125 anyway), inf, NaN
-                const uint32_t m = (u & 0x7FFFFFu) | 0x800000u;
-                const int low = int(e) - 150 + __builtin_ctz(m);
-                lo = low < lo ? low : lo;
-                hi = int(e) - 126 > hi ? int(e) - 126 : hi;
-            }
-            if (hi == -1000) continue;  // all zero
-            if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            if (hi - lo > INT_WINDOW) out.two[c] = 1;
-            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
-            int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
-            for (int i = 0; i < n; i++) {
-                const uint32_t u = bits_of(v[i]), a = u & 0x7FFFFFFFu;
-                if (!a) continue;
-                const int shift = int(a >> 23) - 150 - lo;  // >= -23: the bits shifted out are zero
-                const uint64_t m = (a & 0x7FFFFFu) | 0x800000u;
-                const int64_t mag = int64_t(shift >= 0 ? m << shift : m >> -shift);
-                const int64_t sgn = (u >> 31) ? -1 : 1;
-                dst[slot[i]] = int16_t(sgn * (mag & ((1 << INT_WINDOW) - 1)));
-                dst[INT_CHUNK + slot[i]] = int16_t(sgn * (mag >> INT_WINDOW));
-            }
-        }
-    return true;
-}
+// (pairs of int16 products summed into int32) retires ~2.8 times as fast. x as integers: make_int_x.
 
 // The e2m1 codes as twice their values, int16, each twice over (entry i: code i % 16), for vpermw.
 struct IntTable {
@@ -1193,51 +1198,154 @@ void fp4_permute(const float* x, float* xp, int64_t rows, int64_t k, int64_t kpa
     }
 }
 
-// The scales of a row's 32-input lanes in order (block % 32 == 0), without a division a lane; 1 past the row.
-struct LaneScales {
-    const Job& j;
-    const int64_t row, per;  // lanes a group
-    int64_t lane = 0, c = 0, pos = 0;
-    LaneScales(const Job& job, int64_t n) : j(job), row(n), per(job.block / 32) {}
-    float next() {
-        const float v = lane * 32 < j.k ? scale_at(j, row, c) : 1.0f;
-        lane++;
-        if (++pos == per) pos = 0, c++;
-        return v;
+// fp4: the scales of lanes [l0, l0 + count) of row n, each four times over (out[4 i .. 4 i + 4): lane l0 + i, the
+// inputs 32 l .. 32 l + 32, in group 32 l / block; 1 past the row), so that a 32-byte step reads its two lanes' as one
+// vector. With DeepSeek's groups of 32, eight lanes at a time (e8m0 byte b: b << 23 is 2**(b - 127), but for 0:
+// 2**-127, and 255: NaN, as e8m0() gives them); else lane by lane.
+AVX2 void lane_scales(const Job& j, int64_t n, int64_t l0, int64_t count, float* out) {
+    int64_t i = 0;
+    if (j.block == 32) {
+        const __m256i spread[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+                                   _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
+        const __m256i zero = _mm256_setzero_si256(), all = _mm256_set1_epi32(255);
+        for (; i + 8 <= count && l0 + i + 8 <= j.s_cols; i += 8) {
+            __m256 v;
+            if (j.scale_kind == 1) {
+                v = _mm256_loadu_ps(static_cast<const float*>(j.s) + n * j.s_cols + l0 + i);
+            } else {
+                const uint8_t* bytes = static_cast<const uint8_t*>(j.s) + n * j.s_cols + l0 + i;
+                const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+                v = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+                v = _mm256_blendv_ps(v, _mm256_set1_ps(0x1p-127f), _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, zero)));
+                v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, all)));
+            }
+            for (int q = 0; q < 4; q++) _mm256_store_ps(out + 4 * i + 8 * q, _mm256_permutevar8x32_ps(v, spread[q]));
+        }
     }
-    AVX2 __m256 two() {  // the next two lanes' scales as [4 x first, 4 x second]
-        const float lo = next();
-        return _mm256_set_m128(_mm_set1_ps(next()), _mm_set1_ps(lo));
+    for (; i < count; i++) {
+        const int64_t l = l0 + i;
+        _mm_store_ps(out + 4 * i, _mm_set1_ps(l * 32 < j.k ? scale_at(j, n, l * 32 / j.block) : 1.0f));
+    }
+}
+
+constexpr int64_t SEG_STEPS = 128;  // fp4: 32-byte steps whose scales a row converts at a time (8,192 inputs)
+
+// fp4 row n: 32-byte steps (64 inputs, two lanes) by `step` (a struct whose run<R>(w, b, sv, acc) takes the bytes at w,
+// b from the row's start, with the two lanes' scales sv), alternating two accumulators; the last bytes of a row that
+// ends inside a step zero-padded (x is zero past the row).
+template <int R, class Step>
+AVX2 INLINE void fp4_steps(const Job& j, int64_t n, const Step& step, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const int64_t bytes = j.k / 2, steps = (bytes + 31) / 32;
+    alignas(32) float sc[8 * SEG_STEPS];
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t s0 = 0; s0 < steps; s0 += SEG_STEPS) {
+        const int64_t s1 = s0 + SEG_STEPS < steps ? s0 + SEG_STEPS : steps;
+        lane_scales(j, n, 2 * s0, 2 * (s1 - s0), sc);
+        int64_t s = s0;
+        for (; s + 2 <= s1 && 32 * (s + 2) <= bytes; s += 2) {
+            prefetch_ahead(w + 32 * s);
+            step.template run<R>(w + 32 * s, 32 * s, _mm256_load_ps(sc + 8 * (s - s0)), a0);
+            step.template run<R>(w + 32 * s + 32, 32 * s + 32, _mm256_load_ps(sc + 8 * (s + 1 - s0)), a1);
+        }
+        for (; s < s1; s++) {
+            alignas(32) uint8_t t[32] = {};
+            const bool whole = 32 * (s + 1) <= bytes;
+            if (!whole) std::memcpy(t, w + 32 * s, bytes - 32 * s);
+            step.template run<R>(whole ? w + 32 * s : t, 32 * s, _mm256_load_ps(sc + 8 * (s - s0)), a0);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+// fp4 by fp32 FMAs (fp4_step32), x in fp4_permute's order.
+struct Fp32Fp4Step {
+    const float* const* xs;
+    template <int R>
+    AVX2 INLINE void run(const uint8_t* w, int64_t b, __m256 sv, __m256 (&acc)[R]) const {
+        const float* xp[R];
+        for (int r = 0; r < R; r++) xp[r] = xs[r] + 2 * b;
+        fp4_step32<R>(w, xp, sv, acc);
     }
 };
 
 template <int R>
 AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
-    const uint8_t* w = j.w + n * j.row_bytes;
-    const int64_t half = j.k / 2;  // bytes of a row
-    LaneScales ls(j, n);
-    __m256 a0[R], a1[R];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-    const float* xp[R];
-    for (int r = 0; r < R; r++) xp[r] = xs[r];
-    auto advance = [&]() {
-        for (int r = 0; r < R; r++) xp[r] += 64;
-    };
-    int64_t b = 0;
-    for (; b + 64 <= half; b += 64) {  // two steps, one into each accumulator
-        prefetch_ahead(w + b);
-        fp4_step32<R>(w + b, xp, ls.two(), a0);
-        advance();
-        fp4_step32<R>(w + b + 32, xp, ls.two(), a1);
-        advance();
+    fp4_steps<R>(j, n, Fp32Fp4Step{xs}, out);
+}
+
+// fp4 by 16-bit integer dot products (vpmaddwd), x as integers (make_int_x, in fp4_int_slot's order): each nibble
+// indexes two 16-entry byte tables (the low byte of twice its value, and the high byte: its sign), and an unpack of the
+// two makes the int16, a byte shuffle and an unpack a 16 values where the fp32 rows above also shift or mask each and
+// multiply fp32 x (twice the bytes of int16 x): 5.8 against 10.6 TSC ticks a 32-byte step in cache on a Zen 3 core.
+alignas(16) const int8_t FP4_INT_LO[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) const int8_t FP4_INT_HI[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1};
+
+// Where fp4_int_step wants input i (< 128) of a chunk (two 32-byte steps of 64 inputs), as an index into the chunk's 128
+// int16: byte t < 32 of a step holds inputs 2t (low nibble, h = 0) and 2t + 1 (h = 1); the low / high unpack (part)
+// of the 16-byte lane L takes its bytes 8 * part + e, e < 8, into words 8L + e of vector 2h + part.
+inline int fp4_int_slot(int i) {
+    const int step = i / 64, t = (i % 64) / 2, h = i % 2, lane = t / 16, part = (t % 16) / 8, e = t % 8;
+    return 64 * step + 16 * (2 * h + part) + 8 * lane + e;
+}
+
+// 32 bytes (64 inputs: the 16-byte lane L holds group L of the step's two) -> four vectors of 16 int16 weights.
+AVX2 INLINE void fp4_int_words(const uint8_t* w, __m256i (&v)[4]) {
+    const __m256i lo_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_LO)));
+    const __m256i hi_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_HI)));
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i even = _mm256_and_si256(b, m0f), odd = _mm256_and_si256(_mm256_srli_epi16(b, 4), m0f);
+    const __m256i el = _mm256_shuffle_epi8(lo_t, even), eh = _mm256_shuffle_epi8(hi_t, even);
+    const __m256i ol = _mm256_shuffle_epi8(lo_t, odd), oh = _mm256_shuffle_epi8(hi_t, odd);
+    v[0] = _mm256_unpacklo_epi8(el, eh), v[1] = _mm256_unpackhi_epi8(el, eh);
+    v[2] = _mm256_unpacklo_epi8(ol, oh), v[3] = _mm256_unpackhi_epi8(ol, oh);
+}
+
+// The four weight vectors against 64 int16 of x, summed per 32-bit lane in int32 (eight products: exact) -> fp32 (exact).
+AVX2 INLINE __m256 int_dot(const __m256i (&v)[4], const int16_t* x) {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(v[0], _mm256_loadu_si256(xv)),
+                                       _mm256_madd_epi16(v[1], _mm256_loadu_si256(xv + 1)));
+    const __m256i q = _mm256_add_epi32(_mm256_madd_epi16(v[2], _mm256_loadu_si256(xv + 2)),
+                                       _mm256_madd_epi16(v[3], _mm256_loadu_si256(xv + 3)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p, q));
+}
+
+// fp4 by vpmaddwd: the 32 bytes at w, b from the row's start (chunk b / 64 of x, its half b % 64 / 32), against x's
+// integer windows (TWO: the chunks that take two do, else every chunk takes one; a branch a step costs ~12%).
+template <bool TWO>
+struct IntFp4Step {
+    const int16_t* const* xs;
+    const float* xsc[MB];  // each row's chunk scales
+    const uint8_t* two;    // whether a chunk takes two windows
+    template <int R>
+    AVX2 INLINE void run(const uint8_t* w, int64_t b, __m256 sv, __m256 (&acc)[R]) const {
+        __m256i v[4];
+        fp4_int_words(w, v);
+        const int64_t c = b / 64, at = c * 2 * INT_CHUNK + (b % 64) * 2;
+        for (int r = 0; r < R; r++) {
+            __m256 f = int_dot(v, xs[r] + at);
+            if (TWO && two[c]) f = _mm256_fmadd_ps(int_dot(v, xs[r] + at + INT_CHUNK), _mm256_set1_ps(0x1p15f), f);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_set1_ps(xsc[r][c])), sv, acc[r]);
+        }
     }
-    for (; b < half; b += 32) {
-        alignas(32) uint8_t t[32] = {};  // the row's last bytes, zero-padded (x is zero past the row)
-        std::memcpy(t, w + b, half - b < 32 ? half - b : 32);
-        fp4_step32<R>(t, xp, ls.two(), a0);
-        advance();
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+};
+
+template <int R, bool TWO>
+AVX2 void fp4_int_steps(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
+    IntFp4Step<TWO> step{xs, {}, j.xi_two};
+    for (int r = 0; r < R; r++) step.xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
+    fp4_steps<R>(j, n, step, out);
+}
+
+template <int R>
+AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
+    bool two = false;
+    for (int64_t c = 0; c < j.x_stride / (2 * INT_CHUNK); c++) two |= j.xi_two[c] != 0;
+    if (two) fp4_int_steps<R, true>(j, n, xs, out);
+    else fp4_int_steps<R, false>(j, n, xs, out);
 }
 
 template <int R>
@@ -1298,12 +1406,22 @@ struct Bf16Rows {
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
 };
 
-struct IntRows {  // FP4 weights only (prepare_x)
+struct IntRows {  // FP4 weights only (prepare_x), isa 3
     using X = int16_t;
     static const X* x_of(const Job& j, int64_t i) { return j.xi + i * j.x_stride; }
     template <int R> static bool fp8(const Job&, int64_t, const X* const*, float*) { return false; }
     template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
         avx512bf16::fp4_int_row<R>(j, n, xs, out);
+    }
+    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
+};
+
+struct Avx2IntRows {  // FP4 weights only (prepare_x), isa 1
+    using X = int16_t;
+    static const X* x_of(const Job& j, int64_t i) { return j.xi + i * j.x_stride; }
+    template <int R> static bool fp8(const Job&, int64_t, const X* const*, float*) { return false; }
+    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
+        avx2::fp4_int_row<R>(j, n, xs, out);
     }
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
 };
@@ -1712,11 +1830,11 @@ Job make_job(int fmt, int scale_kind, const void* w, const void* s, const float*
 struct XBuf {
     std::vector<float> f;
     std::vector<uint16_t> h;
-    avx512bf16::IntX i;
+    IntX i;
 };
 
-// Points the job at the x its rows read, made in `own`: with isa 3, fp4 whose x the integer rows take (make_int_x),
-// x as integer windows (j.xi); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
+// Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
+// (make_int_x), x as integer windows in their order (j.xi); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
 // takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their order (j.xb); else for fp4 (and
 // bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
 // reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
@@ -1726,8 +1844,10 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
-        if (isa == 3 && j.fmt == FMT_FP4 && fits && avx512bf16::make_int_x(j.x, rows, k, own.i)) {
-            j.x_stride = own.i.chunks * 2 * avx512bf16::INT_CHUNK;
+        const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
+        if (j.fmt == FMT_FP4 && int_rows &&
+            make_int_x(j.x, rows, k, isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot, own.i)) {
+            j.x_stride = own.i.chunks * 2 * INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
             return true;
         }
@@ -1780,7 +1900,7 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         const Unit& t = units[u];
         flush |= take_caller_mode(caller);
         const Job& j = jobs[t.job];
-        nan |= (j.xi ? run_rows<IntRows>(j, t.n0, t.n1)
+        nan |= (j.xi ? (isa == 3 ? run_rows<IntRows>(j, t.n0, t.n1) : run_rows<Avx2IntRows>(j, t.n0, t.n1))
                 : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
     }
@@ -2342,11 +2462,11 @@ int mhc_qgemv_isa(void) {
 // and at least 2**-110 in magnitude. 1 or 0.
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
 
-// Whether x [rows, k] takes the FP4 integer rows of isa 3 (avx512bf16::make_int_x): every value finite, and each
+// Whether x [rows, k] takes the FP4 integer rows of isa 3 and 1 (make_int_x): every value finite, and each
 // chunk of 128 inputs of a row within 30 bits of its lowest set bit, inside 2**-125 .. 2**100. 1 or 0.
 int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
-    avx512bf16::IntX unused;
-    return avx512bf16::make_int_x(x, rows, k, unused) ? 1 : 0;
+    IntX unused;
+    return make_int_x(x, rows, k, avx512bf16::fp4_slot, unused) ? 1 : 0;
 }
 
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU

@@ -15,8 +15,8 @@ False, its methods decline and the callers take torch's path); `status()` says w
 (a model built without a runner) the kernel is `KERNEL_OFF`.
 
 With AVX-512 BF16 (isa avx512bf16) the rows multiply FP8/FP4 weights decoded to bf16 by BF16 dot products where x
-is exact in bf16 (`takes_bf16`), and FP4 weights by 16-bit integer dot products first where x is FP8-rounded
-(`takes_int`).
+is exact in bf16 (`takes_bf16`); with it and with AVX2, FP4 weights by 16-bit integer dot products first where x
+is FP8-rounded (`takes_int`).
 
 It also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32 output rows, each
 decoded once, by AMX tiles where the CPU has them (Intel's Sapphire Rapids and later), else by the BF16 dot
@@ -223,12 +223,12 @@ class CpuKernel:
 
     def takes_int(self, x: Tensor) -> bool:
         """Whether GEMVs over FP4 weights multiply this x [..., K] by 16-bit integer dot products (isa avx512bf16,
-        which has AVX-512 VNNI): every value finite, and each chunk of 128 inputs of a row within 30 bits of its lowest
-        set bit, inside 2**-125 .. 2**100 (as FP8-rounded x always is); qgemv.cpp's FP4 integer rows say why that is
-        exact. FP4 GEMVs prefer these rows to the BF16 dot products."""
+        which has AVX-512 VNNI, or avx2): every value finite, and each chunk of 128 inputs of a row within 30 bits of
+        its lowest set bit, inside 2**-125 .. 2**100 (as FP8-rounded x always is); qgemv.cpp's "x as integers" says
+        why that is exact. FP4 GEMVs prefer these rows to the BF16 dot products and to the fp32 rows."""
         xf = x.float().contiguous()
         k = xf.shape[-1] if xf.dim() else 0
-        return self.isa == ISAS["avx512bf16"] and k > 0 and bool(
+        return self.isa in (ISAS["avx512bf16"], ISAS["avx2"]) and k > 0 and bool(
             load_library(self.library).mhc_takes_int(xf.data_ptr(), xf.numel() // k, k))
 
     def fp4_simulate(self, x: Tensor, block: int) -> Tensor | None:
