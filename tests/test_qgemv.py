@@ -517,12 +517,14 @@ def test_bf16_dot_fp8_against_reference(n, k, block, m):
 
 def fp4_rows_x(rows: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """x [m, 1, k] for the FP4 rows named: "int" (FP8-rounded: one 15-bit window a chunk of 128 inputs, or two
-    where a chunk's values span more), "int2" (every chunk's first value 1.5 * 2**-14, its lowest bit 2**-15, with
-    values of about 1 beside it: two windows in every chunk), "bf16" (1.5 * 2**-40: a chunk spans more than 30
-    bits, so the BF16 dot products take it)."""
+    where a chunk's values span more), "int2" (in odd rows every chunk's first value 1.5 * 2**-14, its lowest bit
+    2**-15, with values of about 1 beside it: two windows in every chunk of those rows, where the even rows' take
+    one), "bf16" (1.5 * 2**-40 in every row: a chunk spans more than 30 bits, so the BF16 dot products take it)."""
     x3 = act_rounded(m, 1, k, g=g)
-    if rows != "int":
-        x3[..., ::128] = 1.5 * 2.0**(-14 if rows == "int2" else -40)
+    if rows == "int2":  # (a single row takes it)
+        x3[min(m - 1, 1)::2, :, ::128] = 1.5 * 2.0**-14
+    elif rows == "bf16":
+        x3[..., ::128] = 1.5 * 2.0**-40
     return x3
 
 

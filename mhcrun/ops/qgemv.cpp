@@ -73,7 +73,7 @@ struct Job {
     const uint16_t* xb = nullptr;  // x in bf16 for the dot-product rows (namespace avx512bf16), or null
     const int16_t* xi = nullptr;   // x as integers for the FP4 integer rows (make_int_x), or null; then
     const float* xi_scale = nullptr;   // each row's chunk scales
-    const uint8_t* xi_two = nullptr;   // and whether a chunk takes two windows
+    const uint8_t* xi_two = nullptr;   // and whether each row's chunk takes two windows
 };
 
 struct E8m0Table {
@@ -375,8 +375,8 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
 constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
 
 // The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, each input i of the chunk at
-// slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1); per chunk whether
-// any row needs the hi window. False where x does not qualify (see above).
+// slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1) and whether it needs
+// the hi window. False where x does not qualify (see above).
 struct IntX {
     std::vector<int16_t> v;
     std::vector<float> scale;
@@ -391,7 +391,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
     out.chunks = chunks;
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
-    out.two.assign(chunks, 0);
+    out.two.assign(rows * chunks, 0);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < chunks; c++) {
             const float* v = x + r * k + c * INT_CHUNK;
@@ -408,7 +408,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             }
             if (hi == -1000) continue;  // all zero
             if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            if (hi - lo > INT_WINDOW) out.two[c] = 1;
+            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = 1;
             out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
             int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
             for (int i = 0; i < n; i++) {
@@ -659,8 +659,8 @@ AVX512BF16 INLINE __m512 int_dot(const __m512i (&v)[4], const int16_t* x) {
 struct IntFp4Step {
     __m512i t;
     const int16_t* const* xs;
-    const float* xsc[MB];  // each row's chunk scales
-    const uint8_t* two;    // whether a chunk takes two windows
+    const float* xsc[MB];    // each row's chunk scales
+    const uint8_t* two[MB];  // and whether its chunk takes two windows
     template <int R, bool TAIL>
     AVX512BF16 INLINE void run(const uint8_t* w, int64_t b, __mmask64 mk, __m512 s, __m512 (&acc)[R]) const {
         __m512i v[4];
@@ -669,7 +669,7 @@ struct IntFp4Step {
         for (int r = 0; r < R; r++) {
             const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
             __m512 f = int_dot(v, x);
-            if (two[c]) f = _mm512_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm512_set1_ps(0x1p15f), f);
+            if (two[r][c]) f = _mm512_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm512_set1_ps(0x1p15f), f);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(xsc[r][c])), s, acc[r]);
         }
     }
@@ -677,8 +677,11 @@ struct IntFp4Step {
 
 template <int R>
 AVX512BF16 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
-    IntFp4Step step{_mm512_load_si512(INT_TABLE.e2m1x2), xs, {}, j.xi_two};
-    for (int r = 0; r < R; r++) step.xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
+    IntFp4Step step{_mm512_load_si512(INT_TABLE.e2m1x2), xs, {}, {}};
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (xs[r] - j.xi) / (2 * INT_CHUNK);  // the row's first chunk
+        step.xsc[r] = j.xi_scale + at, step.two[r] = j.xi_two + at;
+    }
     fp4_steps<R>(j, n, step, out);
 }
 
@@ -1314,12 +1317,14 @@ AVX2 INLINE __m256 int_dot(const __m256i (&v)[4], const int16_t* x) {
 }
 
 // fp4 by vpmaddwd: the 32 bytes at w, b from the row's start (chunk b / 64 of x, its half b % 64 / 32), against x's
-// integer windows (TWO: the chunks that take two do, else every chunk takes one; a branch a step costs ~12%).
+// integer windows (TWO: the chunks that take two do, else every chunk takes one; a branch a step costs ~12%). Each
+// row's chunks take their own number of windows (a prefill's experts' ~12 rows would take two in most chunks if any
+// row's chunk did).
 template <bool TWO>
 struct IntFp4Step {
     const int16_t* const* xs;
-    const float* xsc[MB];  // each row's chunk scales
-    const uint8_t* two;    // whether a chunk takes two windows
+    const float* xsc[MB];    // each row's chunk scales
+    const uint8_t* two[MB];  // and whether its chunk takes two windows
     template <int R>
     AVX2 INLINE void run(const uint8_t* w, int64_t b, __m256 sv, __m256 (&acc)[R]) const {
         __m256i v[4];
@@ -1327,25 +1332,25 @@ struct IntFp4Step {
         const int64_t c = b / 64, at = c * 2 * INT_CHUNK + (b % 64) * 2;
         for (int r = 0; r < R; r++) {
             __m256 f = int_dot(v, xs[r] + at);
-            if (TWO && two[c]) f = _mm256_fmadd_ps(int_dot(v, xs[r] + at + INT_CHUNK), _mm256_set1_ps(0x1p15f), f);
+            if (TWO && two[r][c]) f = _mm256_fmadd_ps(int_dot(v, xs[r] + at + INT_CHUNK), _mm256_set1_ps(0x1p15f), f);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_set1_ps(xsc[r][c])), sv, acc[r]);
         }
     }
 };
 
-template <int R, bool TWO>
-AVX2 void fp4_int_steps(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
-    IntFp4Step<TWO> step{xs, {}, j.xi_two};
-    for (int r = 0; r < R; r++) step.xsc[r] = j.xi_scale + (xs[r] - j.xi) / (2 * INT_CHUNK);
-    fp4_steps<R>(j, n, step, out);
-}
-
 template <int R>
 AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
-    bool two = false;
-    for (int64_t c = 0; c < j.x_stride / (2 * INT_CHUNK); c++) two |= j.xi_two[c] != 0;
-    if (two) fp4_int_steps<R, true>(j, n, xs, out);
-    else fp4_int_steps<R, false>(j, n, xs, out);
+    const int64_t chunks = j.x_stride / (2 * INT_CHUNK);
+    IntFp4Step<true> two{xs, {}, {}};
+    IntFp4Step<false> one{xs, {}, {}};
+    bool any = false;
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (xs[r] - j.xi) / (2 * INT_CHUNK);  // the row's first chunk
+        one.xsc[r] = two.xsc[r] = j.xi_scale + at, two.two[r] = j.xi_two + at;
+        for (int64_t c = 0; c < chunks; c++) any |= two.two[r][c] != 0;
+    }
+    if (any) fp4_steps<R>(j, n, two, out);
+    else fp4_steps<R>(j, n, one, out);
 }
 
 template <int R>
