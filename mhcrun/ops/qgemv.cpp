@@ -1884,8 +1884,12 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
     return true;
 }
 
-// Every job's rows, in one parallel region: rows go to threads in contiguous ranges (fp8 ranges whole tiles when
-// a job has enough of them). 0, or 5 when a thread flushes subnormals.
+// Every job's rows, in one parallel region: units of contiguous rows (fp8 whole tiles when a job has enough of them,
+// else about UNIT_BYTES of weights, and at least four units a thread a job) go to whichever thread is free, so that a
+// thread slowed by the machine (two vCPUs sharing a core, a neighbour) does not hold the other at the join. A row's
+// result does not depend on its unit or thread. 0, or 5 when a thread flushes subnormals.
+constexpr int64_t UNIT_BYTES = 128 << 10;
+
 int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     struct Unit {
         size_t job;
@@ -1894,13 +1898,14 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     std::vector<Unit> units;
     for (size_t i = 0; i < jobs.size(); i++) {
         const Job& j = jobs[i];
-        const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? j.block : 1;
+        const int64_t most = std::max<int64_t>(1, j.n / (4 * threads)), rows = UNIT_BYTES / std::max<int64_t>(1, j.row_bytes);
+        const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? j.block : std::clamp<int64_t>(rows, 1, most);
         for (int64_t n0 = 0; n0 < j.n; n0 += unit) units.push_back({i, n0, n0 + unit < j.n ? n0 + unit : j.n});
     }
     int nan = 0, flush = 0;
     const int64_t count = static_cast<int64_t>(units.size());
     const unsigned caller = _mm_getcsr();
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : nan, flush)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : nan, flush)
     for (int64_t u = 0; u < count; u++) {
         const Unit& t = units[u];
         flush |= take_caller_mode(caller);
