@@ -1280,12 +1280,12 @@ AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
 
 // fp4 by 16-bit integer dot products (vpmaddwd), x as integers (make_int_x, in fp4_int_slot's order): each nibble
 // indexes two 16-entry byte tables (the low byte of twice its value, and the high byte: its sign), and an unpack of the
-// two makes the int16, a byte shuffle and an unpack a 16 values where the fp32 rows above also shift or mask each and
-// multiply fp32 x (twice the bytes of int16 x): 5.8 against 10.6 TSC ticks a 32-byte step in cache on a Zen 3 core.
+// two makes the int16; the fp32 rows above also shift or mask each value to fp32 and multiply fp32 x (twice the bytes
+// of int16 x): 5.8 against 10.6 TSC ticks a 32-byte step in cache on a Zen 3 core.
 alignas(16) const int8_t FP4_INT_LO[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 alignas(16) const int8_t FP4_INT_HI[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1};
 
-// Where fp4_int_step wants input i (< 128) of a chunk (two 32-byte steps of 64 inputs), as an index into the chunk's 128
+// Where IntFp4Step wants input i (< 128) of a chunk (two 32-byte steps of 64 inputs), as an index into the chunk's 128
 // int16: byte t < 32 of a step holds inputs 2t (low nibble, h = 0) and 2t + 1 (h = 1); the low / high unpack (part)
 // of the 16-byte lane L takes its bytes 8 * part + e, e < 8, into words 8L + e of vector 2h + part.
 inline int fp4_int_slot(int i) {
@@ -1411,22 +1411,14 @@ struct Bf16Rows {
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
 };
 
-struct IntRows {  // FP4 weights only (prepare_x), isa 3
+template <int ISA>
+struct IntRows {  // FP4 weights only (prepare_x): isa 3 (vpdpwssd) or 1 (vpmaddwd)
     using X = int16_t;
     static const X* x_of(const Job& j, int64_t i) { return j.xi + i * j.x_stride; }
     template <int R> static bool fp8(const Job&, int64_t, const X* const*, float*) { return false; }
     template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
-        avx512bf16::fp4_int_row<R>(j, n, xs, out);
-    }
-    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
-};
-
-struct Avx2IntRows {  // FP4 weights only (prepare_x), isa 1
-    using X = int16_t;
-    static const X* x_of(const Job& j, int64_t i) { return j.xi + i * j.x_stride; }
-    template <int R> static bool fp8(const Job&, int64_t, const X* const*, float*) { return false; }
-    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
-        avx2::fp4_int_row<R>(j, n, xs, out);
+        if constexpr (ISA == 3) avx512bf16::fp4_int_row<R>(j, n, xs, out);
+        else avx2::fp4_int_row<R>(j, n, xs, out);
     }
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
 };
@@ -1910,7 +1902,7 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         const Unit& t = units[u];
         flush |= take_caller_mode(caller);
         const Job& j = jobs[t.job];
-        nan |= (j.xi ? (isa == 3 ? run_rows<IntRows>(j, t.n0, t.n1) : run_rows<Avx2IntRows>(j, t.n0, t.n1))
+        nan |= (j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
                 : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
     }
