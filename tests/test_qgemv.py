@@ -171,15 +171,17 @@ def test_fp8_against_reference(isa, n, k, block, m):
 def test_fp4_against_reference(isa, n, k, block, m):
     """AVX-512: groups of 32 and 64 take the two-chunk loop, 8 and 48 inputs the general one. AVX2: 64 inputs a
     step, each 32 inside one group, so it takes blocks of 32, 64, 96 and declines 8 and 48 (no checkpoint has them:
-    DeepSeek's FP4 block is 32), which then take the reference. 70, 96 and 160 inputs end mid-step, 2 mid-vector."""
+    DeepSeek's FP4 block is 32), which then take the reference. 70, 96 and 160 inputs end mid-step, 2 mid-vector.
+    Each case twice: x of fp32 values (the fp32 rows) and FP8-rounded x (the integer rows where the CPU has them:
+    avx2, avx512bf16 for groups of 32; with AVX2 groups of 64 and 96 take them too)."""
     g = gen(200 + m)
     p, s = fp4_weight(n, k, g, e8m0=bool(m % 2), block=block)
     w_ref = dequantize(QWeight(p, s, block))
-    x3 = torch.randn(m, 1, k, generator=g)
-    if isa.status() == "avx2" and block % 32:
-        assert isa.qgemv(x3, qw(p, s, block), 1) is None
-        return
-    check_groups(run(isa, x3, p, s, "fp4", block), x3, w_ref)
+    for x3 in (torch.randn(m, 1, k, generator=g), act_rounded(m, 1, k, g=g)):
+        if isa.status() == "avx2" and block % 32:
+            assert isa.qgemv(x3, qw(p, s, block), 1) is None
+            continue
+        check_groups(run(isa, x3, p, s, "fp4", block), x3, w_ref)
 
 
 @needs_kernel
