@@ -346,12 +346,31 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 }  // namespace avx512
 
+// fp8_decode_block in AVX2, eight values a step (the last c1 - c0 < 8 by the value table): the same fp16 bits, the
+// same product, NaN codes blended in.
+AVX2 void fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    const __m256 s = _mm256_set1_ps(sc * 256.0f), nan = _mm256_set1_ps(NAN);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i)));
+        const __m128i mag = _mm_and_si128(b, m7f);
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, m80), 8), _mm_slli_epi16(mag, 7));
+        const __m256 isnan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, m7f)));
+        _mm256_storeu_ps(dst + i, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), s), nan, isnan));
+    }
+    for (; i < c1; i++) dst[i] = VALUES.e4m3[w[i]] * sc;
+}
+
 // Values [c0, c1) of one block of a row of fp8 bytes or packed fp4 codes at src into dst, times the block's scale sc:
 // one rounding each, bitwise the reference's dequantisation (NaN codes give NaN). isa >= 2: the AVX-512 block
-// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0), else the value tables.
+// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 fp8 one (where sc * 2**8 is finite);
+// else the value tables.
 void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, int64_t c1, float sc) {
     if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) {
         avx512::fp8_decode_block(src, dst, c0, c1, sc);
+    } else if (fmt == FMT_FP8 && isa == 1 && std::isfinite(sc * 256.0f)) {
+        fp8_decode_block_avx2(src, dst, c0, c1, sc);
     } else if (fmt == FMT_FP8) {
         for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
     } else if (isa >= 2 && c0 % 2 == 0) {

@@ -249,14 +249,13 @@ class CpuKernel:
     def decode_rows(self, w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
         """Rows [r0, r1) of a 2-D fp8 / fp4 weight the kernel takes, dequantised into out (contiguous fp32
         [r1 - r0, in]) in one pass, bitwise as the reference dequantisers; False when it does not apply (then the
-        caller decodes with torch). AVX-512 where the GEMVs run it, else plain C++."""
+        caller decodes with torch). AVX-512 where the GEMVs run it; with AVX2, FP8 in AVX2 and FP4 in plain C++."""
         if not self.decodes(w):
             return False
         scale, kind = _scale_arg(w)
-        isa = 2 if self.isa >= 2 else 0
         rc = load_library(self.library).mhc_decode_rows(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
                                                         out.data_ptr(), r0, r1, w.out_features, w.in_features,
-                                                        w.block, isa, torch.get_num_threads())
+                                                        w.block, self.isa, torch.get_num_threads())
         return rc == 0
 
     def act_quant_fp8(self, x: Tensor, block: int) -> Tensor | None:
