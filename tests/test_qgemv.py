@@ -221,6 +221,8 @@ def test_fp4_non_power_of_two_scales_round_like_the_reference(isa):
 
 @needs_kernel
 def test_subnormal_scales_and_inputs(isa):
+    """Scales of 2**-127 and inputs of 2**100 and 2**-140: on AVX2 such x is scaled by less than the FP8 rows' usual
+    2**112 (scale_x), and the rows' sums take the difference back."""
     g = gen(600)
     w, _ = fp8_weight(64, 128, 32, g)
     s = float_to_e8m0(torch.full((2, 4), 2.0**-127))

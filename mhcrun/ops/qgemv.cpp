@@ -7,8 +7,10 @@
 // Scales are e8m0 bytes (kind 0: 2**(b - 127), 255 = NaN) or fp32 (kind 1).
 // x is fp32 [M, G, K]; output row n belongs to group g(n) = n / (N / G) (G = 1 except DeepSeek's grouped wo_a).
 // y is fp32 [M, N]. Each weight byte is read once per (up to) four rows of x and decoded in registers:
-//   e4m3 -> fp16 bits ((b & 0x80) << 8 | (b & 0x7F) << 7) are the value * 2**-8, normals and subnormals alike
-//        (vcvtph2ps), the 2**8 goes into the tile scale;
+//   e4m3 -> AVX-512: fp16 bits ((b & 0x80) << 8 | (b & 0x7F) << 7) are the value * 2**-8, normals and subnormals
+//        alike (vcvtph2ps), the 2**8 goes into the tile scale. AVX2: fp32 bits (b & 0x80) << 24 | (b & 0x7F) << 20
+//        are the value * 2**-120 (a sign extension, a shift and a mask), x comes scaled by 2**112 (the same
+//        products);
 //   e2m1 -> AVX-512: the nibble indexes a 16-entry fp32 table (vpermps); x is split into its even and odd inputs
 //        beforehand so that the low and high nibbles of 16 bytes meet 16 consecutive x values each. AVX2: the
 //        nibble indexes the bf16 bytes of its value (two byte shuffles), made fp32 by shifts and masks; x is
@@ -74,6 +76,7 @@ struct Job {
     const int16_t* xi = nullptr;   // x as integers for the FP4 integer rows (make_int_x), or null; then
     const float* xi_scale = nullptr;   // each row's chunk scales
     const uint8_t* xi_two = nullptr;   // and whether each row's chunk takes two windows
+    int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
 };
 
 struct E8m0Table {
@@ -1087,21 +1090,40 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
 namespace avx2 {
 
 // fp8: 32 e4m3 bytes at w into the partial sums p of each row of x (x pointers already at k; C chains a row):
-// each byte goes to the high byte of a 16-bit lane (an unpack with zero), and an arithmetic shift right by one,
-// masked, leaves the fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 (no widening); NaN codes noted in `nan`.
+// eight bytes at a time sign-extended to 32-bit lanes and shifted left by 20, then masked, leave the fp32 bits
+// (b & 0x80) << 24 | (b & 0x7F) << 20: the e4m3 value times 2**-120, normals and subnormals alike (an e4m3
+// exponent e is the fp32 exponent e, whose bias is 127 instead of 7; e4m3 subnormals land on fp32 subnormals, read
+// as they are: no kernel runs where the thread flushes them). x comes scaled by 2**112 (scale_x), so each product is
+// the one of x and the value times 2**-8, exactly as the fp16 decode of the AVX-512 rows gives it. NaN codes noted
+// in `nan`.
 template <int R, int C>
 AVX2 INLINE void fp8_step32(const uint8_t* w, const float* const* xk, __m256 (&p)[R][C], __m256i& nan) {
-    const __m256i z = _mm256_setzero_si256(), m7f = _mm256_set1_epi8(0x7F);
-    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xBF80));
+    const __m256i m7f = _mm256_set1_epi8(0x7F), keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_and_si256(b, m7f), m7f));
-    const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, b), 1), keep);  // bytes 0-7, 16-23
-    const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, b), 1), keep);  // bytes 8-15, 24-31
-    const __m256 v[4] = {_mm256_cvtph_ps(_mm256_castsi256_si128(lo)), _mm256_cvtph_ps(_mm256_castsi256_si128(hi)),
-                         _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)),
-                         _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1))};  // inputs 0-7, 8-15, 16-23, 24-31
+    __m256 v[4];  // inputs 8i .. 8i + 8
+    for (int i = 0; i < 4; i++) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i)));
+        v[i] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(q, 20), keep));
+    }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 4; i++) p[r][i % C] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xk[r] + 8 * i), p[r][i % C]);
+}
+
+// x rows [rows, k] -> xs [rows, k] times 2**(112 - e), e the job's x_exp: 0, or as much as keeps the largest finite
+// |x| below 2**127 (|x| >= 2**16, which no activation the model makes reaches; then each product is 2**-e times
+// fp8_step32's usual one and may round differently where that makes it subnormal). Returns e.
+AVX2 int scale_x(const float* x, float* xs, int64_t rows, int64_t k) {
+    const int64_t count = rows * k;
+    float top = 0.0f;
+    for (int64_t i = 0; i < count; i++)
+        if (std::isfinite(x[i])) top = std::max(top, std::fabs(x[i]));
+    const int e = top >= 0x1p16f ? std::ilogb(top) - 15 : 0;
+    const __m256 f = _mm256_set1_ps(std::ldexp(1.0f, 112 - e));
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(xs + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), f));
+    for (; i < count; i++) xs[i] = x[i] * std::ldexp(1.0f, 112 - e);
+    return e;
 }
 
 AVX2 INLINE float hsum(__m256 v) {
@@ -1135,12 +1157,22 @@ AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     __m256i nan = _mm256_setzero_si256();
+    const int64_t tile_row = n / j.block;
     for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
         const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
         __m256 p[R][C];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < C; i++) p[r][i] = _mm256_setzero_ps();
         int64_t k = k0;
+        if (k1 - k0 == 128) {  // DeepSeek's tiles: four steps, no loop
+            prefetch_ahead(w + k);
+            prefetch_ahead(w + k + 64);
+            for (int t = 0; t < 4; t++, k += 32) {
+                const float* xk[R];
+                for (int r = 0; r < R; r++) xk[r] = xs[r] + k;
+                fp8_step32<R, C>(w + k, xk, p, nan);
+            }
+        }
         for (; k + 32 <= k1; k += 32) {
             if (!(k & 63)) prefetch_ahead(w + k);
             const float* xk[R];
@@ -1151,14 +1183,15 @@ AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
             Tail<R> t(w + k, k1 - k, xs, k, k1 - k);
             fp8_step32<R, C>(t.w, t.xp, p, nan);
         }
-        const __m256 s = _mm256_set1_ps(scale_at(j, n / j.block, c) * 256.0f);
+        const __m256 s = _mm256_set1_ps(scale_at(j, tile_row, c) * 256.0f);
         for (int r = 0; r < R; r++) {
             __m256 sum = p[r][0];
             for (int i = 1; i < C; i++) sum = _mm256_add_ps(sum, p[r][i]);
             acc[r] = _mm256_fmadd_ps(sum, s, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+    const float undo = std::ldexp(1.0f, j.x_exp);
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) * undo;
     return _mm256_movemask_epi8(nan) != 0;
 }
 
@@ -1873,6 +1906,12 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
             own.h.resize(rows * j.x_stride);
             avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, j.fmt == FMT_FP4);
             j.xb = own.h.data();
+            return true;
+        }
+        if (isa == 1 && j.fmt == FMT_FP8) {
+            own.f.resize(rows * k);
+            j.x_exp = avx2::scale_x(j.x, own.f.data(), rows, k);
+            j.x = own.f.data();
             return true;
         }
         if (j.fmt != FMT_FP4 && !(isa >= 2 && avx512::bf16_split(j))) return true;
@@ -2680,6 +2719,7 @@ class ExpertBatch {
                 std::memcmp(parts[i].x.data(), j.x, sizeof(float) * j.m * j.k))
                 continue;
             j.x = o.x, j.xb = o.xb, j.xi = o.xi, j.xi_scale = o.xi_scale, j.xi_two = o.xi_two, j.x_stride = o.x_stride;
+            j.x_exp = o.x_exp;
             return true;
         }
         return false;
