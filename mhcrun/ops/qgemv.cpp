@@ -349,30 +349,38 @@ AVX512 void fp4_decode_block(const uint8_t* w, float* dst, int64_t c0, int64_t c
 
 }  // namespace avx512
 
-// fp8_decode_block in AVX2, eight values a step (the last c1 - c0 < 8 by the value table): the same fp16 bits, the
-// same product, NaN codes blended in.
+// e4m3 in AVX2: eight bytes at w sign-extended to 32-bit lanes, shifted left by 20 and masked leave the fp32 bits
+// (b & 0x80) << 24 | (b & 0x7F) << 20, the value times 2**-120, normals and subnormals alike (an e4m3 exponent e is
+// the fp32 exponent e, whose bias is 127 instead of 7; e4m3 subnormals land on fp32 subnormals, read as they are: no
+// kernel runs where the thread flushes them). NaN codes (0x7F, 0xFF) give finite bits: the callers look for them.
+AVX2 INLINE __m256 e4m3_x8(const uint8_t* w) {
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_slli_epi32(q, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u))));
+}
+
+// fp8_decode_block in AVX2, eight values a step (the last c1 - c0 < 8 by the value table): e4m3_x8 times 2**120
+// (exact: the value) times sc, one rounding, the same product as value * sc; NaN codes blended in.
 AVX2 void fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
-    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
-    const __m256 s = _mm256_set1_ps(sc * 256.0f), nan = _mm256_set1_ps(NAN);
+    const __m256i m7f = _mm256_set1_epi32(0x7F);
+    const __m256 s = _mm256_set1_ps(sc), up = _mm256_set1_ps(0x1p120f), nan = _mm256_set1_ps(NAN);
     int64_t i = c0;
     for (; i + 8 <= c1; i += 8) {
-        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i)));
-        const __m128i mag = _mm_and_si128(b, m7f);
-        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, m80), 8), _mm_slli_epi16(mag, 7));
-        const __m256 isnan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, m7f)));
-        _mm256_storeu_ps(dst + i, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), s), nan, isnan));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i)));
+        const __m256 isnan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, m7f), m7f));
+        const __m256 v = _mm256_mul_ps(_mm256_mul_ps(e4m3_x8(w + i), up), s);
+        _mm256_storeu_ps(dst + i, _mm256_blendv_ps(v, nan, isnan));
     }
     for (; i < c1; i++) dst[i] = VALUES.e4m3[w[i]] * sc;
 }
 
 // Values [c0, c1) of one block of a row of fp8 bytes or packed fp4 codes at src into dst, times the block's scale sc:
 // one rounding each, bitwise the reference's dequantisation (NaN codes give NaN). isa >= 2: the AVX-512 block
-// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 fp8 one (where sc * 2**8 is finite);
-// else the value tables.
+// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 fp8 one; else the value tables.
 void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, int64_t c1, float sc) {
     if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) {
         avx512::fp8_decode_block(src, dst, c0, c1, sc);
-    } else if (fmt == FMT_FP8 && isa == 1 && std::isfinite(sc * 256.0f)) {
+    } else if (fmt == FMT_FP8 && isa == 1) {
         fp8_decode_block_avx2(src, dst, c0, c1, sc);
     } else if (fmt == FMT_FP8) {
         for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
@@ -1089,23 +1097,15 @@ AMX int multiply(const Job& j, const uint32_t* a, int64_t mp, int64_t k2, int64_
 
 namespace avx2 {
 
-// fp8: 32 e4m3 bytes at w into the partial sums p of each row of x (x pointers already at k; C chains a row):
-// eight bytes at a time sign-extended to 32-bit lanes and shifted left by 20, then masked, leave the fp32 bits
-// (b & 0x80) << 24 | (b & 0x7F) << 20: the e4m3 value times 2**-120, normals and subnormals alike (an e4m3
-// exponent e is the fp32 exponent e, whose bias is 127 instead of 7; e4m3 subnormals land on fp32 subnormals, read
-// as they are: no kernel runs where the thread flushes them). x comes scaled by 2**112 (scale_x), so each product is
-// the one of x and the value times 2**-8, exactly as the fp16 decode of the AVX-512 rows gives it. NaN codes noted
-// in `nan`.
+// fp8: 32 e4m3 bytes at w into the partial sums p of each row of x (x pointers already at k; C chains a row), eight
+// values at a time by e4m3_x8; x comes scaled by 2**112 (scale_x), so each product is the one of x and the value times
+// 2**-8, exactly as the fp16 decode of the AVX-512 rows gives it. NaN codes noted in `nan`.
 template <int R, int C>
 AVX2 INLINE void fp8_step32(const uint8_t* w, const float* const* xk, __m256 (&p)[R][C], __m256i& nan) {
-    const __m256i m7f = _mm256_set1_epi8(0x7F), keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_and_si256(b, m7f), m7f));
-    __m256 v[4];  // inputs 8i .. 8i + 8
-    for (int i = 0; i < 4; i++) {
-        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i)));
-        v[i] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(q, 20), keep));
-    }
+    const __m256 v[4] = {e4m3_x8(w), e4m3_x8(w + 8), e4m3_x8(w + 16), e4m3_x8(w + 24)};  // inputs 8i .. 8i + 8
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 4; i++) p[r][i % C] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xk[r] + 8 * i), p[r][i % C]);
 }
