@@ -76,6 +76,7 @@ struct Job {
     const int16_t* xi = nullptr;   // x as integers for the FP4 integer rows (make_int_x), or null; then
     const float* xi_scale = nullptr;   // each row's chunk scales
     const uint8_t* xi_two = nullptr;   // and whether each row's chunk takes two windows
+    const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
 };
 
@@ -411,6 +412,7 @@ struct IntX {
     std::vector<int16_t> v;
     std::vector<float> scale;
     std::vector<uint8_t> two;
+    std::vector<uint8_t> any_two;  // per row: whether any of its chunks takes two windows
     int64_t chunks = 0;
 };
 
@@ -422,6 +424,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
     out.two.assign(rows * chunks, 0);
+    out.any_two.assign(rows, 0);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < chunks; c++) {
             const float* v = x + r * k + c * INT_CHUNK;
@@ -438,7 +441,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             }
             if (hi == -1000) continue;  // all zero
             if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = 1;
+            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = out.any_two[r] = 1;
             out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
             int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
             for (int i = 0; i < n; i++) {
@@ -1392,14 +1395,13 @@ struct IntFp4Step {
 
 template <int R>
 AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
-    const int64_t chunks = j.x_stride / (2 * INT_CHUNK);
     IntFp4Step<true> two{xs, {}, {}};
     IntFp4Step<false> one{xs, {}, {}};
     bool any = false;
     for (int r = 0; r < R; r++) {
         const int64_t at = (xs[r] - j.xi) / (2 * INT_CHUNK);  // the row's first chunk
         one.xsc[r] = two.xsc[r] = j.xi_scale + at, two.two[r] = j.xi_two + at;
-        for (int64_t c = 0; c < chunks; c++) any |= two.two[r][c] != 0;
+        any |= j.xi_any_two[(xs[r] - j.xi) / j.x_stride] != 0;
     }
     if (any) fp4_steps<R>(j, n, two, out);
     else fp4_steps<R>(j, n, one, out);
@@ -1898,6 +1900,7 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
             make_int_x(j.x, rows, k, isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot, own.i)) {
             j.x_stride = own.i.chunks * 2 * INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
+            j.xi_any_two = own.i.any_two.data();
             return true;
         }
         if (isa == 3 && fits && avx512bf16::takes_bf16(j.x, rows * k)) {
@@ -2719,6 +2722,7 @@ class ExpertBatch {
                 std::memcmp(parts[i].x.data(), j.x, sizeof(float) * j.m * j.k))
                 continue;
             j.x = o.x, j.xb = o.xb, j.xi = o.xi, j.xi_scale = o.xi_scale, j.xi_two = o.xi_two, j.x_stride = o.x_stride;
+            j.xi_any_two = o.xi_any_two;
             j.x_exp = o.x_exp;
             return true;
         }
