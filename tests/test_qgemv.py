@@ -9,6 +9,7 @@ and qlinear gives the reference's values; NaN codes come out as NaN rows, as the
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import shutil
@@ -1053,6 +1054,33 @@ def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     else:
         assert ((head.float() - rhead.float()).abs() <= rhead.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7).all()
     assert k.hc_head(want, c["fn"], c["scale"][:1], c["base"][:4], 1e-6, 1e-6) is None  # the pre step's mixes
+
+
+@pytest.mark.parametrize("d", [7, 131, 2048, 8192])
+def test_avx2_lane_sums_are_the_plain_ones(d):
+    """The AVX2 eight-lane dot products (the mixes, the mean squares of RMSNorm and of the pre step) sum each lane in
+    the order of the plain C++ loop (isa 0), each product rounded before it is added: bitwise its results, widths on
+    and off the lanes."""
+    k = kernel_in("avx2")
+    lib = qgemv.load_library(k.library)
+    g = gen(90 + d)
+    x, w = torch.randn(5, d, generator=g) * 3, torch.rand(d, generator=g) + 0.5
+    outs = [torch.empty_like(x) for _ in range(2)]
+    for isa, out in zip((0, 1), outs):
+        assert lib.mhc_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 5, d, 1e-6, isa) == 0
+    assert torch.equal(outs[0], outs[1])
+    n = 4
+    if d % n:
+        return
+    c = hc_case(1, d // n, torch.float32)
+    res = []
+    for isa in (0, 1):
+        h, post, comb = torch.empty(1, d // n), torch.empty(1, n), torch.empty(1, n, n)
+        assert lib.mhc_hc_pre(0, c["x"].data_ptr(), c["fn"].data_ptr(), c["scale"].data_ptr(), c["base"].data_ptr(),
+                              c["w"].data_ptr(), h.data_ptr(), post.data_ptr(), comb.data_ptr(), 1, n, d // n, 20,
+                              ctypes.c_float(1e-6), ctypes.c_float(1e-6), None, isa, 1) == 0
+        res.append((h, post, comb))
+    assert all(torch.equal(a, b) for a, b in zip(*res))
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])

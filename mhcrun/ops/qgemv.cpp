@@ -1574,8 +1574,23 @@ AVX512 float dot16(const float* a, const float* b, int64_t k) {
     return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// dot16 where `wide` (isa >= 2), else dot8.
-float dot(const float* a, const float* b, int64_t k, bool wide) { return wide ? dot16(a, b, k) : dot8(a, b, k); }
+// dot8 in AVX2: the same lanes, each product rounded and then added (no FMA), the lanes summed in order: bitwise dot8.
+AVX2 float dot8_avx2(const float* a, const float* b, int64_t k) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc);
+    for (; i < k; i++) lane[i % 8] += a[i] * b[i];
+    float s = 0.0f;
+    for (int j = 0; j < 8; j++) s += lane[j];
+    return s;
+}
+
+// dot16 with isa >= 2 (AVX-512), else dot8 (in AVX2 with isa 1).
+float dot(const float* a, const float* b, int64_t k, int isa) {
+    return isa >= 2 ? dot16(a, b, k) : isa == 1 ? dot8_avx2(a, b, k) : dot8(a, b, k);
+}
 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
@@ -1592,6 +1607,23 @@ AVX512 void post_stream(const float* y, const float* res, const float* c, float 
                                 _mm512_mul_ps(_mm512_set1_ps(c[i * n]), _mm512_maskz_loadu_ps(m, res + i * d + e)));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p), _mm512_maskz_loadu_ps(m, y + e)));
         _mm512_mask_storeu_ps(out + e, m, acc);
+    }
+}
+
+// post_stream in AVX2, eight e at a time: the same products and sums in the same order.
+AVX2 void post_stream_avx2(const float* y, const float* res, const float* c, float p, float* out, int64_t n,
+                           int64_t d) {
+    int64_t e = 0;
+    for (; e + 8 <= d; e += 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c[0]), _mm256_loadu_ps(res + e));
+        for (int64_t i = 1; i < n; i++)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(c[i * n]), _mm256_loadu_ps(res + i * d + e)));
+        _mm256_storeu_ps(out + e, _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(y + e))));
+    }
+    for (; e < d; e++) {
+        float acc = c[0] * res[e];
+        for (int64_t i = 1; i < n; i++) acc += c[i * n] * res[i * d + e];
+        out[e] = acc + p * y[e];
     }
 }
 
@@ -2026,14 +2058,14 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
                 int64_t t, int64_t n, int64_t d, int isa) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
-    const bool wide = !bf16 && isa >= 2;
     for (int64_t r = 0; r < t; r++)
         for (int64_t o = 0; o < n; o++) {
             const float* c = comb + (r * n) * n + o;  // c[i * n]: comb[r, i, o]
             const float p = post[r * n + o];
-            if (wide) {
-                post_stream(static_cast<const float*>(y) + r * d, static_cast<const float*>(res) + r * n * d, c, p,
-                            static_cast<float*>(out) + (r * n + o) * d, n, d);
+            if (!bf16 && isa >= 1) {
+                (isa >= 2 ? post_stream : post_stream_avx2)(static_cast<const float*>(y) + r * d,
+                                                            static_cast<const float*>(res) + r * n * d, c, p,
+                                                            static_cast<float*>(out) + (r * n + o) * d, n, d);
                 continue;
             }
             for (int64_t e = 0; e < d; e++) {
@@ -2054,7 +2086,8 @@ int mhc_hc_post(int bf16, const void* y, const void* res, const float* post, con
 // With post null (comb, weight unused), V4's head collapse (mhcrun.ops.hc.hc_head): fn [n, n * d], scale [1], base
 // [n]; h = collapse(x, pre) in x's dtype, no norm.
 // work: fp32 scratch of n * d + (2 + n) * n floats (null: the call makes its own). The mixes' dot products (fn: (2 +
-// n) * n rows of n * d) are shared among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512). Returns
+// n) * n rows of n * d) are shared among `threads` threads, by sixteen lanes of FMAs with isa >= 2 (AVX-512), else
+// eight lanes (dot8; in AVX2 with isa 1). Returns
 // 6 for n > 64, 3 for an isa this CPU lacks, 4 out of memory.
 int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, const float* base,
                const float* weight, void* h, float* post, float* comb, int64_t t, int64_t n, int64_t d,
@@ -2063,7 +2096,6 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     if (flushes_denormals()) return 5;
     if (n > 64) return 6;
     const int64_t k = n * d, mix = post ? (2 + n) * n : n;  // the head: its pre weights only
-    const bool wide = isa >= 2;
     std::vector<float> own;
     if (!work) {
         try {
@@ -2077,10 +2109,10 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     float* m = work + k;
     for (int64_t r = 0; r < t; r++) {
         for (int64_t i = 0; i < k; i++) xf[i] = act_at(x, bf16, r * k + i);
-        const float ms = dot(xf, xf, k, wide) / static_cast<float>(k);
+        const float ms = dot(xf, xf, k, isa) / static_cast<float>(k);
         const float rs = 1.0f / std::sqrt(ms + norm_eps);
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < mix; j++) m[j] = dot(xf, fn + j * k, k, wide) * rs;
+        for (int64_t j = 0; j < mix; j++) m[j] = dot(xf, fn + j * k, k, isa) * rs;
         float pre[64];
         for (int64_t i = 0; i < n; i++) pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
         if (!post) {  // the head: the collapse alone
@@ -2121,7 +2153,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
             act_put(h, bf16, r * d + e, acc);
             xf[e] = act_at(h, bf16, r * d + e);  // stream 0's values are no longer needed
         }
-        const float hs = 1.0f / std::sqrt(dot8(xf, xf, d) / static_cast<float>(d) + norm_eps);
+        const float hs = 1.0f / std::sqrt((isa >= 1 ? dot8_avx2(xf, xf, d) : dot8(xf, xf, d)) / static_cast<float>(d) + norm_eps);
         for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
     }
     return 0;
@@ -2206,7 +2238,7 @@ int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const 
             for (int64_t j = 0; j < n; j++) {
                 float score = 0.0f;
                 for (int64_t hh = 0; hh < h; hh++) {
-                    const float dp = dot(q + (qi * h + hh) * d, keys.get() + j * d, d, isa >= 2);
+                    const float dp = dot(q + (qi * h + hh) * d, keys.get() + j * d, d, isa);
                     score += (dp < 0.0f ? 0.0f : dp) * w[qi * h + hh];  // relu, NaN kept
                 }
                 if (std::isnan(score)) return 7;
@@ -2329,7 +2361,7 @@ int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64
     const float inv_d = 1.0f / static_cast<float>(d);
     for (int64_t r = 0; r < rows; r++) {
         const float* v = x + r * d;
-        const float ms = dot(v, v, d, isa >= 2) * inv_d;
+        const float ms = dot(v, v, d, isa) * inv_d;
         const float rs = 1.0f / std::sqrt(ms + eps);
         for (int64_t e = 0; e < d; e++) out[r * d + e] = w ? w[e] * (v[e] * rs) : v[e] * rs;
     }
@@ -2473,7 +2505,7 @@ int mhc_route(const float* x, const float* w, const float* bias, const int64_t* 
 #pragma omp parallel for schedule(static) num_threads(e * d >= 65536 ? threads : 1)
     for (int64_t j = 0; j < t * e; j++) {
         take_caller_mode(caller);
-        scores[j] = dot(x + j / e * d, w + j % e * d, d, isa >= 2);
+        scores[j] = dot(x + j / e * d, w + j % e * d, d, isa);
     }
     std::vector<int64_t> order(e);
     for (int64_t r = 0; r < t; r++) {
