@@ -1066,7 +1066,7 @@ def test_avx2_lane_sums_are_the_plain_ones(d):
     g = gen(90 + d)
     x, w = torch.randn(5, d, generator=g) * 3, torch.rand(d, generator=g) + 0.5
     outs = [torch.empty_like(x) for _ in range(2)]
-    for isa, out in zip((0, 1), outs):
+    for isa, out in zip((0, 1), outs, strict=True):
         assert lib.mhc_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 5, d, 1e-6, isa) == 0
     assert torch.equal(outs[0], outs[1])
     n = 4
@@ -1080,7 +1080,7 @@ def test_avx2_lane_sums_are_the_plain_ones(d):
                               c["w"].data_ptr(), h.data_ptr(), post.data_ptr(), comb.data_ptr(), 1, n, d // n, 20,
                               ctypes.c_float(1e-6), ctypes.c_float(1e-6), None, isa, 1) == 0
         res.append((h, post, comb))
-    assert all(torch.equal(a, b) for a, b in zip(*res))
+    assert all(torch.equal(a, b) for a, b in zip(*res, strict=True))
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
