@@ -1522,8 +1522,9 @@ bool run_rows(const Job& j, int64_t n0, int64_t n1) {
 
 // ---------------------------------------------------------------- the mHC steps of decode rows
 // One call a step instead of ~60 small torch ops (the Sinkhorn loop alone is 3 ops an iteration, each a few us on
-// a [4, 4] matrix). Plain fp32 C++ (no target attributes: no FMA, so each product is rounded before it is added,
-// as the torch reference does), activations fp32 or bf16 (round to nearest even). The post step and the collapse
+// a [4, 4] matrix). Plain fp32 C++ (no FMA, so each product is rounded before it is added, as the torch reference
+// does; the AVX2 and AVX-512 loops of the post step and the eight-lane dot products keep the same order and roundings),
+// activations fp32 or bf16 (round to nearest even). The post step and the collapse
 // sum in the reference's stream order and equal it bitwise; the mixes GEMV, the mean squares and the softmax sum
 // in their own order (eight lanes), within rounding of mhcrun.ops.hc.
 
