@@ -86,9 +86,8 @@ def isa(request) -> CpuKernel:
 
 @pytest.fixture(params=KERNEL_ISAS + ["torch"])
 def decoder(request) -> CpuKernel:
-    """Runs a test three times: chunks decoded by the C++ pass (`CpuKernel.decode_rows`: AVX-512, and FP8 in AVX2
-    and FP4 in plain C++ where the kernel runs AVX2), then by the torch chunk decoders (the kernel the test passes
-    on)."""
+    """Runs a test three times: chunks decoded by the C++ pass (`CpuKernel.decode_rows`: AVX-512, and AVX2 where the
+    kernel runs AVX2), then by the torch chunk decoders (the kernel the test passes on)."""
     return path_kernel(request.param)
 
 

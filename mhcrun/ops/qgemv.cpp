@@ -375,9 +375,29 @@ AVX2 void fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_
     for (; i < c1; i++) dst[i] = VALUES.e4m3[w[i]] * sc;
 }
 
+// fp4 values [c0, c1) (c0 even) of a row of packed bytes w into dst, times sc, eight a step (four bytes; the last
+// c1 - c0 < 8 by the value table): each nibble shifted into its lane, its magnitude through the eight-entry e2m1 table
+// (vpermps reads the low three bits), its sign bit moved to the float's: the table's value, times sc in one rounding.
+AVX2 void fp4_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
+    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), s = _mm256_set1_ps(sc);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m15 = _mm256_set1_epi32(15);
+    const __m256i m8 = _mm256_set1_epi32(8);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {  // value 2t + h is nibble h of byte t: nibble i - c0 of the little-endian word
+        uint32_t word;
+        std::memcpy(&word, w + i / 2, 4);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), m15);
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(code, m8), 28));
+        const __m256 v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, code), sign);
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(v, s));
+    }
+    for (; i < c1; i++) dst[i] = VALUES.e2m1[(w[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
+}
+
 // Values [c0, c1) of one block of a row of fp8 bytes or packed fp4 codes at src into dst, times the block's scale sc:
 // one rounding each, bitwise the reference's dequantisation (NaN codes give NaN). isa >= 2: the AVX-512 block
-// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 fp8 one; else the value tables.
+// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 ones (fp4 from an even c0); else the
+// value tables.
 void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, int64_t c1, float sc) {
     if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) {
         avx512::fp8_decode_block(src, dst, c0, c1, sc);
@@ -387,6 +407,8 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
         for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
     } else if (isa >= 2 && c0 % 2 == 0) {
         avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
+    } else if (isa == 1 && c0 % 2 == 0) {
+        fp4_decode_block_avx2(src, dst, c0, c1, sc);
     } else {
         for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
     }

@@ -249,7 +249,7 @@ class CpuKernel:
     def decode_rows(self, w: QWeight, r0: int, r1: int, out: Tensor) -> bool:
         """Rows [r0, r1) of a 2-D fp8 / fp4 weight the kernel takes, dequantised into out (contiguous fp32
         [r1 - r0, in]) in one pass, bitwise as the reference dequantisers; False when it does not apply (then the
-        caller decodes with torch). AVX-512 where the GEMVs run it; with AVX2, FP8 in AVX2 and FP4 in plain C++."""
+        caller decodes with torch). AVX-512 where the GEMVs run it, else AVX2."""
         if not self.decodes(w):
             return False
         scale, kind = _scale_arg(w)
