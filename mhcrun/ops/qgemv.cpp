@@ -360,9 +360,9 @@ AVX2 INLINE __m256 e4m3_x8(const uint8_t* w) {
         _mm256_and_si256(_mm256_slli_epi32(q, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u))));
 }
 
-// fp8_decode_block in AVX2, eight values a step (the last c1 - c0 < 8 by the value table): e4m3_x8 times 2**120
-// (exact: the value) times sc, one rounding, the same product as value * sc; NaN codes blended in.
-AVX2 void fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
+// fp8_decode_block in AVX2, eight values a step: e4m3_x8 times 2**120 (exact: the value) times sc, one rounding, the
+// same product as value * sc; NaN codes blended in. Returns where it stopped (the last c1 - c0 < 8 are the caller's).
+AVX2 int64_t fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
     const __m256i m7f = _mm256_set1_epi32(0x7F);
     const __m256 s = _mm256_set1_ps(sc), up = _mm256_set1_ps(0x1p120f), nan = _mm256_set1_ps(NAN);
     int64_t i = c0;
@@ -372,14 +372,14 @@ AVX2 void fp8_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_
         const __m256 v = _mm256_mul_ps(_mm256_mul_ps(e4m3_x8(w + i), up), s);
         _mm256_storeu_ps(dst + i, _mm256_blendv_ps(v, nan, isnan));
     }
-    for (; i < c1; i++) dst[i] = VALUES.e4m3[w[i]] * sc;
+    return i;
 }
 
-// fp4 values [c0, c1) (c0 even) of a row of packed bytes w into dst, times sc, eight a step (four bytes; the last
-// c1 - c0 < 8 by the value table): each nibble shifted into its lane, its magnitude through the eight-entry e2m1 table
-// (vpermps reads the low three bits), its sign bit moved to the float's: the table's value, times sc in one rounding.
-AVX2 void fp4_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
-    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), s = _mm256_set1_ps(sc);
+// fp4 values [c0, c1) (c0 even) of a row of packed bytes w into dst, times sc, eight a step (four bytes): each nibble
+// shifted into its lane, its magnitude through the value table's first eight entries (vpermps reads the low three
+// bits), its sign bit moved to the float's: the table's value, times sc in one rounding. Returns where it stopped.
+AVX2 int64_t fp4_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_t c1, float sc) {
+    const __m256 mag = _mm256_loadu_ps(VALUES.e2m1), s = _mm256_set1_ps(sc);
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m15 = _mm256_set1_epi32(15);
     const __m256i m8 = _mm256_set1_epi32(8);
     int64_t i = c0;
@@ -391,27 +391,23 @@ AVX2 void fp4_decode_block_avx2(const uint8_t* w, float* dst, int64_t c0, int64_
         const __m256 v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, code), sign);
         _mm256_storeu_ps(dst + i, _mm256_mul_ps(v, s));
     }
-    for (; i < c1; i++) dst[i] = VALUES.e2m1[(w[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
+    return i;
 }
 
 // Values [c0, c1) of one block of a row of fp8 bytes or packed fp4 codes at src into dst, times the block's scale sc:
 // one rounding each, bitwise the reference's dequantisation (NaN codes give NaN). isa >= 2: the AVX-512 block
-// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 ones (fp4 from an even c0); else the
-// value tables.
+// decoders (fp8 where sc * 2**8 is finite; fp4 from an even c0); isa 1: the AVX2 ones (fp4 from an even c0), eight
+// values a step; the value tables for the rest.
 void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, int64_t c1, float sc) {
-    if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) {
-        avx512::fp8_decode_block(src, dst, c0, c1, sc);
-    } else if (fmt == FMT_FP8 && isa == 1) {
-        fp8_decode_block_avx2(src, dst, c0, c1, sc);
-    } else if (fmt == FMT_FP8) {
-        for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
-    } else if (isa >= 2 && c0 % 2 == 0) {
-        avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
-    } else if (isa == 1 && c0 % 2 == 0) {
-        fp4_decode_block_avx2(src, dst, c0, c1, sc);
-    } else {
-        for (int64_t i = c0; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
-    }
+    if (fmt == FMT_FP8 && isa >= 2 && std::isfinite(sc * 256.0f)) return avx512::fp8_decode_block(src, dst, c0, c1, sc);
+    if (fmt == FMT_FP4 && isa >= 2 && c0 % 2 == 0) return avx512::fp4_decode_block(src, dst, c0, c1, sc, VALUES.e2m1);
+    int64_t i = c0;  // the values the vector loops leave
+    if (fmt == FMT_FP8 && isa == 1) i = fp8_decode_block_avx2(src, dst, c0, c1, sc);
+    if (fmt == FMT_FP4 && isa == 1 && c0 % 2 == 0) i = fp4_decode_block_avx2(src, dst, c0, c1, sc);
+    if (fmt == FMT_FP8)
+        for (; i < c1; i++) dst[i] = VALUES.e4m3[src[i]] * sc;
+    else
+        for (; i < c1; i++) dst[i] = VALUES.e2m1[(src[i >> 1] >> ((i & 1) * 4)) & 15] * sc;
 }
 
 // ---------------------------------------------------------------- x as integers, for the FP4 integer rows
