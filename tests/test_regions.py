@@ -307,6 +307,39 @@ def test_compiled_steps_count_the_kernels_the_forward_launches_on_each_backend(w
         model.opts.hc = kept
 
 
+def test_steps_of_a_shape_seen_before_skip_guard_evaluation(monkeypatch):
+    """A step whose shapes and probe an earlier step had (`step_key`) runs without dynamo's guard evaluation; a step of
+    a new shape (chunks of 2 tokens a row after single tokens) is guarded: its regions compile graphs of their own
+    rather than run the single-token ones, and it gives the uncompiled stages' logits."""
+    model = make_model([0, 4])
+    tokens, pos = prefill(model, make_prompts(), 8)
+    chunk = torch.randint(3, 512, (len(pos), 2), generator=torch.Generator().manual_seed(5))
+    start = snapshot(model)
+    with torch.inference_mode():
+        dec = RegionDecoder(model, "eager", None)
+        dec(tokens, pos), dec(tokens, pos + 1)
+        want = dec(chunk, pos + 2).clone()
+    restore(model, start)
+    skips, set_stance = [], torch.compiler.set_stance
+
+    def spy(*args, **kw):
+        skips.append(kw.get("skip_guard_eval_unsafe", False))
+        return set_stance(*args, **kw)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    dec = RegionDecoder(model, "regions", STRUCT_BACKEND)
+    with torch.inference_mode():
+        dec(tokens, pos), dec(tokens, pos + 1)
+        assert skips == [False, True]
+        assert all(s.graphs == 1 for s in dec.stats), [(s.region, s.graphs) for s in dec.stats]
+        got = dec(chunk, pos + 2)
+        assert skips[-1] is False
+        assert all(s.graphs == 2 for s in dec.stats), [(s.region, s.graphs) for s in dec.stats]
+        assert (got - want).abs().max().item() < 1e-4
+        dec(chunk, pos + 4)
+    assert skips[-1] is True
+
+
 def test_graph_count_does_not_grow_with_layers(whole3):
     nine = [0, 4, 16, 4, 16, 4, 16, 4, 16]
     run = compiled_run(nine, "whole", 3)

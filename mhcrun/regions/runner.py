@@ -10,6 +10,9 @@ change. A layer half takes and returns a `Carry` (the streams with the last site
 runs that post step fused with its own site's pre step, then the sublayer. With the "split" stage plan each layer
 half compiles as two graphs: the mHC post+pre step (`Block.enter`: the carried post, the mixes, collapse and the
 sublayer's norm) and the sublayer.
+
+A step of shapes an earlier step of the decoder had skips dynamo's guard evaluation (`step_key`): ~110 us a region call
+instead of ~350 on a 2-core CPU (BENCHMARKS.md, issue 20).
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ class RegionDecoder:
                 self.layers_of.setdefault(kind, []).append(i)
         self.stats: list[GraphStats] = []
         self.kinds: dict[str, Callable] = {}
+        self.guarded: set[tuple] = set()  # the steps (`step_key`) whose every region has run with its guards checked
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
             self.stats.append(self.step_stats)
@@ -221,10 +225,13 @@ class RegionDecoder:
         `probe` as the eager model's."""
         model = self.model
         tokens = tokens.view(self.rows.size(0), -1)
-        if self.mode == "step":
-            logits = self.step_fn(model, tokens, self.rows, pos, None, True)
-        else:
-            logits = model(tokens, self.rows, pos, probe, static=True, regions=self.run)
+        key = step_key(tokens, pos, probe)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.backend is not None and key in self.guarded):
+            if self.mode == "step":
+                logits = self.step_fn(model, tokens, self.rows, pos, None, True)
+            else:
+                logits = model(tokens, self.rows, pos, probe, static=True, regions=self.run)
+        self.guarded.add(key)
         self.count_hc_calls(tokens.numel(), tokens.device.type)
         return logits
 
@@ -250,6 +257,15 @@ class RegionDecoder:
 
     def graph_count(self) -> int:
         return sum(s.graphs for s in self.stats)
+
+
+def step_key(tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None) -> tuple:
+    """What may change the graphs a decode step runs: its shapes and whether a probe watches it. The modules are
+    the same and their tensors keep their shapes (the static path), so a step whose key an earlier step had, every
+    region's guards then checked, passes the same guards: it runs without evaluating them all (dynamo's
+    `skip_guard_eval_unsafe` still checks those that tell a region's graphs apart, the tensor shapes among them, and
+    raises rather than recompile)."""
+    return tuple(tokens.shape), tokens.dtype, tuple(pos.shape), pos.dtype, tokens.device, probe is None
 
 
 def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str | None = None,
