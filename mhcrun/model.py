@@ -484,9 +484,10 @@ class Attention(nn.Module):
                                            self.scale, KV_FP8_BLOCK)
 
     def attend(self, *args) -> torch.Tensor:
-        """`sparse_attn(*args)`; in CPU eager decode the run's kernel does it in one call (`CpuKernel.attend`, within
-        rounding of it)."""
-        return eager_first(lambda: self.opts.cpu.attend(*args), lambda: sparse_attn(*args))
+        """`sparse_attn(*args)`; for CPU decode rows the run's kernel does it in one call (`CpuKernel.attend`, within
+        rounding of it), in compiled graphs too (its op's C++: `mhcrun::attend_native`)."""
+        o = self.opts.cpu.attend(*args)
+        return sparse_attn(*args) if o is None else o
 
 
 class Expert(nn.Module):

@@ -939,6 +939,88 @@ def test_native_expert_set_op_is_the_python_op_in_cpp(isa, fmt):
             torch.set_flush_denormal(False)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (qgemv.MAX_ROWS, 64)])
+def test_native_post_pre_op_is_the_python_op_in_cpp(isa, dtype, rows, d):
+    """mhcrun::hc_post_pre_native (the post+pre step compiled graphs call) gives mhcrun::hc_post_pre_cpu's results
+    bitwise, which are the kernel's (`CpuKernel.hc_post_pre`); what the C++ does not read (a weight of another shape)
+    or the kernel declines (a thread that flushes subnormals) goes to the Python op, whose reference gives its result
+    or its error."""
+    from mhcrun.nki.ops import _ref_post_pre
+
+    assert isa.ops, "the kernel's torch ops were not built"
+    c = hc_case(rows, d, dtype, seed=rows)
+    args = [c["y"], c["x"], c["post"], c["comb"], c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6]
+    want = isa.hc_post_pre(*args)
+    for op in (torch.ops.mhcrun.hc_post_pre_native, torch.ops.mhcrun.hc_post_pre_cpu):
+        got = op(*args, isa.library, isa.isa)
+        assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    ref = _ref_post_pre(*args[:8], 4, *args[8:])
+    assert torch.equal(want[0], ref[0])  # the post step is bitwise; the rest within rounding (test_hc_steps_...)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # fn of one input fewer: the reference refuses it
+        torch.ops.mhcrun.hc_post_pre_native(*args[:4], c["fn"][:, 1:], *args[5:], isa.library, isa.isa)
+    if dtype == torch.float32 and rows == 1 and torch.set_flush_denormal(True):
+        try:
+            assert isa.hc_post_pre(*args) is None
+            got = torch.ops.mhcrun.hc_post_pre_native(*args, isa.library, isa.isa)
+            assert all(torch.equal(g, r.contiguous()) for g, r in zip(got, ref, strict=True))
+        finally:
+            torch.set_flush_denormal(False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, s, h, n, k, d", [(1, 1, 16, 129, 64, 512), (2, 1, 16, 129, 0, 512), (2, 3, 3, 7, 2, 72)])
+def test_native_attend_op_is_the_python_op_in_cpp(isa, b, s, h, n, k, d):
+    """mhcrun::attend_native (the attention compiled graphs call) gives mhcrun::attend_cpu's results bitwise, which
+    are the kernel's (`CpuKernel.attend`, within rounding of sparse_attn); what the C++ does not read (a mask torch
+    would broadcast, gathered keys without their mask) or the kernel declines goes to the Python op: sparse_attn's
+    result or its error."""
+    assert isa.ops, "the kernel's torch ops were not built"
+    args = attn_case(b, s, h, n, k, d, seed=b * 100 + k)
+    want = isa.attend(*args)
+    for op in (torch.ops.mhcrun.attend_native, torch.ops.mhcrun.attend_cpu):
+        assert torch.equal(op(*args, isa.library, isa.isa), want)
+    torch.testing.assert_close(want, sparse_attn(*args), rtol=1e-5, atol=1e-6)
+    q, kv, mask, sink, scale, sel, sm = args
+    broadcast = torch.ops.mhcrun.attend_native(q, kv, mask[..., :1], sink, scale, sel, sm, isa.library, isa.isa)
+    assert torch.equal(broadcast, sparse_attn(q, kv, mask[..., :1], sink, scale, sel, sm))
+    if k:
+        with pytest.raises(AttributeError):  # sparse_attn's error: None.unsqueeze
+            torch.ops.mhcrun.attend_native(q, kv, mask, sink, scale, sel, None, isa.library, isa.isa)
+    if torch.set_flush_denormal(True):
+        try:
+            got = torch.ops.mhcrun.attend_native(*args, isa.library, isa.isa)
+            assert isa.attend(*args) is None and torch.equal(got, sparse_attn(*args))
+        finally:
+            torch.set_flush_denormal(False)
+
+
+@needs_kernel
+def test_compiled_attention_and_post_pre_call_the_kernel_ops(isa):
+    """Traced, the kernel's attention and post+pre step are one op each in the graph (their C++ kernels
+    mhcrun::attend_native and mhcrun::hc_post_pre_native where the run loaded the kernel's ops; else nothing: the
+    caller traces the torch reference), and the compiled call gives the eager call's result."""
+    torch._dynamo.reset()
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    args = attn_case(1, 1, 16, 129, 64, 512)
+    got = torch.compile(isa.attend, backend=record, fullgraph=True)(*args)
+    c = hc_case(1, 256, torch.float32)
+    hc_args = (c["y"], c["x"], c["post"], c["comb"], c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6)
+    got_hc = torch.compile(isa.hc_post_pre, backend=record, fullgraph=True)(*hc_args)
+    if not isa.ops:
+        assert got is None and got_hc is None
+        return
+    assert "mhcrun.attend_native" in targets and "mhcrun.hc_post_pre_native" in targets, targets
+    assert torch.equal(got, isa.attend(*args))
+    assert all(torch.equal(g, w) for g, w in zip(got_hc, isa.hc_post_pre(*hc_args), strict=True))
+
+
 def test_torch_ops_that_cannot_be_built_are_none(tmp_path):
     """Where the kernel's torch ops cannot be built, the kernel has none (`CpuKernel.ops` ""): graphs then call the
     Python ops, with a Python wrapper (RegionDecoder)."""

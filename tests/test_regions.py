@@ -284,10 +284,10 @@ def test_compiled_regions_count_the_hc_kernels_the_eager_step_counts(whole3):
 
 
 def test_compiled_steps_count_the_kernels_the_forward_launches_on_each_backend(whole3):
-    """A compiled step's hc calls cannot count themselves inside its graphs on the torch path or on the real
-    kernels (neuron): the decoder counts them per step, as the forward launches them: a hc_post_pre per layer half
-    up to 32 rows (hc_post then hc_pre above), the head's hc_post and hc_head; on the simulator the custom ops count
-    themselves, so the decoder adds nothing."""
+    """A compiled step's hc calls cannot count themselves inside its graphs on the torch path, the CPU kernel's or
+    the real kernels (neuron): the decoder counts them per step, as the forward launches them: a hc_post_pre per layer
+    half up to 32 rows (hc_post then hc_pre above), the head's hc_post and hc_head; on the simulator the custom ops
+    count themselves, so the decoder adds nothing."""
     from mhcrun.nki.ops import HcBackend
 
     model, kept = whole3["model"], whole3["model"].opts.hc
@@ -300,6 +300,14 @@ def test_compiled_steps_count_the_kernels_the_forward_launches_on_each_backend(w
                 dec.count_hc_calls(rows, device)
                 got = {k: v[backend] for k, v in model.opts.hc.stats().items() if v[backend]}
                 assert got == {**want, "hc_head": 1}, (rows, device, got)
+        kernel = cpu_kernel()
+        if kernel.on:  # the CPU kernel's graphs call its C++ for the post+pre step (its op, where loaded), torch else
+            model.opts.hc = HcBackend(cpu=kernel)
+            dec.count_hc_calls(3, "cpu")
+            stats = model.opts.hc.stats()
+            on = "cpu" if kernel.ops else "torch"
+            assert stats["hc_post_pre"][on] == sites and stats["hc_post"]["torch"] == stats["hc_head"]["torch"] == 1
+            assert sum(sum(v.values()) for v in stats.values()) == sites + 2
         model.opts.hc = HcBackend(sim="exact", cpu=kept.cpu)
         dec.count_hc_calls(3, "cpu")
         assert not any(sum(v.values()) for v in model.opts.hc.stats().values())

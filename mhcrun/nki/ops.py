@@ -41,7 +41,7 @@ from mhcrun.errors import MhcrunError
 from mhcrun.ops import hc as _ref
 from mhcrun.ops.moe import swiglu as _ref_swiglu
 from mhcrun.ops.norm import rms_norm as _ref_rms_norm
-from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel
+from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, post_pre_shape
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.py")
 KERNEL_NAMES = ("hc_expand", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rmsnorm", "swiglu", "hc_pre",
@@ -395,6 +395,22 @@ def _(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base, weight, n, iters, 
             post.new_empty(post.shape, dtype=f32), comb.new_empty(comb.shape, dtype=f32))  # fmt: skip
 
 
+@torch.library.custom_op("mhcrun::hc_post_pre_cpu", mutates_args=())
+def hc_post_pre_cpu(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                    weight: Tensor, iters: int, eps: float, norm_eps: float, library: str,
+                    isa: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The CPU kernel's post+pre step (`CpuKernel.hc_post_pre`) as an opaque op of compiled graphs, the reference
+    where the kernel declines: what its C++ twin `mhcrun::hc_post_pre_native` (torch_ops.cpp) hands over when it does
+    not take the call."""
+    out = CpuKernel(library, isa).hc_post_pre(y, residual, post, comb, fn, scale, base, weight, iters, eps, norm_eps)
+    if out is None:
+        out = _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, residual.shape[-2], iters, eps, norm_eps)
+    return tuple(t.contiguous() for t in out)
+
+
+hc_post_pre_cpu.register_fake(post_pre_shape)
+
+
 @torch.library.custom_op("mhcrun::hc_collapse", mutates_args=("calls",))
 def _hc_collapse_op(x: Tensor, pre: Tensor, sim: str, calls: Tensor) -> Tensor:
     return _sim_or_ref("hc_collapse", sim, calls, _collapse_ok(x, pre), lambda get: _run_collapse(get, x, pre),
@@ -458,11 +474,11 @@ def _(gate: Tensor, up: Tensor, limit: float, sim: str, calls: Tensor) -> Tensor
 
 def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: Callable[[], object],
               op: Callable[[str, Tensor], object], hc: HcBackend | None,
-              native: Callable[[CpuKernel], object | None] | None = None):
+              native: Callable[[CpuKernel], object | None] | None = None, graphs: bool = False):
     """One call of kernel `name` on tensors like `t` under `hc` (None: the torch reference, uncounted): the real
     kernel on a neuron device (when it covers the shapes), the custom op in the simulator (its CPU implementation
-    runs the kernel and counts), the CPU kernel's C++ (`native`, eager only: None where it declines), else the
-    torch reference: plain torch that a compiled region can fuse."""
+    runs the kernel and counts), the CPU kernel's C++ (`native`: None where it declines; eager only, unless `graphs`:
+    then compiled graphs call it as an op), else the torch reference: plain torch that a compiled region can fuse."""
     path = "torch" if hc is None else hc.path(t.device.type)
     if path == "nki-sim":
         if not torch.compiler.is_compiling():
@@ -471,7 +487,7 @@ def _dispatch(name: str, t: Tensor, ok: Callable[[], bool], run: Callable, ref: 
     if path == "nki" and ok():
         hc.count(name, "nki")
         return run(_neuron_kernel)
-    if path == "cpu" and native is not None and not torch.compiler.is_compiling():
+    if path == "cpu" and native is not None and (graphs or not torch.compiler.is_compiling()):
         out = native(hc.cpu)
         if out is not None:
             hc.count(name, "cpu")
@@ -555,7 +571,8 @@ def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Ten
                      lambda get: _run_post_pre(get, *args, norm_eps),
                      lambda: _ref_post_pre(y, residual, post, comb, fn, scale, base, weight, n, iters, eps, norm_eps),
                      lambda *b: torch.ops.mhcrun.hc_post_pre(y, residual, post, comb, fn, fn_hi, fn_lo, scale, base,
-                                                          weight, n, iters, eps, norm_eps, *b), hc, native)
+                                                          weight, n, iters, eps, norm_eps, *b), hc, native,
+                     graphs=True)
 
 
 def hc_collapse(x: Tensor, pre: Tensor, hc: HcBackend | None = None) -> Tensor:

@@ -9,6 +9,9 @@ validity mask. The cost per query is O(n + k), whatever the context.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from mhcrun.ops.qgemv import CpuKernel, attend_shape
 
 ATTN_WORKSPACE = 192 << 20  # bytes a prefill chunk's attention takes at once (its queries go in slices)
 
@@ -71,3 +74,16 @@ def closed_mask(start: torch.Tensor, s: int, n_entries: int, ratio: int) -> torc
     pos = start.view(-1, 1) + torch.arange(s, device=start.device)
     j = torch.arange(n_entries, device=start.device)
     return j.view(1, 1, -1) < ((pos + 1) // ratio).unsqueeze(-1)
+
+
+@torch.library.custom_op("mhcrun::attend_cpu", mutates_args=())
+def attend_cpu(q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None,
+               sel_mask: Tensor | None, library: str, isa: int) -> Tensor:
+    """The CPU kernel's attention (`CpuKernel.attend`) as an opaque op of compiled graphs, `sparse_attn` where the
+    kernel declines: what its C++ twin `mhcrun::attend_native` (torch_ops.cpp) hands over when it does not take the
+    call. fp32 q -> o [b, s, h, d] fp32."""
+    o = CpuKernel(library, isa).attend(q, kv, mask, sink, scale, sel, sel_mask)
+    return (sparse_attn(q, kv, mask, sink, scale, sel, sel_mask) if o is None else o).float().contiguous()
+
+
+attend_cpu.register_fake(attend_shape)

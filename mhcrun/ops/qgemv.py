@@ -333,6 +333,14 @@ class CpuKernel:
         if y is not None and (y.dtype != x.dtype or post.dtype != torch.float32 or comb.dtype != torch.float32
                               or not self.hc_takes(x, post, comb)):
             return None
+        n, d, m = x.shape[-2], x.shape[-1], (2 + x.shape[-2]) * x.shape[-2]  # the C++ reads these shapes as they are
+        if fn.shape != (m, n * d) or scale.numel() != 3 or base.numel() != m or weight.numel() != d \
+                or (y is not None and (y.shape != x.shape[:-2] + (d,) or post.shape != x.shape[:-1]
+                                       or comb.shape != x.shape[:-1] + (n,))):
+            return None
+        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
+            return None if y is None or not self.ops else torch.ops.mhcrun.hc_post_pre_native(
+                y, x, post, comb, fn, scale, base, weight, iters, eps, norm_eps, self.library, self.isa)
         *lead, n, d = x.shape
         t = x.numel() // (n * d)
         x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
@@ -364,6 +372,10 @@ class CpuKernel:
             shapes += [(sel, (b, s, k, d)), (sel_mask, (b, s, k))]
         if any(tuple(t.shape) != want for t, want in shapes):  # the C++ reads these shapes as they are, no broadcast
             return None
+        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
+            return None if not self.ops else torch.ops.mhcrun.attend_native(
+                q, kv, mask.to(torch.bool), sink.float(), scale, sel,
+                None if sel_mask is None else sel_mask.to(torch.bool), self.library, self.isa)
         q, kv = q.contiguous(), kv.contiguous()
         mask = mask.to(torch.bool).contiguous()
         sel = None if sel is None else sel.contiguous()
@@ -675,9 +687,11 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
 
 
 def load_torch_ops(env: Env) -> str:
-    """The kernel's GEMVs as C++ kernels of torch's dispatcher (torch_ops.cpp: `mhcrun::qgemv_native`,
-    `mhcrun::qgemv_expert_set_native`), built for this torch (once per source, compiler and torch) and loaded into the
-    process: the library's path, or "" where they cannot be built (compiled graphs then call the Python ops)."""
+    """The kernel's GEMVs, post+pre step and attention as C++ kernels of torch's dispatcher (torch_ops.cpp:
+    `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`, `mhcrun::attend_native`),
+    built for this torch (once per source, compiler and torch) and loaded into the process: the library's path, or ""
+    where they cannot be built (compiled graphs then call the GEMVs' Python ops, and the torch reference for the
+    rest)."""
     try:
         path = str(native.build(TORCH_OPS, env.kernel_cache, env.cxx, native.torch_flags()))
     except (OSError, RuntimeError, subprocess.SubprocessError):
@@ -686,7 +700,25 @@ def load_torch_ops(env: Env) -> str:
         torch.ops.load_library(path)
         torch.library.register_fake("mhcrun::qgemv_native")(qgemv_shape)
         torch.library.register_fake("mhcrun::qgemv_expert_set_native")(expert_set_shape)
+        torch.library.register_fake("mhcrun::hc_post_pre_native")(post_pre_shape)
+        torch.library.register_fake("mhcrun::attend_native")(attend_shape)
     return path
+
+
+def post_pre_shape(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                   weight: Tensor, iters: int, eps: float, norm_eps: float, library: str,
+                   isa: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What `mhcrun::hc_post_pre_cpu` (and its C++ kernel) gives, empty: the streams like residual [..., n, d], h like
+    y [..., d], post [..., n] and comb [..., n, n] fp32 (fake kernel)."""
+    f32 = torch.float32
+    return (residual.new_empty(residual.shape), y.new_empty(y.shape), post.new_empty(post.shape, dtype=f32),
+            comb.new_empty(comb.shape, dtype=f32))
+
+
+def attend_shape(q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None,
+                 sel_mask: Tensor | None, library: str, isa: int) -> Tensor:
+    """What `mhcrun::attend_cpu` (and its C++ kernel) gives, empty: o like q [b, s, h, d] fp32 (fake kernel)."""
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def qgemv_shape(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str,

@@ -1,7 +1,8 @@
-// mhcrun's CPU GEMV ops as C++ kernels of torch's dispatcher, for compiled graphs: `mhcrun::qgemv_native` and
-// `mhcrun::qgemv_expert_set_native` are the Python ops `mhcrun::qgemv` and `mhcrun::qgemv_expert_set`
-// (mhcrun.ops.qlinear) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A
-// graph that inductor compiles with its C++ wrapper calls them without entering Python.
+// mhcrun's CPU kernel ops as C++ kernels of torch's dispatcher, for compiled graphs: `mhcrun::qgemv_native`,
+// `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native` and `mhcrun::attend_native` are the Python ops
+// `mhcrun::qgemv`, `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear), `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops) and
+// `mhcrun::attend_cpu` (mhcrun.ops.attention) in C++, with their arguments (the shapes they give, their fake kernels:
+// mhcrun.ops.qgemv). A graph that inductor compiles with its C++ wrapper calls them without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
 // through dlopen. They do the common case only: the kernel's one call on arguments of the shapes it reads. Anything
@@ -14,12 +15,16 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <mutex>
+#include <tuple>
+#include <vector>
 #include <string>
 #include <unordered_map>
 
@@ -30,11 +35,14 @@ using QgemvFn = int (*)(int, const void*, const void*, int, const float*, float*
 using ExpertsFn = int (*)(int, const int64_t*, int64_t, const int64_t*, int, const float*, float*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int, int);
 
-// The entry point `name` of the kernel library at `path`, opened once per path (never closed: the process keeps it).
+// The entry point `name` of the kernel library at `path`, looked up once per path and name (the library opened once
+// per path and never closed: the process keeps it).
 void* entry(const std::string& path, const char* name) {
     static std::mutex mu;
-    static std::unordered_map<std::string, void*> libs;
+    static std::unordered_map<std::string, void*> libs, fns;
     std::lock_guard<std::mutex> hold(mu);
+    const std::string key = path + '\n' + name;
+    if (auto found = fns.find(key); found != fns.end()) return found->second;
     auto it = libs.find(path);
     if (it == libs.end()) {
         void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -43,7 +51,7 @@ void* entry(const std::string& path, const char* name) {
     }
     void* fn = dlsym(it->second, name);
     TORCH_CHECK(fn != nullptr, "mhcrun: the kernel library ", path, " has no ", name);
-    return fn;
+    return fns.emplace(key, fn).first->second;
 }
 
 // qgemv.cpp's FORMATS (mhcrun.ops.qgemv.FORMATS): fp8 0, fp4 1 (packed bytes), float 2 (bf16); -1 for another dtype.
@@ -118,15 +126,119 @@ at::Tensor qgemv_expert_set_native(const at::Tensor& x, const at::Tensor& ptrs, 
     return y;
 }
 
+using PostPreFn = int (*)(int, const void*, const void*, const float*, const float*, void*, const float*, const float*,
+                         const float*, const float*, void*, float*, float*, int64_t, int64_t, int64_t, int64_t, float,
+                         float, float*, int, int);
+using AttendFn = int (*)(const float*, const float*, const uint8_t*, const float*, const uint8_t*, const float*, float*,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int);
+using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+bool is_cpu(std::initializer_list<const at::Tensor*> ts, at::ScalarType dtype) {
+    for (const at::Tensor* t : ts)
+        if (!t->device().is_cpu() || t->scalar_type() != dtype) return false;
+    return true;
+}
+
+Four python_post_pre(const at::Tensor& y, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb,
+                     const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, const at::Tensor& weight,
+                     int64_t iters, double eps, double norm_eps, c10::string_view library, int64_t isa) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mhcrun::hc_post_pre_cpu", "")
+        .typed<Four(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double, c10::string_view,
+                    int64_t)>();
+    return op.call(y, res, post, comb, fn, scale, base, weight, iters, eps, norm_eps, library, isa);
+}
+
+// mhcrun::hc_post_pre_cpu in one kernel call (mhc_hc_post_pre): y [..., d], res [..., n, d] (fp32 or bf16, the same),
+// post [..., n], comb [..., n, n], fn [(2+n)*n, n*d], scale [3], base [(2+n)*n], weight [d] fp32 -> (the streams
+// [..., n, d], h [..., d] in res's dtype, post [..., n], comb [..., n, n] fp32).
+Four hc_post_pre_native(const at::Tensor& y, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb,
+                        const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, const at::Tensor& weight,
+                        int64_t iters, double eps, double norm_eps, c10::string_view library, int64_t isa) {
+    auto fallback = [&] { return python_post_pre(y, res, post, comb, fn, scale, base, weight, iters, eps, norm_eps,
+                                                 library, isa); };
+    const auto dt = res.scalar_type();
+    if (res.dim() < 2 || (dt != at::kFloat && dt != at::kBFloat16) || !is_cpu({&y, &res}, dt)
+            || !is_cpu({&post, &comb, &fn, &scale, &base, &weight}, at::kFloat))
+        return fallback();
+    const int64_t n = res.size(-2), d = res.size(-1), m = (2 + n) * n;
+    std::vector<int64_t> lead(res.sizes().begin(), res.sizes().end() - 2), lead_d(lead), lead_n(lead), lead_nn(lead);
+    lead_d.push_back(d), lead_n.push_back(n), lead_nn.push_back(n), lead_nn.push_back(n);
+    if (y.sizes() != at::IntArrayRef(lead_d) || post.sizes() != at::IntArrayRef(lead_n)
+            || comb.sizes() != at::IntArrayRef(lead_nn) || fn.dim() != 2 || fn.size(0) != m || fn.size(1) != n * d
+            || scale.numel() != 3 || base.numel() != m || weight.numel() != d)
+        return fallback();
+    const at::Tensor yc = y.contiguous(), rc = res.contiguous(), pc = post.contiguous(), cc = comb.contiguous();
+    const at::Tensor fc = fn.contiguous(), sc = scale.contiguous(), bc = base.contiguous(), wc = weight.contiguous();
+    at::Tensor streams = at::empty_like(rc), h = at::empty(lead_d, res.options());
+    at::Tensor post_out = at::empty(lead_n, post.options()), comb_out = at::empty(lead_nn, comb.options());
+    auto call = reinterpret_cast<PostPreFn>(entry(std::string(library), "mhc_hc_post_pre"));
+    if (call(dt == at::kBFloat16, yc.data_ptr(), rc.data_ptr(), pc.data_ptr<float>(), cc.data_ptr<float>(),
+             streams.data_ptr(), fc.data_ptr<float>(), sc.data_ptr<float>(), bc.data_ptr<float>(), wc.data_ptr<float>(),
+             h.data_ptr(), post_out.data_ptr<float>(), comb_out.data_ptr<float>(), rc.numel() / (n * d), n, d, iters,
+             static_cast<float>(eps), static_cast<float>(norm_eps), nullptr, static_cast<int>(isa),
+             at::get_num_threads()))
+        return fallback();
+    return {streams, h, post_out, comb_out};
+}
+
+at::Tensor python_attend(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& mask, const at::Tensor& sink,
+                         double scale, const std::optional<at::Tensor>& sel, const std::optional<at::Tensor>& sel_mask,
+                         c10::string_view library, int64_t isa) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mhcrun::attend_cpu", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, c10::string_view,
+                          int64_t)>();
+    return op.call(q, kv, mask, sink, scale, sel, sel_mask, library, isa);
+}
+
+// mhcrun::attend_cpu in one kernel call (mhc_attend): q [b, s, h, d] attending to kv [b, n, d] where mask [b, s, n],
+// and to sel [b, s, k, d] where sel_mask [b, s, k], with the sinks [h] -> o [b, s, h, d] fp32.
+at::Tensor attend_native(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& mask, const at::Tensor& sink,
+                         double scale, const std::optional<at::Tensor>& sel, const std::optional<at::Tensor>& sel_mask,
+                         c10::string_view library, int64_t isa) {
+    auto fallback = [&] { return python_attend(q, kv, mask, sink, scale, sel, sel_mask, library, isa); };
+    if (q.dim() != 4 || sel.has_value() != sel_mask.has_value() || !is_cpu({&q, &kv, &sink}, at::kFloat)
+            || !is_cpu({&mask}, at::kBool))
+        return fallback();
+    const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3), n = kv.dim() == 3 ? kv.size(1) : -1;
+    const int64_t k = sel.has_value() ? sel->size(-2) : 0;
+    if (kv.sizes() != at::IntArrayRef({b, n, d}) || mask.sizes() != at::IntArrayRef({b, s, n})
+            || sink.sizes() != at::IntArrayRef({h}))
+        return fallback();
+    if (sel.has_value() && (!is_cpu({&*sel}, at::kFloat) || !is_cpu({&*sel_mask}, at::kBool)
+                            || sel->sizes() != at::IntArrayRef({b, s, k, d})
+                            || sel_mask->sizes() != at::IntArrayRef({b, s, k})))
+        return fallback();
+    const at::Tensor qc = q.contiguous(), kc = kv.contiguous(), mc = mask.contiguous(), snc = sink.contiguous();
+    const at::Tensor selc = sel.has_value() ? sel->contiguous() : at::Tensor();
+    const at::Tensor smc = sel.has_value() ? sel_mask->contiguous() : at::Tensor();
+    at::Tensor o = at::empty_like(qc);
+    auto call = reinterpret_cast<AttendFn>(entry(std::string(library), "mhc_attend"));
+    if (call(qc.data_ptr<float>(), kc.data_ptr<float>(), reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()),
+             k ? selc.data_ptr<float>() : nullptr, k ? reinterpret_cast<const uint8_t*>(smc.data_ptr<bool>()) : nullptr,
+             snc.data_ptr<float>(), o.data_ptr<float>(), b, s, h, n, k, d, static_cast<float>(scale),
+             static_cast<int>(std::min<int64_t>(isa, 2)), at::get_num_threads()))
+        return fallback();
+    return o;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
     m.def("qgemv_native(Tensor x3, Tensor data, Tensor? scale, int block, int groups, str library, int isa) -> Tensor");
     m.def("qgemv_expert_set_native(Tensor x, Tensor ptrs, Tensor idx, int fmt, int kind, int block, int out_features, "
           "int in_features, str library, int isa) -> Tensor");
+    m.def("hc_post_pre_native(Tensor y, Tensor residual, Tensor post, Tensor comb, Tensor fn, Tensor scale, "
+          "Tensor base, Tensor weight, int iters, float eps, float norm_eps, str library, int isa) -> "
+          "(Tensor, Tensor, Tensor, Tensor)");
+    m.def("attend_native(Tensor q, Tensor kv, Tensor mask, Tensor sink, float scale, Tensor? sel, Tensor? sel_mask, "
+          "str library, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mhcrun, CPU, m) {
     m.impl("qgemv_native", qgemv_native);
     m.impl("qgemv_expert_set_native", qgemv_expert_set_native);
+    m.impl("hc_post_pre_native", hc_post_pre_native);
+    m.impl("attend_native", attend_native);
 }

@@ -29,6 +29,7 @@ import torch._inductor.config
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
+from mhcrun.ops.qgemv import MAX_ROWS
 
 
 @dataclass
@@ -245,15 +246,19 @@ class RegionDecoder:
         path = hc.path(device_type)
         if self.backend is None or path == "nki-sim":
             return
-        if path == "cpu":  # the graphs hold the torch reference (the CPU kernel's C++ runs eager calls only)
-            path = "torch"
         if not hc_ops.mixes_supported(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps):
             path = "torch"  # constants the kernels do not bake: the torch reference on every backend
+
+        def graph_path(kernel: str) -> str:  # on CPU the graphs call the kernel's C++ for the post+pre step alone (its
+            if path != "cpu":  # op, where the run loaded the kernel's ops: torch_ops.cpp); the rest is torch's
+                return path
+            return "cpu" if kernel == "hc_post_pre" and self.model.opts.cpu.ops and rows <= MAX_ROWS else "torch"
+
         sites = 2 * len(self.model.layers)
         for kernel in hc_ops.site_kernels(rows):
-            hc.count(kernel, path, sites)
+            hc.count(kernel, graph_path(kernel), sites)
         for kernel in ("hc_post", "hc_head"):
-            hc.count(kernel, path)
+            hc.count(kernel, graph_path(kernel))
 
     def graph_count(self) -> int:
         return sum(s.graphs for s in self.stats)
