@@ -1606,9 +1606,14 @@ AVX2 float dot8_avx2(const float* a, const float* b, int64_t k) {
     return s;
 }
 
-// dot16 with isa >= 2 (AVX-512), else dot8 (in AVX2 with isa 1).
+// dot8, in AVX2 with isa >= 1.
+float dot8_at(const float* a, const float* b, int64_t k, int isa) {
+    return isa >= 1 ? dot8_avx2(a, b, k) : dot8(a, b, k);
+}
+
+// dot16 with isa >= 2 (AVX-512), else dot8_at.
 float dot(const float* a, const float* b, int64_t k, int isa) {
-    return isa >= 2 ? dot16(a, b, k) : isa == 1 ? dot8_avx2(a, b, k) : dot8(a, b, k);
+    return isa >= 2 ? dot16(a, b, k) : dot8_at(a, b, k, isa);
 }
 
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
@@ -2172,7 +2177,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
             act_put(h, bf16, r * d + e, acc);
             xf[e] = act_at(h, bf16, r * d + e);  // stream 0's values are no longer needed
         }
-        const float hs = 1.0f / std::sqrt((isa >= 1 ? dot8_avx2(xf, xf, d) : dot8(xf, xf, d)) / static_cast<float>(d) + norm_eps);
+        const float hs = 1.0f / std::sqrt(dot8_at(xf, xf, d, isa) / static_cast<float>(d) + norm_eps);
         for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
     }
     return 0;

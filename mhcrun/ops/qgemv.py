@@ -341,8 +341,7 @@ class CpuKernel:
         if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
             return None if y is None or not self.ops else torch.ops.mhcrun.hc_post_pre_native(
                 y, x, post, comb, fn, scale, base, weight, iters, eps, norm_eps, self.library, self.isa)
-        *lead, n, d = x.shape
-        t = x.numel() // (n * d)
+        lead, t = x.shape[:-2], x.numel() // (n * d)
         x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
         h = x.new_empty((*lead, d))
         post_out, comb_out = torch.empty((*lead, n)), torch.empty((*lead, n, n))

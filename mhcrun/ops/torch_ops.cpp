@@ -133,7 +133,8 @@ using AttendFn = int (*)(const float*, const float*, const uint8_t*, const float
                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int);
 using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-bool is_cpu(std::initializer_list<const at::Tensor*> ts, at::ScalarType dtype) {
+// Whether every tensor of ts is a CPU tensor of `dtype`.
+bool cpu_of(std::initializer_list<const at::Tensor*> ts, at::ScalarType dtype) {
     for (const at::Tensor* t : ts)
         if (!t->device().is_cpu() || t->scalar_type() != dtype) return false;
     return true;
@@ -158,8 +159,8 @@ Four hc_post_pre_native(const at::Tensor& y, const at::Tensor& res, const at::Te
     auto fallback = [&] { return python_post_pre(y, res, post, comb, fn, scale, base, weight, iters, eps, norm_eps,
                                                  library, isa); };
     const auto dt = res.scalar_type();
-    if (res.dim() < 2 || (dt != at::kFloat && dt != at::kBFloat16) || !is_cpu({&y, &res}, dt)
-            || !is_cpu({&post, &comb, &fn, &scale, &base, &weight}, at::kFloat))
+    if (res.dim() < 2 || (dt != at::kFloat && dt != at::kBFloat16) || !cpu_of({&y, &res}, dt)
+            || !cpu_of({&post, &comb, &fn, &scale, &base, &weight}, at::kFloat))
         return fallback();
     const int64_t n = res.size(-2), d = res.size(-1), m = (2 + n) * n;
     std::vector<int64_t> lead(res.sizes().begin(), res.sizes().end() - 2), lead_d(lead), lead_n(lead), lead_nn(lead);
@@ -198,15 +199,15 @@ at::Tensor attend_native(const at::Tensor& q, const at::Tensor& kv, const at::Te
                          double scale, const std::optional<at::Tensor>& sel, const std::optional<at::Tensor>& sel_mask,
                          c10::string_view library, int64_t isa) {
     auto fallback = [&] { return python_attend(q, kv, mask, sink, scale, sel, sel_mask, library, isa); };
-    if (q.dim() != 4 || sel.has_value() != sel_mask.has_value() || !is_cpu({&q, &kv, &sink}, at::kFloat)
-            || !is_cpu({&mask}, at::kBool))
+    if (q.dim() != 4 || sel.has_value() != sel_mask.has_value() || !cpu_of({&q, &kv, &sink}, at::kFloat)
+            || !cpu_of({&mask}, at::kBool))
         return fallback();
     const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3), n = kv.dim() == 3 ? kv.size(1) : -1;
     const int64_t k = sel.has_value() ? sel->size(-2) : 0;
     if (kv.sizes() != at::IntArrayRef({b, n, d}) || mask.sizes() != at::IntArrayRef({b, s, n})
             || sink.sizes() != at::IntArrayRef({h}))
         return fallback();
-    if (sel.has_value() && (!is_cpu({&*sel}, at::kFloat) || !is_cpu({&*sel_mask}, at::kBool)
+    if (sel.has_value() && (!cpu_of({&*sel}, at::kFloat) || !cpu_of({&*sel_mask}, at::kBool)
                             || sel->sizes() != at::IntArrayRef({b, s, k, d})
                             || sel_mask->sizes() != at::IntArrayRef({b, s, k})))
         return fallback();
