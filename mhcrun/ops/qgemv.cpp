@@ -416,16 +416,19 @@ void decode_block(int fmt, int isa, const uint8_t* src, float* dst, int64_t c0, 
 // integers X times 2**q (q: the lowest set bit of the chunk's values), in one 15-bit window when every |X| < 2**15 and
 // in two (X = hi * 2**15 + lo) when every |X| < 2**30 (an FP8-rounded block spans at most 18 bits). The integer rows
 // (avx512bf16's by vpdpwssd, avx2's by vpmaddwd) sum a lane's products of 16-bit integers exactly in int32 (at most
-// eight products of |2w| <= 12 and |X| < 2**15 a lane: < 2**22) and convert them exactly to fp32; the two windows join
-// in one rounding, the chunk's 2**(q - 1) scales exactly (q >= -125), and the group's scale multiplies as on the other
-// rows: the result is the fp32 GEMV's up to the summation order, as there. x with a non-finite value, or a chunk that
+// eight products of |2w| <= 12 and |X| < 2**15 a lane: < 2**22; avx2's weights come 2**8 times that: sums below
+// 2**30, multiples of 2**8, so at most 22 significant bits) and convert them exactly to fp32; the two windows join in
+// one rounding, the chunk's 2**(q - 1) (avx2: 2**(q - 9), subnormal from q < -117, a power of two all the same)
+// scales exactly (q >= -125), and the group's scale multiplies as on the other rows: the result is the fp32 GEMV's
+// up to the summation order, as there. x with a non-finite value, or a chunk that
 // spans more than 30 bits or lies outside 2**-125 .. 2**100, takes the other rows.
 
 constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
 
 // The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, each input i of the chunk at
-// slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1) and whether it needs
-// the hi window. False where x does not qualify (see above).
+// slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1 - unit) (unit: the
+// log2 of the factor the rows' weights carry) and whether it needs the hi window. False where x does not qualify (see
+// above).
 struct IntX {
     std::vector<int16_t> v;
     std::vector<float> scale;
@@ -434,7 +437,7 @@ struct IntX {
     int64_t chunks = 0;
 };
 
-inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), IntX& out) {
+inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out) {
     const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
     int slot[INT_CHUNK];
     for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
@@ -460,7 +463,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             if (hi == -1000) continue;  // all zero
             if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
             if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = out.any_two[r] = 1;
-            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
+            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1 - unit);  // e2m1 values are half the table's integers
             int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
             for (int i = 0; i < n; i++) {
                 const uint32_t u = bits_of(v[i]), a = u & 0x7FFFFFFFu;
@@ -1304,6 +1307,16 @@ AVX2 void lane_scales(const Job& j, int64_t n, int64_t l0, int64_t count, float*
     }
 }
 
+// fp4: the scales of step s's two lanes (as lane_scales writes them): where `direct` (e8m0 bytes, a group of 32 each,
+// filling the row's steps) from the row's bytes sb by the e8m0 table (two loads, one insert: converting a segment's
+// scales ahead of its steps took ~15% of an FP4 expert's time), else from lane_scales' copy sc of the segment that
+// begins at step s0.
+AVX2 INLINE __m256 step_scales(bool direct, const uint8_t* sb, const float* sc, int64_t s, int64_t s0) {
+    if (!direct) return _mm256_load_ps(sc + 8 * (s - s0));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&E8M0.v[sb[2 * s]])),
+                                _mm_broadcast_ss(&E8M0.v[sb[2 * s + 1]]), 1);
+}
+
 constexpr int64_t SEG_STEPS = 128;  // fp4: 32-byte steps whose scales a row converts at a time (8,192 inputs)
 
 // fp4 row n: 32-byte steps (64 inputs, two lanes) by `step` (a struct whose run<R>(w, b, sv, acc) takes the bytes at w,
@@ -1316,20 +1329,22 @@ AVX2 INLINE void fp4_steps(const Job& j, int64_t n, const Step& step, float* out
     alignas(32) float sc[8 * SEG_STEPS];
     __m256 a0[R], a1[R];
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    const bool direct = j.block == 32 && j.scale_kind == 0 && j.s_cols == 2 * steps;
+    const uint8_t* sb = static_cast<const uint8_t*>(j.s) + n * j.s_cols;
     for (int64_t s0 = 0; s0 < steps; s0 += SEG_STEPS) {
         const int64_t s1 = s0 + SEG_STEPS < steps ? s0 + SEG_STEPS : steps;
-        lane_scales(j, n, 2 * s0, 2 * (s1 - s0), sc);
+        if (!direct) lane_scales(j, n, 2 * s0, 2 * (s1 - s0), sc);
         int64_t s = s0;
         for (; s + 2 <= s1 && 32 * (s + 2) <= bytes; s += 2) {
             prefetch_ahead(w + 32 * s);
-            step.template run<R>(w + 32 * s, 32 * s, _mm256_load_ps(sc + 8 * (s - s0)), a0);
-            step.template run<R>(w + 32 * s + 32, 32 * s + 32, _mm256_load_ps(sc + 8 * (s + 1 - s0)), a1);
+            step.template run<R>(w + 32 * s, 32 * s, step_scales(direct, sb, sc, s, s0), a0);
+            step.template run<R>(w + 32 * s + 32, 32 * s + 32, step_scales(direct, sb, sc, s + 1, s0), a1);
         }
         for (; s < s1; s++) {
             alignas(32) uint8_t t[32] = {};
             const bool whole = 32 * (s + 1) <= bytes;
             if (!whole) std::memcpy(t, w + 32 * s, bytes - 32 * s);
-            step.template run<R>(whole ? w + 32 * s : t, 32 * s, _mm256_load_ps(sc + 8 * (s - s0)), a0);
+            step.template run<R>(whole ? w + 32 * s : t, 32 * s, step_scales(direct, sb, sc, s, s0), a0);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
@@ -1352,31 +1367,33 @@ AVX2 void fp4_row(const Job& j, int64_t n, const float* const* xs, float* out) {
 }
 
 // fp4 by 16-bit integer dot products (vpmaddwd), x as integers (make_int_x, in fp4_int_slot's order): each nibble
-// indexes two 16-entry byte tables (the low byte of twice its value, and the high byte: its sign), and an unpack of the
-// two makes the int16; the fp32 rows above also shift or mask each value to fp32 and multiply fp32 x (twice the bytes
-// of int16 x): 5.8 against 10.6 TSC ticks a 32-byte step in cache on a Zen 3 core.
+// indexes a 16-entry table of twice its value as a signed byte, and the byte is moved (a shift) or masked into the high
+// byte of an int16 whose low byte is zero: the weights come as 256 times their integers (x's chunk scale takes the
+// 2**-8), two instructions a vector where two more table lookups and an unpack of the low and high bytes took three.
+// The fp32 rows above also shift or mask each value to fp32 and multiply fp32 x (twice the bytes of int16 x): 5.8
+// against 10.6 TSC ticks a 32-byte step in cache on a Zen 3 core, before the shifts.
 alignas(16) const int8_t FP4_INT_LO[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-alignas(16) const int8_t FP4_INT_HI[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1};
+constexpr int FP4_INT_UNIT = 8;  // the weights' int16 are 2**8 times twice their values
 
 // Where IntFp4Step wants input i (< 128) of a chunk (two 32-byte steps of 64 inputs), as an index into the chunk's 128
-// int16: byte t < 32 of a step holds inputs 2t (low nibble, h = 0) and 2t + 1 (h = 1); the low / high unpack (part)
-// of the 16-byte lane L takes its bytes 8 * part + e, e < 8, into words 8L + e of vector 2h + part.
+// int16: byte t < 32 of a step holds inputs 2t (low nibble) and 2t + 1 (high nibble); word e < 16 of the four vectors
+// fp4_int_words makes holds byte 2e's low nibble (vector 0), byte 2e + 1's (1), byte 2e's high nibble (2) and byte
+// 2e + 1's (3): inputs 4e, 4e + 2, 4e + 1, 4e + 3.
 inline int fp4_int_slot(int i) {
-    const int step = i / 64, t = (i % 64) / 2, h = i % 2, lane = t / 16, part = (t % 16) / 8, e = t % 8;
-    return 64 * step + 16 * (2 * h + part) + 8 * lane + e;
+    const int step = i / 64, e = (i % 64) / 4, o = i % 4;
+    static constexpr int vec[4] = {0, 2, 1, 3};
+    return 64 * step + 16 * vec[o] + e;
 }
 
 // 32 bytes (64 inputs: the 16-byte lane L holds group L of the step's two) -> four vectors of 16 int16 weights.
 AVX2 INLINE void fp4_int_words(const uint8_t* w, __m256i (&v)[4]) {
     const __m256i lo_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_LO)));
-    const __m256i hi_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_HI)));
-    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    const __m256i m0f = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(int16_t(0xFF00));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i even = _mm256_and_si256(b, m0f), odd = _mm256_and_si256(_mm256_srli_epi16(b, 4), m0f);
-    const __m256i el = _mm256_shuffle_epi8(lo_t, even), eh = _mm256_shuffle_epi8(hi_t, even);
-    const __m256i ol = _mm256_shuffle_epi8(lo_t, odd), oh = _mm256_shuffle_epi8(hi_t, odd);
-    v[0] = _mm256_unpacklo_epi8(el, eh), v[1] = _mm256_unpackhi_epi8(el, eh);
-    v[2] = _mm256_unpacklo_epi8(ol, oh), v[3] = _mm256_unpackhi_epi8(ol, oh);
+    const __m256i el = _mm256_shuffle_epi8(lo_t, even), ol = _mm256_shuffle_epi8(lo_t, odd);
+    v[0] = _mm256_slli_epi16(el, 8), v[1] = _mm256_and_si256(el, high);
+    v[2] = _mm256_slli_epi16(ol, 8), v[3] = _mm256_and_si256(ol, high);
 }
 
 // The four weight vectors against 64 int16 of x, summed per 32-bit lane in int32 (eight products: exact) -> fp32 (exact).
@@ -1411,6 +1428,37 @@ struct IntFp4Step {
     }
 };
 
+// fp4 row n by vpmaddwd a chunk of x (128 inputs, two 32-byte steps) at a time, for rows whose scales are e8m0 bytes
+// a group of 32 and whose inputs fill whole chunks (DeepSeek's experts): each step's products times its two groups'
+// scales summed into the chunk's, which takes x's chunk scale once.
+template <int R, bool TWO>
+AVX2 INLINE void fp4_int_chunks(const Job& j, int64_t n, const int16_t* const* xs, const float* const* xsc,
+                                const uint8_t* const* two, float* out) {
+    const uint8_t* w = j.w + n * j.row_bytes;
+    const uint8_t* sb = static_cast<const uint8_t*>(j.s) + n * j.s_cols;
+    const int64_t chunks = j.k / INT_CHUNK;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++, w += 64) {
+        prefetch_ahead(w);
+        __m256i v0[4], v1[4];
+        fp4_int_words(w, v0);
+        fp4_int_words(w + 32, v1);
+        const __m256 s0 = step_scales(true, sb, nullptr, 2 * c, 0), s1 = step_scales(true, sb, nullptr, 2 * c + 1, 0);
+        for (int r = 0; r < R; r++) {
+            const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
+            __m256 f0 = int_dot(v0, x), f1 = int_dot(v1, x + 64);
+            if (TWO && two[r][c]) {
+                f0 = _mm256_fmadd_ps(int_dot(v0, x + INT_CHUNK), _mm256_set1_ps(0x1p15f), f0);
+                f1 = _mm256_fmadd_ps(int_dot(v1, x + INT_CHUNK + 64), _mm256_set1_ps(0x1p15f), f1);
+            }
+            const __m256 part = _mm256_fmadd_ps(f1, s1, _mm256_mul_ps(f0, s0));
+            acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xsc[r][c]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
 template <int R>
 AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* out) {
     IntFp4Step<true> two{xs, {}, {}};
@@ -1421,7 +1469,10 @@ AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* 
         one.xsc[r] = two.xsc[r] = j.xi_scale + at, two.two[r] = j.xi_two + at;
         any |= j.xi_any_two[(xs[r] - j.xi) / j.x_stride] != 0;
     }
-    if (any) fp4_steps<R>(j, n, two, out);
+    const bool chunked = j.block == 32 && j.scale_kind == 0 && j.s_cols == j.k / 32 && j.k % INT_CHUNK == 0;
+    if (chunked && any) fp4_int_chunks<R, true>(j, n, xs, two.xsc, two.two, out);
+    else if (chunked) fp4_int_chunks<R, false>(j, n, xs, one.xsc, two.two, out);
+    else if (any) fp4_steps<R>(j, n, two, out);
     else fp4_steps<R>(j, n, one, out);
 }
 
@@ -1953,7 +2004,8 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
     try {
         const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
         if (j.fmt == FMT_FP4 && int_rows &&
-            make_int_x(j.x, rows, k, isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot, own.i)) {
+            make_int_x(j.x, rows, k, isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot,
+                       isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i)) {
             j.x_stride = own.i.chunks * 2 * INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
             j.xi_any_two = own.i.any_two.data();
@@ -2585,7 +2637,7 @@ int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x,
 // chunk of 128 inputs of a row within 30 bits of its lowest set bit, inside 2**-125 .. 2**100. 1 or 0.
 int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
     IntX unused;
-    return make_int_x(x, rows, k, avx512bf16::fp4_slot, unused) ? 1 : 0;
+    return make_int_x(x, rows, k, avx512bf16::fp4_slot, 0, unused) ? 1 : 0;
 }
 
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU
