@@ -388,7 +388,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-ACT_QUANT_PATHS = ["avx512", "avx2"]  # the AVX-512 blocks, the scalar loop
+ACT_QUANT_PATHS = ["avx512", "avx2"]  # the AVX-512 blocks, the AVX2 ones (their tails by the scalar loop)
 
 
 @needs_kernel
