@@ -2956,8 +2956,8 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),
 // fp32 rows x [rows, k] -> y (x itself allowed), rows split over `threads` threads, in AVX-512 where `isa` is 2 or 3
-// (act_quant_block), in AVX2 where it is 1 (act_quant_block_avx2; scalar for the last len % 8 values of a block; 12 us
-// -> ~1 us for a decode row of 2,048 on a Zen 3 VM), the same operations all: per block of `block` values (the
+// (act_quant_block), in AVX2 where it is 1 (act_quant_block_avx2; scalar for the last len % 8 values of a block; 12
+// -> ~2 us for a decode row of 2,048 on a Zen 3 VM), the same operations all: per block of `block` values (the
 // last may be partial), scale = the smallest power of two >= max(amax, 1e-4) / 448, and each value becomes
 // e4m3(value / scale) * scale, rounded to nearest even (fp8_scale, e4m3_round: bitwise torch's). Returns 1, writing
 // nothing, when x holds a non-finite value (torch's NaN/inf rules then apply, on the torch path), or when a thread
