@@ -1214,7 +1214,7 @@ AVX2 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out) {
             acc[r] = _mm256_fmadd_ps(sum, s, acc[r]);
         }
     }
-    const float undo = std::ldexp(1.0f, j.x_exp);
+    const float undo = j.x_exp ? std::ldexp(1.0f, j.x_exp) : 1.0f;
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) * undo;
     return _mm256_movemask_epi8(nan) != 0;
 }
@@ -1562,7 +1562,7 @@ struct Avx2Rows {
 
 template <class Rows, int R>
 bool run_row(const Job& j, int64_t n, int64_t m0) {
-    const int64_t per_group = j.n / j.groups, g = n / per_group;
+    const int64_t g = j.groups == 1 ? 0 : n / (j.n / j.groups);  // no division a row where there is one group
     const typename Rows::X* xs[R];
     float out[R];
     for (int r = 0; r < R; r++) xs[r] = Rows::x_of(j, (m0 + r) * j.groups + g);
