@@ -606,12 +606,9 @@ class MoE(nn.Module):
             weights = weights * ((idx >= e0) & (idx < e1))
             idx = (idx - e0).clamp(0, e1 - e0 - 1)
         act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
-        sets = [self.gathered[name] for name in ("w1", "w3", "w2")]
-        in_place = all(isinstance(s, ExpertSet) for s in sets)
-        if self.opts.tp.world == 1 and in_place and not torch.compiler.is_compiling():
-            y = self.opts.cpu.moe_routed(x, weights, idx, *sets, self.limit, ACT_FP8_BLOCK if act_quant else 0)
-            if y is not None:  # eager decode: the run's kernel did the rest of this method in one call
-                return y
+        y = self.routed_in_one_call(x, weights, idx)
+        if y is not None:  # eager decode: the run's kernel did the rest of this method in one call
+            return y
 
         def gathered(name: str, act: bool = act_quant) -> Callable[[torch.Tensor], torch.Tensor]:
             return functools.partial(qlinear_gathered, w=self.gathered[name], idx=idx, act_quant=act,
@@ -624,11 +621,32 @@ class MoE(nn.Module):
                           weights.unsqueeze(-1))  # [T, k, d]
         return y.float().sum(dim=1)
 
+    def routed_in_one_call(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """x [T, d] through its routes by the run's CPU kernel in one call (`CpuKernel.moe_routed`: the experts read in
+        place, within rounding of the other paths through silu's exp), in eager runs on one rank; None where it does
+        not apply (the kernel off or declining, experts it does not read in place, more routes than decode-sized
+        rows for every expert: the kernel's call decides) -> fp32."""
+        sets = [self.gathered.get(name) for name in ("w1", "w3", "w2")]
+        if self.opts.tp.world > 1 or torch.compiler.is_compiling() or not all(isinstance(s, ExpertSet) for s in sets):
+            return None
+        act_quant = self.experts[self.owned.start].w1.act_quant and self.opts.quant_sim
+        return self.opts.cpu.moe_routed(x, weights, idx, *sets, self.limit, ACT_FP8_BLOCK if act_quant else 0)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, static: bool) -> torch.Tensor:
+        """The routed experts' sum for x [T, d] -> fp32: decode's rows (and the static path) gathered; an eager
+        prefill chunk whose experts get decode-sized rows (the kernel's GEMV rows, not its panels or torch's GEMMs)
+        in one kernel call where the experts are read in place (one parallel region where a call an expert and
+        weight took ~15% more on a 2-core VM: BENCHMARKS.md); else expert by expert."""
+        if static or self.reads_in_place(x.shape[0]):
+            return self.routed_gathered(x, weights, idx)
+        y = self.routed_in_one_call(x, weights, idx) if self.reads_in_place(1) else None
+        return self.routed_loop(x, weights, idx) if y is None else y
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, idx = self.gate(x, token_ids.reshape(-1))
-        y = (self.routed_gathered if static or self.reads_in_place(x.shape[0]) else self.routed_loop)(x, weights, idx)
+        y = self.routed(x, weights, idx, static)
         y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
         y += self.shared(x)
         return y.type_as(x).view(shape)

@@ -805,13 +805,13 @@ def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-@pytest.mark.parametrize("rows, limit", [(1, 10.0), (3, 0.05), (2, 0.0)])
+@pytest.mark.parametrize("rows, limit", [(1, 10.0), (3, 0.05), (2, 0.0), (20, 10.0)])
 def test_routed_experts_in_one_call(isa, fmt, rows, limit):
-    """CpuKernel.moe_routed (MoE.routed_gathered of decode rows in one call) gives what the torch path gives (each
-    projection through qlinear_gathered over the sets read in place, swiglu, the routing weights, the k results summed)
-    within rounding (silu's exp is the C library's), with the activation rounding and without, experts repeated within a
-    row, the clamps biting (limit 0.05) or off (0). It declines NaN x (torch's rules then apply), more rows than
-    decode's, and sets of two layouts."""
+    """CpuKernel.moe_routed (MoE.routed_gathered of decode rows in one call, and of a prefill chunk's: 20 rows) gives
+    what the torch path gives (each projection through qlinear_gathered over the sets read in place, swiglu, the
+    routing weights, the k results summed) within rounding (silu's exp is the C library's), with the activation
+    rounding and without, experts repeated within a row, the clamps biting (limit 0.05) or off (0). It declines NaN x
+    (torch's rules then apply), more routes than MAX_ROWS rows an expert on average, and sets of two layouts."""
     from mhcrun.model import swiglu_expert
     from mhcrun.ops.qlinear import qlinear_gathered
 
@@ -839,9 +839,12 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit):
     bad = x.clone()
     bad[0, 7] = float("nan")
     assert isa.moe_routed(bad, weights, idx, *sets, limit, 128) is None
-    many = qgemv.MAX_ROWS + 1
+    many = qgemv.MAX_ROWS * sets[0].ptrs.shape[0] // k + 1  # more routes than MAX_ROWS an expert on average
     assert isa.moe_routed(torch.randn(many, d), torch.rand(many, k), torch.zeros(many, k, dtype=torch.long), *sets,
                           limit, 128) is None
+    fits = many - 1  # a prefill chunk's worth: one call all the same
+    xs, ws, ids = torch.randn(fits, d), torch.rand(fits, k), torch.randint(0, sets[0].ptrs.shape[0], (fits, k))
+    assert isa.moe_routed(xs, ws, ids, *sets, limit, 128) is not None
     other = expert_set(experts(inter, d)) if fmt == "fp4" else None
     if other is not None:
         assert isa.moe_routed(x, weights, idx, sets[0], sets[1], replace(other, block=64), limit, 128) is None

@@ -118,6 +118,27 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
+def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monkeypatch):
+    """A prefill chunk of more than MAX_ROWS tokens whose routes come to decode-sized rows an expert takes one
+    `moe_routed` call (not a call an expert and weight), giving the per-expert loop's output within rounding; with the
+    kernel off it takes the loop."""
+    model, ffn, _ = kernel_moe(tiny_fp8)
+    t = qgemv.MAX_ROWS + 3
+    x = torch.randn(t, model.cfg.dim, generator=torch.Generator().manual_seed(7))
+    weights, idx = ffn.gate(x, torch.arange(t) + 5)
+    assert idx.numel() <= qgemv.MAX_ROWS * model.cfg.n_routed_experts
+    calls, fused = [], type(model.opts.cpu).moe_routed
+    monkeypatch.setattr(type(model.opts.cpu), "moe_routed",
+                        lambda self, *a: calls.append(a[2].shape) or fused(self, *a))
+    got = ffn.routed(x, weights, idx, static=False)
+    assert calls == [idx.shape]
+    torch.testing.assert_close(got, ffn.routed_loop(x, weights, idx), rtol=1e-5, atol=1e-6)
+    off, _ = models(tiny_fp8)
+    off.opts.cpu = cpu_kernel("0")
+    off_ffn = off.layers[1].ffn
+    torch.testing.assert_close(off_ffn.routed(x, weights, idx, static=False), off_ffn.routed_loop(x, weights, idx))
+
+
 def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):
     """With the fused kernel, an eager step's shared expert is one `moe_routed` call over a set of that one expert read
     in place, weighted 1: the module's own forward within rounding (silu's exp), with the activation rounding and

@@ -174,11 +174,13 @@ class CpuKernel:
         experts idx [T, k] (the sets read in place; x rounded to FP8 first when act_block is not 0, and the experts'
         hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32: the torch
         path's result within rounding (silu's exp is the C library's; the rest the same operations in the same order).
-        None where it does not apply or declines (non-finite values: torch's rules then apply); ValueError as
-        `experts_at`'s."""
+        Also a prefill chunk's, while its routes come to at most MAX_ROWS rows an expert on average (T * k <= MAX_ROWS *
+        E, the GEMV rows' range; more take the experts' GEMMs). None where it does not apply or declines (non-finite
+        values: torch's rules then apply); ValueError as `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
-        if not self.on or not t or t > MAX_ROWS or x.dtype != torch.float32 or not x.is_cpu \
+        if not self.on or not t or idx.numel() > MAX_ROWS * w1.ptrs.shape[0] or x.dtype != torch.float32 \
+                or not x.is_cpu \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
                 or len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 \
                 or w1.out_features != w3.out_features or w2.out_features != d:
