@@ -635,8 +635,8 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, static: bool) -> torch.Tensor:
         """The routed experts' sum for x [T, d] -> fp32: decode's rows (and the static path) gathered; an eager
         prefill chunk whose experts get decode-sized rows (the kernel's GEMV rows, not its panels or torch's GEMMs)
-        in one kernel call where the experts are read in place (one parallel region where a call an expert and
-        weight took ~15% more on a 2-core VM: BENCHMARKS.md); else expert by expert."""
+        in one kernel call where the experts are read in place (one parallel region a stage, where a call an expert
+        and weight made a 128-token prefill 30% slower on a 2-core VM: BENCHMARKS.md); else expert by expert."""
         if static or self.reads_in_place(x.shape[0]):
             return self.routed_gathered(x, weights, idx)
         y = self.routed_in_one_call(x, weights, idx) if self.reads_in_place(1) else None
