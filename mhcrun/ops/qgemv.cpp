@@ -76,7 +76,7 @@ struct Job {
     const int16_t* xi = nullptr;   // x as integers for the FP4 integer rows (make_int_x), or null; then
     const float* xi_scale = nullptr;   // each row's chunk scales
     const uint8_t* xi_two = nullptr;   // and whether each row's chunk takes two windows
-    const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does
+    const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does (at the row's first chunk)
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
 };
 
@@ -433,7 +433,7 @@ struct IntX {
     std::vector<int16_t> v;
     std::vector<float> scale;
     std::vector<uint8_t> two;
-    std::vector<uint8_t> any_two;  // per row: whether any of its chunks takes two windows
+    std::vector<uint8_t> any_two;  // at each row's first chunk: whether any of its chunks takes two windows
     int64_t chunks = 0;
 };
 
@@ -445,7 +445,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
     out.two.assign(rows * chunks, 0);
-    out.any_two.assign(rows, 0);
+    out.any_two.assign(rows * chunks, 0);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < chunks; c++) {
             const float* v = x + r * k + c * INT_CHUNK;
@@ -462,7 +462,7 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             }
             if (hi == -1000) continue;  // all zero
             if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = out.any_two[r] = 1;
+            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = out.any_two[r * chunks] = 1;
             out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1 - unit);  // e2m1 values are half the table's integers
             int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
             for (int i = 0; i < n; i++) {
@@ -1465,13 +1465,13 @@ AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* 
     IntFp4Step<false> one{xs, {}, {}};
     bool any = false;
     for (int r = 0; r < R; r++) {
-        const int64_t at = (xs[r] - j.xi) / (2 * INT_CHUNK);  // the row's first chunk
+        const int64_t at = (xs[r] - j.xi) / (2 * INT_CHUNK);  // the row's first chunk (a shift, no division)
         one.xsc[r] = two.xsc[r] = j.xi_scale + at, two.two[r] = j.xi_two + at;
-        any |= j.xi_any_two[(xs[r] - j.xi) / j.x_stride] != 0;
+        any |= j.xi_any_two[at] != 0;
     }
     const bool chunked = j.block == 32 && j.scale_kind == 0 && j.s_cols == j.k / 32 && j.k % INT_CHUNK == 0;
     if (chunked && any) fp4_int_chunks<R, true>(j, n, xs, two.xsc, two.two, out);
-    else if (chunked) fp4_int_chunks<R, false>(j, n, xs, one.xsc, two.two, out);
+    else if (chunked) fp4_int_chunks<R, false>(j, n, xs, two.xsc, two.two, out);
     else if (any) fp4_steps<R>(j, n, two, out);
     else fp4_steps<R>(j, n, one, out);
 }
