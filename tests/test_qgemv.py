@@ -557,6 +557,36 @@ def test_fp4_dot_rows_against_reference(n, k, m, isa, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n, k", [(37, 256), (16, 128), (1, 384), (200, 2048), (33, 1024)])
+@pytest.mark.parametrize("m", [4, 6, 7, 13])
+@pytest.mark.parametrize("rows", ["int", "int2", "span30"])
+def test_fp4_panels_against_reference(n, k, m, rows):
+    """AVX2 with four rows of x or more, e8m0 scales a group of 32 and whole chunks of 128 inputs (a prefill's
+    experts): the weights decoded once into panels of 16 rows, four rows of x at a time (avx2::run_panels). Panels cut
+    short at the end (n not a multiple of 16), every remainder of the four-rows loop, random codes (every byte in turn
+    would hide a swap of neighbouring bytes' high nibbles: they are mostly the same), e8m0
+    byte 0 (2**-127) as every scale of the first row; x of one window a chunk, of two ("int2": a chunk's top bits, then
+    the bits below them of its tiny first value), and of the widest span taken ("span30": 1 and 2**-29 in one chunk:
+    the top window and the rest 15 bits each). Besides the usual bound, a tight one against float64: a group's
+    products sum exactly in int32 and every scale is a power of two, so only the fold of each group's sum (and of each
+    pair below a split chunk's top window) rounds: a dropped or misscaled rest, worth about 2**-15 of its chunk's
+    largest value, fails it where the two-orders bound would not see it."""
+    kernel, g = kernel_in("avx2"), gen(3120 + m + k + n)
+    p, s = fp4_weight(n, k, g)
+    s.view(torch.uint8)[0] = 0
+    w_ref = dequantize(QWeight(p, s, 32))
+    x3 = fp4_rows_x("int2" if rows == "int2" else "int", m, k, g)
+    if rows == "span30":
+        x3[:, :, :128] = 1.0
+        x3[1::2, :, 7] = 2.0**-29
+    assert kernel.takes_int(x3)
+    y = run(kernel, x3, p, s, "fp4", 32)
+    check_groups(y, x3, w_ref)
+    exact = F.linear(x3[:, 0].double(), w_ref.double())
+    assert_gemm_close(y[:, 0], exact, x3[:, 0], w_ref, rel=2 * (k // 32 + 8) * 2.0**-24)
+
+
+@needs_kernel
 @pytest.mark.parametrize("isa, plain", [("avx512bf16", "avx512"), ("avx2", "off")])
 def test_fp4_int_rows_take_and_refuse(isa, plain):
     """The integer rows take a chunk of 128 inputs spanning 30 bits and refuse 31 (to the BF16 dot products, or the

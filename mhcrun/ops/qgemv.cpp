@@ -78,6 +78,7 @@ struct Job {
     const uint8_t* xi_two = nullptr;   // and whether each row's chunk takes two windows
     const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does (at the row's first chunk)
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
+    bool panel = false;  // fp4 on AVX2 with many rows of x: by panels of decoded weights (avx2::run_panels), x in order
 };
 
 struct E8m0Table {
@@ -428,7 +429,9 @@ constexpr int INT_CHUNK = 128, INT_WINDOW = 15;
 // The integer x of rows [rows, k]: per row and chunk, lo [128] then hi [128] (int16, each input i of the chunk at
 // slot(i): the order the rows' decoded weights hold it, zero past k), the chunk's scale 2**(q - 1 - unit) (unit: the
 // log2 of the factor the rows' weights carry) and whether it needs the hi window. False where x does not qualify (see
-// above).
+// above). With `top` (the panels), a chunk that needs two windows is split s = its span - 15 bits above its lowest
+// set bit instead: the first window holds every value's top bits (its scale 2**(q + s - 1 - unit)), the second what
+// is left below them (the bits of the chunk's few tiny values, scale 2**-s of the first's), and `two` holds s.
 struct IntX {
     std::vector<int16_t> v;
     std::vector<float> scale;
@@ -437,7 +440,8 @@ struct IntX {
     int64_t chunks = 0;
 };
 
-inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out) {
+inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out,
+                       bool top = false) {
     const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
     int slot[INT_CHUNK];
     for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
@@ -462,8 +466,10 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             }
             if (hi == -1000) continue;  // all zero
             if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = out.any_two[r * chunks] = 1;
-            out.scale[r * chunks + c] = std::ldexp(1.0f, lo - 1 - unit);  // e2m1 values are half the table's integers
+            const int split = top && hi - lo > INT_WINDOW ? hi - lo - INT_WINDOW : 0;  // 1 .. 15
+            if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = top ? uint8_t(split) : 1, out.any_two[r * chunks] = 1;
+            // e2m1 values are half the table's integers
+            out.scale[r * chunks + c] = std::ldexp(1.0f, lo + split - 1 - unit);
             int16_t* dst = out.v.data() + (r * chunks + c) * 2 * INT_CHUNK;
             for (int i = 0; i < n; i++) {
                 const uint32_t u = bits_of(v[i]), a = u & 0x7FFFFFFFu;
@@ -472,6 +478,11 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
                 const uint64_t m = (a & 0x7FFFFFu) | 0x800000u;
                 const int64_t mag = int64_t(shift >= 0 ? m << shift : m >> -shift);
                 const int64_t sgn = (u >> 31) ? -1 : 1;
+                if (top) {  // the top bits first
+                    dst[slot[i]] = int16_t(sgn * (mag >> split));
+                    dst[INT_CHUNK + slot[i]] = int16_t(sgn * (mag & ((1 << split) - 1)));
+                    continue;
+                }
                 dst[slot[i]] = int16_t(sgn * (mag & ((1 << INT_WINDOW) - 1)));
                 dst[INT_CHUNK + slot[i]] = int16_t(sgn * (mag >> INT_WINDOW));
             }
@@ -1476,6 +1487,205 @@ AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* 
     else fp4_steps<R>(j, n, one, out);
 }
 
+// ---- fp4 panels: many rows of x (a prefill's experts) against weights decoded once
+// A panel is PANEL weight rows decoded to int16 (twice their e2m1 values: -12..12) and laid out pair-major: for each
+// pair t of inputs (2t, 2t + 1: one weight byte), two vectors of eight 32-bit words, word i = row i's (or i + 8's) two
+// int16. Rows of x (make_int_x in input order, unit 0) then meet it four at a time: each pair of x broadcast, one
+// vpmaddwd a vector, int32 sums over a group of 32 inputs (16 products of at most 12 * 2**15: exact, and below 2**24,
+// so their fp32 is exact), then times the group's scales and x's chunk scale. Against the rows above, which decode each
+// weight row for every four rows of x and reread x for every weight row, a pass reads 80 bytes a 128 products (not
+// ~270) and keeps every register (the rows spilled).
+constexpr int PANEL = 16;
+constexpr int64_t PANEL_MIN_ROWS = 4;  // rows of x from which a job takes panels
+
+// Byte p of each 32-bit word of a 16-byte lane into the high byte of the word's low half (A) or high half (B).
+struct PanelMasks {
+    alignas(32) int8_t a[4][32], b[4][32];
+    PanelMasks() {
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < 32; i++) {
+                const int word = i / 4 % 4, at = i % 4;
+                a[p][i] = at == 1 ? int8_t(4 * word + p) : int8_t(-128);
+                b[p][i] = at == 3 ? int8_t(4 * word + p) : int8_t(-128);
+            }
+    }
+};
+const PanelMasks PANEL_MASKS;
+
+// Eight rows' 32 bytes at `off` (pairs off .. off + 31) -> out[2 * t] for their pairs t (stride two vectors).
+AVX2 INLINE void pack_panel8(const uint8_t* const* rows, int64_t off, int64_t ahead, __m256i* out) {
+    __m256i r[8], u[8];
+    for (int i = 0; i < 8; i++) {
+        if (!(off & 63)) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + off + ahead), _MM_HINT_T0);
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + off));
+    }
+    for (int i = 0; i < 8; i += 4) {  // transpose the 8 x 8 words: t[q] = word q of each row
+        const __m256i a = _mm256_unpacklo_epi32(r[i], r[i + 1]), b = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+        const __m256i c = _mm256_unpacklo_epi32(r[i + 2], r[i + 3]), d = _mm256_unpackhi_epi32(r[i + 2], r[i + 3]);
+        u[i] = _mm256_unpacklo_epi64(a, c), u[i + 1] = _mm256_unpackhi_epi64(a, c);
+        u[i + 2] = _mm256_unpacklo_epi64(b, d), u[i + 3] = _mm256_unpackhi_epi64(b, d);
+    }
+    const __m256i lo_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_LO)));
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    for (int q = 0; q < 4; q++) {
+        const __m256i wq[2] = {_mm256_permute2x128_si256(u[q], u[q + 4], 0x20),   // word q: bytes 4q .. 4q + 3
+                               _mm256_permute2x128_si256(u[q], u[q + 4], 0x31)};  // word q + 4
+        for (int h = 0; h < 2; h++) {
+            const __m256i el = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(wq[h], m0f));
+            const __m256i ol = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(_mm256_srli_epi16(wq[h], 4), m0f));
+            for (int p = 0; p < 4; p++) {
+                const __m256i a = _mm256_shuffle_epi8(el, _mm256_load_si256(reinterpret_cast<const __m256i*>(PANEL_MASKS.a[p])));
+                const __m256i b = _mm256_shuffle_epi8(ol, _mm256_load_si256(reinterpret_cast<const __m256i*>(PANEL_MASKS.b[p])));
+                _mm256_store_si256(out + 2 * (4 * (q + 4 * h) + p), _mm256_srai_epi16(_mm256_or_si256(a, b), 8));
+            }
+        }
+    }
+}
+
+// The e8m0 scales of a panel's rows (sbs: each row's bytes, `groups` of them) -> sc [groups][PANEL] fp32 (exact: 0 is
+// 2**-127, 255 NaN), eight groups of eight rows at a time (a transpose), the last groups one by one.
+AVX2 INLINE void panel_scales(const uint8_t* const* sbs, int64_t groups, float* sc) {
+    const __m256i zero = _mm256_setzero_si256(), ff = _mm256_set1_epi32(255);
+    const __m256 tiny = _mm256_set1_ps(0x1p-127f), nan = _mm256_set1_ps(NAN);
+    int64_t g0 = 0;
+    for (; g0 + 8 <= groups; g0 += 8)
+        for (int h = 0; h < PANEL / 8; h++) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) {
+                __m128i b = _mm_setzero_si128();
+                std::memcpy(&b, sbs[8 * h + i] + g0, 8);
+                const __m256i e = _mm256_cvtepu8_epi32(b);
+                const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+                const __m256 t = _mm256_blendv_ps(f, tiny, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, zero)));
+                v[i] = _mm256_blendv_ps(t, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, ff)));
+            }
+            const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
+            const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
+            const __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
+            const __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
+            const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+            const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+            const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+            const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+            const __m256 q[8] = {_mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+                                 _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+                                 _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+                                 _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
+            for (int g = 0; g < 8; g++) _mm256_storeu_ps(sc + (g0 + g) * PANEL + 8 * h, q[g]);
+        }
+    for (; g0 < groups; g0++)
+        for (int i = 0; i < PANEL; i++) sc[g0 * PANEL + i] = E8M0.v[sbs[i][g0]];
+}
+
+// R rows of x (R <= 4) against group g's 16 pairs of the panel pw, x at `at` of each row: acc[r] += the int32 sums
+// times scales sc (the group's, both vectors) times x's.
+template <int R>
+AVX2 INLINE void panel_group(const __m256i* pw, const int16_t* const* xs, int64_t at, const float* sc, const float* xsc,
+                             __m256 (&acc)[R][2]) {
+    __m256i ia[R][2];
+    for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 16; t++) {
+        const __m256i wa = _mm256_load_si256(pw + 2 * t), wb = _mm256_load_si256(pw + 2 * t + 1);
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            std::memcpy(&pair, xs[r] + at + 2 * t, 4);
+            const __m256i xb = _mm256_set1_epi32(pair);
+            ia[r][0] = _mm256_add_epi32(ia[r][0], _mm256_madd_epi16(wa, xb));
+            ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(wb, xb));
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+    for (int r = 0; r < R; r++) {
+        const __m256 f = _mm256_set1_ps(xsc[r]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, f), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
+    }
+}
+
+// R rows of x from row m0 against groups [g0, g1) of the packed panel (pw, its scales sc [groups][16]), added to
+// acc [R][16].
+template <int R>
+AVX2 void panel_rows(const Job& j, int64_t m0, const __m256i* pw, const float* sc, int64_t g0, int64_t g1,
+                     float* acc_rows) {
+    const int64_t chunks = j.k / INT_CHUNK;
+    const int16_t* xs[R];
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) {
+        xs[r] = j.xi + (m0 + r) * j.x_stride;
+        acc[r][0] = _mm256_loadu_ps(acc_rows + PANEL * r), acc[r][1] = _mm256_loadu_ps(acc_rows + PANEL * r + 8);
+    }
+    for (int64_t c = g0 / 4; c < g1 / 4; c++) {
+        float xsc[R];
+        for (int r = 0; r < R; r++) xsc[r] = j.xi_scale[(m0 + r) * chunks + c];
+        for (int64_t g = 4 * c; g < 4 * c + 4; g++)
+            panel_group<R>(pw + 32 * g, xs, c * 2 * INT_CHUNK + (g - 4 * c) * 32, sc + PANEL * g, xsc, acc);
+        for (int r = 0; r < R; r++) {  // the bits below a split chunk's top window: its few tiny values, pair by pair
+            const int split = j.xi_two[(m0 + r) * chunks + c];
+            if (!split) continue;
+            const int16_t* rest = xs[r] + c * 2 * INT_CHUNK + INT_CHUNK;
+            const __m256 f = _mm256_set1_ps(std::ldexp(xsc[r], -split));
+            uint64_t set = 0;  // the chunk's pairs whose rest is not zero
+            for (int v = 0; v < INT_CHUNK / 16; v++) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest) + v);
+                const int zero = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(q, _mm256_setzero_si256())));
+                set |= uint64_t(~zero & 0xFF) << (8 * v);
+            }
+            for (; set; set &= set - 1) {
+                const int t = __builtin_ctzll(set);
+                int32_t pair;
+                std::memcpy(&pair, rest + 2 * t, 4);
+                const int64_t p = c * INT_CHUNK / 2 + t, g = p / 16;
+                const __m256i xb = _mm256_set1_epi32(pair);
+                const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_load_si256(pw + 2 * p), xb));
+                const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_load_si256(pw + 2 * p + 1), xb));
+                acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g), f), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g + 8), f), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_ps(acc_rows + PANEL * r, acc[r][0]), _mm256_storeu_ps(acc_rows + PANEL * r + 8, acc[r][1]);
+}
+
+constexpr int64_t PANEL_SPAN = 16;  // groups (512 inputs: 16 KB of a panel) that every row of x meets in turn
+
+// Weight rows [n0, n1) of a panel job (prepare_x: fp4, e8m0 scales a group of 32, k a multiple of 128, one group of
+// outputs) for every row of x, PANEL rows at a time (the last panel padded by repeating its last row), PANEL_SPAN
+// groups at a time (that span of the panel stays in L1 while the rows of x pass).
+AVX2 void run_panels(const Job& j, int64_t n0, int64_t n1) {
+    const int64_t pairs = j.k / 2, groups = j.k / 32;
+    std::vector<uint8_t> raw(pairs * 2 * 32 + 32);  // the panel, 32-byte aligned (std::vector does not align __m256i)
+    __m256i* pw = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(raw.data()) + 31) & ~uintptr_t(31));
+    std::vector<float> sc(groups * PANEL), acc(j.m * PANEL);
+    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+        const int64_t live = n1 - p0 < PANEL ? n1 - p0 : PANEL;
+        const uint8_t* rows[PANEL];
+        const uint8_t* sbs[PANEL];
+        for (int i = 0; i < PANEL; i++) {
+            const int64_t n = p0 + (i < live ? i : live - 1);
+            rows[i] = j.w + n * j.row_bytes;
+            sbs[i] = static_cast<const uint8_t*>(j.s) + n * j.s_cols;
+            _mm_prefetch(reinterpret_cast<const char*>(sbs[i] + PANEL * j.s_cols), _MM_HINT_T0);  // the next panel's
+        }
+        panel_scales(sbs, groups, sc.data());
+        for (int h = 0; h < 2; h++)
+            for (int64_t off = 0; off < pairs; off += 32) pack_panel8(rows + 8 * h, off, PANEL * j.row_bytes, pw + 2 * off + h);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t g0 = 0; g0 < groups; g0 += PANEL_SPAN) {
+            const int64_t g1 = g0 + PANEL_SPAN < groups ? g0 + PANEL_SPAN : groups;
+            for (int64_t m0 = 0; m0 < j.m; m0 += 4) {
+                const int64_t left = j.m - m0;
+                float* a = acc.data() + m0 * PANEL;
+                if (left >= 4) panel_rows<4>(j, m0, pw, sc.data(), g0, g1, a);
+                else if (left == 3) panel_rows<3>(j, m0, pw, sc.data(), g0, g1, a);
+                else if (left == 2) panel_rows<2>(j, m0, pw, sc.data(), g0, g1, a);
+                else panel_rows<1>(j, m0, pw, sc.data(), g0, g1, a);
+            }
+        }
+        for (int64_t r = 0; r < j.m; r++) std::memcpy(j.y + r * j.n + p0, acc.data() + r * PANEL, sizeof(float) * live);
+    }
+}
+
 template <int R>
 AVX2 INLINE void bf16_step(const uint8_t* w, const float* const* xk, __m256 (&acc)[R]) {
     __m256i t = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
@@ -2053,15 +2263,20 @@ struct XBuf {
 // bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
 // reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
 // False when out of memory.
+inline int in_order(int i) { return i; }
+
 bool prepare_x(Job& j, int isa, XBuf& own) {
     const int64_t rows = j.m * j.groups, k = j.k;
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
         const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
+        const bool panel = isa == 1 && j.fmt == FMT_FP4 && j.groups == 1 && j.m >= avx2::PANEL_MIN_ROWS &&
+                           j.block == 32 && j.scale_kind == 0 && j.k % INT_CHUNK == 0 && j.s_cols == k / 32;
         if (j.fmt == FMT_FP4 && int_rows &&
-            make_int_x(j.x, rows, k, isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot,
-                       isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i)) {
+            make_int_x(j.x, rows, k, panel ? in_order : isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot,
+                       panel || isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i, panel)) {
+            j.panel = panel;
             j.x_stride = own.i.chunks * 2 * INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
             j.xi_any_two = own.i.any_two.data();
@@ -2127,6 +2342,10 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         const Unit& t = units[u];
         flush |= take_caller_mode(caller);
         const Job& j = jobs[t.job];
+        if (j.panel) {
+            avx2::run_panels(j, t.n0, t.n1);
+            continue;
+        }
         nan |= (j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
                 : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
@@ -2887,7 +3106,7 @@ class ExpertBatch {
                 continue;
             j.x = o.x, j.xb = o.xb, j.xi = o.xi, j.xi_scale = o.xi_scale, j.xi_two = o.xi_two, j.x_stride = o.x_stride;
             j.xi_any_two = o.xi_any_two;
-            j.x_exp = o.x_exp;
+            j.x_exp = o.x_exp, j.panel = o.panel;
             return true;
         }
         return false;
