@@ -46,6 +46,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 extern "C" int mhc_qgemv_isa(void);
@@ -64,6 +65,29 @@ namespace {
 
 constexpr int FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2;
 constexpr int MB = 4;  // rows of x sharing one decode of the weight
+constexpr int64_t PARALLEL_VALUES = 1 << 16;  // values a loop of plain copies or arithmetic takes before it splits over threads
+
+// A vector whose elements start uninitialised (buffers every element of which is written before it is read: no
+// zero-fill pass, serial, over a prefill's ~100 MB of expert rows).
+template <class T>
+struct Uninit : std::allocator<T> {
+    template <class U>
+    struct rebind {
+        using other = Uninit<U>;
+    };
+    Uninit() = default;
+    template <class U>
+    Uninit(const Uninit<U>&) {}
+    template <class U>
+    void construct(U* p) {
+        ::new (static_cast<void*>(p)) U;
+    }
+    template <class U, class... A>
+    void construct(U* p, A&&... a) {
+        ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+    }
+};
+using Floats = std::vector<float, Uninit<float>>;
 
 struct Job {
     int fmt, scale_kind;
@@ -3041,6 +3065,8 @@ class ExpertBatch {
   public:
     std::vector<Job> jobs;
 
+    explicit ExpertBatch(int threads) : threads_(threads) {}
+
     // 0, or 4 out of memory.
     int add(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y, int64_t b,
             int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa) {
@@ -3051,22 +3077,35 @@ class ExpertBatch {
         }
     }
 
+    // Each job's rows of results where they go (rows in parallel, for a prefill's many).
     void scatter() const {
+        std::vector<std::pair<const Part*, int64_t>> rows;
         for (const Part& part : parts)
-            for (size_t r = 0; r < part.at.size(); r++)
-                std::memcpy(part.out + part.at[r] * part.n, part.y.data() + r * part.n, sizeof(float) * part.n);
+            for (size_t r = 0; r < part.at.size(); r++) rows.emplace_back(&part, int64_t(r));
+        const int64_t count = int64_t(rows.size()), n = parts.empty() ? 0 : parts.front().n;
+#pragma omp parallel for schedule(static) num_threads(threads_) if (count * n >= PARALLEL_VALUES)
+        for (int64_t i = 0; i < count; i++) {
+            const Part& part = *rows[i].first;
+            const int64_t r = rows[i].second;
+            std::memcpy(part.out + part.at[r] * part.n, part.y.data() + r * part.n, sizeof(float) * part.n);
+        }
     }
 
   private:
     struct Part {
         float* out;
         int64_t n;
-        std::vector<int64_t> at;  // the rows of out
-        std::vector<float> x, y;
+        std::vector<int64_t> at;    // the rows of out
+        const float* src;           // x, and the row of it each of `at` reads
+        std::vector<int64_t> from;
+        Floats y, x;                // x empty where the job shares an earlier job's prepared x
         XBuf own;
     };
     std::deque<Part> parts;  // one per job; a deque keeps each in place
+    int threads_;
 
+    // One set's experts: each expert's rows of x gathered (where no earlier job of the batch gathered the same rows)
+    // and prepared, the rows copied and the x prepared in parallel (a prefill's experts).
     int add_set(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y, int64_t b,
                 int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa) {
         std::vector<int64_t> used;  // the experts in order of first use
@@ -3077,39 +3116,57 @@ class ExpertBatch {
             if (fresh) used.push_back(idx[p]), pairs.emplace_back();
             pairs[it->second].push_back(p);
         }
+        std::vector<size_t> own;  // the new jobs that prepare their own x
+        std::vector<std::pair<size_t, size_t>> shared;  // and those that take an earlier job's, once it is prepared
+        std::vector<std::pair<float*, const float*>> copies;
         for (size_t e = 0; e < used.size(); e++) {
             const int64_t rows = static_cast<int64_t>(pairs[e].size());
-            Part part{y, n, pairs[e], std::vector<float>(rows * k), std::vector<float>(rows * n), {}};
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t p = pairs[e][r], src = (p / kk) * kx + (kx > 1 ? p % kk : 0);
-                std::memcpy(part.x.data() + r * k, x + src * k, sizeof(float) * k);
-            }
-            parts.push_back(std::move(part));
+            std::vector<int64_t> from(rows);
+            for (int64_t r = 0; r < rows; r++) from[r] = (pairs[e][r] / kk) * kx + (kx > 1 ? pairs[e][r] % kk : 0);
+            parts.push_back(Part{y, n, pairs[e], x, std::move(from), Floats(rows * n), {}, {}});
             Part& mine = parts.back();
             const int64_t* at = ptrs + 2 * used[e];
             Job j = make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]), reinterpret_cast<const void*>(at[1]),
-                             mine.x.data(), mine.y.data(), rows, n, k, block, 1);
-            if (!share_x(j)) {
-                if (!prepare_x(j, isa, mine.own)) return 4;
+                             nullptr, mine.y.data(), rows, n, k, block, 1);
+            if (const size_t o = sharer(j, mine); o < jobs.size()) {
+                shared.emplace_back(jobs.size(), o);
+            } else {
+                mine.x.resize(rows * k);
+                j.x = mine.x.data();
+                for (int64_t r = 0; r < rows; r++) copies.emplace_back(mine.x.data() + r * k, x + mine.from[r] * k);
+                own.push_back(jobs.size());
             }
             jobs.push_back(j);
         }
-        return 0;
+        const int64_t count = int64_t(copies.size()), todo = int64_t(own.size());
+        int oom = 0;
+#pragma omp parallel num_threads(threads_) if (count * k >= PARALLEL_VALUES) reduction(| : oom)
+        {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < count; i++) std::memcpy(copies[i].first, copies[i].second, sizeof(float) * k);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < todo; i++) oom |= prepare_x(jobs[own[i]], isa, parts[own[i]].own) ? 0 : 1;
+        }
+        for (auto [i, o] : shared) {
+            Job& j = jobs[i];
+            const Job& from = jobs[o];
+            j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
+            j.x_stride = from.x_stride, j.xi_any_two = from.xi_any_two, j.x_exp = from.x_exp, j.panel = from.panel;
+        }
+        return oom ? 4 : 0;
     }
 
-    // Points j at the x an earlier job of the same layout prepared from the same rows; false where there is none.
-    bool share_x(Job& j) const {
+    // The earlier job whose x (to be) prepared j can take: the same rows of the same x (w1 and w3 of one expert,
+    // experts of one token) in the same layout; jobs.size() where there is none.
+    size_t sharer(const Job& j, const Part& mine) const {
         for (size_t i = 0; i < jobs.size(); i++) {
             const Job& o = jobs[i];
-            if (o.fmt != j.fmt || o.block != j.block || o.k != j.k || o.m != j.m || o.s_cols != j.s_cols ||
-                std::memcmp(parts[i].x.data(), j.x, sizeof(float) * j.m * j.k))
-                continue;
-            j.x = o.x, j.xb = o.xb, j.xi = o.xi, j.xi_scale = o.xi_scale, j.xi_two = o.xi_two, j.x_stride = o.x_stride;
-            j.xi_any_two = o.xi_any_two;
-            j.x_exp = o.x_exp, j.panel = o.panel;
-            return true;
+            const Part& theirs = parts[i];
+            if (o.fmt == j.fmt && o.block == j.block && o.k == j.k && o.m == j.m && o.s_cols == j.s_cols &&
+                !theirs.x.empty() && theirs.src == mine.src && theirs.from == mine.from)
+                return i;
         }
-        return false;
+        return jobs.size();
     }
 };
 
@@ -3118,7 +3175,7 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64
                       int threads) {
     if (int rc = check_args(fmt, block, isa)) return rc;
     if (!in_set(idx, b * kk, experts)) return 8;
-    ExpertBatch batch;
+    ExpertBatch batch(threads);
     if (batch.add(fmt, ptrs, idx, scale_kind, x, y, b, kk, kx, n, k, block, isa)) return 4;
     const int rc = run_jobs(batch.jobs, isa, threads);
     batch.scatter();
@@ -3137,23 +3194,26 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
                    int64_t k, int64_t d, int64_t inter, int64_t block, float limit, int64_t act_block, int isa,
                    int threads) {
     if (!in_set(idx, t * k, experts)) return 8;
-    std::vector<float> xq, g, u, h, out;
+    std::vector<float> xq;
+    Floats g, u, h, out;
     try {
         g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
     } catch (const std::bad_alloc&) {
         return 4;
     }
+    const bool wide = t * k * inter >= PARALLEL_VALUES;
     const float* xin = x;
     if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
     if (int rc = check_args(fmt, block, isa)) return rc;
     {  // w1 and w3 in one parallel region, on one prepared x
-        ExpertBatch gate_up;
+        ExpertBatch gate_up(threads);
         if (gate_up.add(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa) ||
             gate_up.add(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa))
             return 4;
         if (int rc = run_jobs(gate_up.jobs, isa, threads)) return rc;
         gate_up.scatter();
     }
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (int64_t r = 0; r < t * k; r++)
         for (int64_t e = 0; e < inter; e++) {
             float a = g[r * inter + e], b = u[r * inter + e];
@@ -3164,6 +3224,7 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
     if (int rc = mhc_qgemv_experts(fmt, ptrs2, experts, idx, scale_kind, h.data(), out.data(), t, k, k, d, inter, block,
                                    isa, threads))
         return rc;
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (int64_t r = 0; r < t; r++)
         for (int64_t e = 0; e < d; e++) {
             float acc = out[(r * k) * d + e];
