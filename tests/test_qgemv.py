@@ -835,6 +835,45 @@ def test_expert_set_op_reads_each_rows_experts_in_place(isa, fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_routed_prefill_chunk_splits_over_threads(isa, fmt):
+    """A prefill chunk's routed call large enough that its gathers, x preparation, swiglu and sums split over the
+    threads (mhc_moe_routed: PARALLEL_VALUES, 65,536 values a loop): the torch path's result within rounding, and the
+    same bits on one thread as on two (every expert's rows go to the same rows of the same kernel either way; FP4
+    takes the panels, four rows of x and more an expert)."""
+    from mhcrun.model import swiglu_expert
+    from mhcrun.ops.qlinear import qlinear_gathered
+
+    g = gen(1560)
+    d, inter, n_exp, k, rows = 512, 512, 8, 4, 32  # 128 routes: the most MAX_ROWS an expert allows; 65,536 values
+    block = 128 if fmt == "fp8" else 32
+
+    def experts(out_f: int, in_f: int) -> list[QWeight]:
+        return [qw(*(fp8_weight(out_f, in_f, 128, g) if fmt == "fp8" else fp4_weight(out_f, in_f, g)), block)
+                for _ in range(n_exp)]
+
+    kept = experts(inter, d), experts(inter, d), experts(d, inter)
+    sets = [expert_set(ws) for ws in kept]
+    x, weights = torch.randn(rows, d, generator=g), torch.rand(rows, k, generator=g)
+    idx = torch.randint(0, n_exp, (rows, k), generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = isa.moe_routed(x, weights, idx, *sets, 10.0, 128)
+        torch.set_num_threads(2)
+        two = isa.moe_routed(x, weights, idx, *sets, 10.0, 128)
+    finally:
+        torch.set_num_threads(before)
+    assert one is not None and torch.equal(one, two)
+
+    def proj(i: int):
+        return functools.partial(qlinear_gathered, w=sets[i], idx=idx, act_quant=True, cpu=isa)
+
+    want = swiglu_expert(proj(0), proj(2), proj(1), 10.0, x.unsqueeze(1), weights.unsqueeze(-1)).float().sum(1)
+    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("rows, limit", [(1, 10.0), (3, 0.05), (2, 0.0), (20, 10.0)])
 def test_routed_experts_in_one_call(isa, fmt, rows, limit):
     """CpuKernel.moe_routed (MoE.routed_gathered of decode rows in one call, and of a prefill chunk's: 20 rows) gives
