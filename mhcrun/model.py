@@ -634,13 +634,19 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, static: bool) -> torch.Tensor:
         """The routed experts' sum for x [T, d] -> fp32: decode's rows (and the static path) gathered; an eager
-        prefill chunk whose experts get decode-sized rows (the kernel's GEMV rows, not its panels or torch's GEMMs)
-        in one kernel call where the experts are read in place (one parallel region a stage, where a call an expert
-        and weight made a 128-token prefill 30% slower on a 2-core VM: BENCHMARKS.md); else expert by expert."""
+        prefill chunk, where the experts are read in place, by the run's kernel in one call a slice of the chunk whose
+        routes come to at most MAX_ROWS rows an expert on average (`CpuKernel.moe_routed`: one parallel region a stage,
+        the FP4 experts' many rows by its panels; against a call an expert and weight, or torch's GEMMs of dequantised
+        experts, a 128-token prefill took 0.77x as long, a 1,024-token one 0.8x on a 2-core VM: BENCHMARKS.md); else
+        expert by expert."""
         if static or self.reads_in_place(x.shape[0]):
             return self.routed_gathered(x, weights, idx)
-        y = self.routed_in_one_call(x, weights, idx) if self.reads_in_place(1) else None
-        return self.routed_loop(x, weights, idx) if y is None else y
+        if not self.reads_in_place(1):
+            return self.routed_loop(x, weights, idx)
+        span = max(1, MAX_ROWS * len(self.owned) // idx.shape[1])  # tokens a call: the kernel's bound on its routes
+        ys = [self.routed_in_one_call(x[t:t + span], weights[t:t + span], idx[t:t + span])
+              for t in range(0, x.shape[0], span)]
+        return self.routed_loop(x, weights, idx) if any(y is None for y in ys) else torch.cat(ys)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         shape = x.shape

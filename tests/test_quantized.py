@@ -118,20 +118,24 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
-def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monkeypatch):
+@pytest.mark.parametrize("extra", [3, "long"])
+def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monkeypatch, extra):
     """A prefill chunk of more than MAX_ROWS tokens whose routes come to decode-sized rows an expert takes one
-    `moe_routed` call (not a call an expert and weight), giving the per-expert loop's output within rounding; with the
-    kernel off it takes the loop."""
+    `moe_routed` call (not a call an expert and weight); a longer one a call a slice of as many tokens (the last slice
+    shorter), the kernel's transients staying what one such call needs; either gives the per-expert loop's output
+    within rounding; with the kernel off it takes the loop."""
     model, ffn, _ = kernel_moe(tiny_fp8)
-    t = qgemv.MAX_ROWS + 3
+    span = qgemv.MAX_ROWS * model.cfg.n_routed_experts // model.cfg.n_activated_experts
+    t = qgemv.MAX_ROWS + 3 if extra == 3 else 2 * span + 5
     x = torch.randn(t, model.cfg.dim, generator=torch.Generator().manual_seed(7))
     weights, idx = ffn.gate(x, torch.arange(t) + 5)
-    assert idx.numel() <= qgemv.MAX_ROWS * model.cfg.n_routed_experts
     calls, fused = [], type(model.opts.cpu).moe_routed
     monkeypatch.setattr(type(model.opts.cpu), "moe_routed",
                         lambda self, *a: calls.append(a[2].shape) or fused(self, *a))
     got = ffn.routed(x, weights, idx, static=False)
-    assert calls == [idx.shape]
+    k = model.cfg.n_activated_experts
+    assert calls == ([idx.shape] if extra == 3 else [(span, k), (span, k), (5, k)])
+    assert all(shape[0] * k <= qgemv.MAX_ROWS * model.cfg.n_routed_experts for shape in calls)
     torch.testing.assert_close(got, ffn.routed_loop(x, weights, idx), rtol=1e-5, atol=1e-6)
     off, _ = models(tiny_fp8)
     off.opts.cpu = cpu_kernel("0")
