@@ -65,7 +65,7 @@ namespace {
 
 constexpr int FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2;
 constexpr int MB = 4;  // rows of x sharing one decode of the weight
-constexpr int64_t PARALLEL_VALUES = 1 << 16;  // values a loop of plain copies or arithmetic takes before it splits over threads
+constexpr int64_t PARALLEL_VALUES = 1 << 16;  // values from which a loop of copies or arithmetic splits over threads
 
 // A vector whose elements start uninitialised (buffers every element of which is written before it is read: no
 // zero-fill pass, serial, over a prefill's ~100 MB of expert rows).
@@ -1536,14 +1536,16 @@ struct PanelMasks {
 };
 const PanelMasks PANEL_MASKS;
 
-// Eight rows' 32 bytes at `off` (pairs off .. off + 31) -> out[2 * t] for their pairs t (stride two vectors).
+// Eight rows' 32 bytes at `off` (pairs off .. off + 31) -> out[2 * t] for their pairs t (stride two vectors); the
+// bytes `ahead` of them (the next panel's) fetched meanwhile: sixteen rows at once are more streams than the CPU's
+// prefetcher follows (packing took twice as long without).
 AVX2 INLINE void pack_panel8(const uint8_t* const* rows, int64_t off, int64_t ahead, __m256i* out) {
     __m256i r[8], u[8];
     for (int i = 0; i < 8; i++) {
         if (!(off & 63)) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + off + ahead), _MM_HINT_T0);
         r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + off));
     }
-    for (int i = 0; i < 8; i += 4) {  // transpose the 8 x 8 words: t[q] = word q of each row
+    for (int i = 0; i < 8; i += 4) {  // transpose the 8 x 8 words: u[q] = word q (and q + 4) of rows i .. i + 3
         const __m256i a = _mm256_unpacklo_epi32(r[i], r[i + 1]), b = _mm256_unpackhi_epi32(r[i], r[i + 1]);
         const __m256i c = _mm256_unpacklo_epi32(r[i + 2], r[i + 3]), d = _mm256_unpackhi_epi32(r[i + 2], r[i + 3]);
         u[i] = _mm256_unpacklo_epi64(a, c), u[i + 1] = _mm256_unpackhi_epi64(a, c);
@@ -1558,8 +1560,10 @@ AVX2 INLINE void pack_panel8(const uint8_t* const* rows, int64_t off, int64_t ah
             const __m256i el = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(wq[h], m0f));
             const __m256i ol = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(_mm256_srli_epi16(wq[h], 4), m0f));
             for (int p = 0; p < 4; p++) {
-                const __m256i a = _mm256_shuffle_epi8(el, _mm256_load_si256(reinterpret_cast<const __m256i*>(PANEL_MASKS.a[p])));
-                const __m256i b = _mm256_shuffle_epi8(ol, _mm256_load_si256(reinterpret_cast<const __m256i*>(PANEL_MASKS.b[p])));
+                const __m256i* ma = reinterpret_cast<const __m256i*>(PANEL_MASKS.a[p]);
+                const __m256i* mb = reinterpret_cast<const __m256i*>(PANEL_MASKS.b[p]);
+                const __m256i a = _mm256_shuffle_epi8(el, _mm256_load_si256(ma));
+                const __m256i b = _mm256_shuffle_epi8(ol, _mm256_load_si256(mb));
                 _mm256_store_si256(out + 2 * (4 * (q + 4 * h) + p), _mm256_srai_epi16(_mm256_or_si256(a, b), 8));
             }
         }
@@ -1693,7 +1697,8 @@ AVX2 void run_panels(const Job& j, int64_t n0, int64_t n1) {
         }
         panel_scales(sbs, groups, sc.data());
         for (int h = 0; h < 2; h++)
-            for (int64_t off = 0; off < pairs; off += 32) pack_panel8(rows + 8 * h, off, PANEL * j.row_bytes, pw + 2 * off + h);
+            for (int64_t off = 0; off < pairs; off += 32)
+                pack_panel8(rows + 8 * h, off, PANEL * j.row_bytes, pw + 2 * off + h);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t g0 = 0; g0 < groups; g0 += PANEL_SPAN) {
             const int64_t g1 = g0 + PANEL_SPAN < groups ? g0 + PANEL_SPAN : groups;
@@ -2281,14 +2286,15 @@ struct XBuf {
     IntX i;
 };
 
-// Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
-// (make_int_x), x as integer windows in their order (j.xi); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::
-// takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their order (j.xb); else for fp4 (and
-// bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
-// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
-// False when out of memory.
 inline int in_order(int i) { return i; }
 
+// Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
+// (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
+// and whole chunks: in input order, split at each chunk's top bits, for the panels: j.panel); else with isa 3, fp8 /
+// fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their
+// order (j.xb); else for fp4 (and bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
+// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
+// False when out of memory.
 bool prepare_x(Job& j, int isa, XBuf& own) {
     const int64_t rows = j.m * j.groups, k = j.k;
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
