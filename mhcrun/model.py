@@ -643,7 +643,8 @@ class MoE(nn.Module):
             return self.routed_gathered(x, weights, idx)
         if not self.reads_in_place(1):
             return self.routed_loop(x, weights, idx)
-        span = max(1, MAX_ROWS * len(self.owned) // idx.shape[1])  # tokens a call: the kernel's bound on its routes
+        most = max(1, MAX_ROWS * len(self.owned) // idx.shape[1])  # tokens a call: the kernel's bound on its routes
+        span = -(-x.shape[0] // -(-x.shape[0] // most))  # as few calls, of even size (no call of a few tokens)
         ys = [self.routed_in_one_call(x[t:t + span], weights[t:t + span], idx[t:t + span])
               for t in range(0, x.shape[0], span)]
         return self.routed_loop(x, weights, idx) if any(y is None for y in ys) else torch.cat(ys)

@@ -121,8 +121,8 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
 @pytest.mark.parametrize("extra", [3, "long"])
 def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monkeypatch, extra):
     """A prefill chunk of more than MAX_ROWS tokens whose routes come to decode-sized rows an expert takes one
-    `moe_routed` call (not a call an expert and weight); a longer one a call a slice of as many tokens (the last slice
-    shorter), the kernel's transients staying what one such call needs; either gives the per-expert loop's output
+    `moe_routed` call (not a call an expert and weight); a longer one as few calls as that bound allows, of even size,
+    the kernel's transients staying what one such call needs; either gives the per-expert loop's output
     within rounding; with the kernel off it takes the loop."""
     model, ffn, _ = kernel_moe(tiny_fp8)
     span = qgemv.MAX_ROWS * model.cfg.n_routed_experts // model.cfg.n_activated_experts
@@ -134,7 +134,8 @@ def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monke
                         lambda self, *a: calls.append(a[2].shape) or fused(self, *a))
     got = ffn.routed(x, weights, idx, static=False)
     k = model.cfg.n_activated_experts
-    assert calls == ([idx.shape] if extra == 3 else [(span, k), (span, k), (5, k)])
+    even = -(-t // 3)  # three calls of even size (not two of `span` and one of five tokens)
+    assert calls == ([idx.shape] if extra == 3 else [(even, k), (even, k), (t - 2 * even, k)])
     assert all(shape[0] * k <= qgemv.MAX_ROWS * model.cfg.n_routed_experts for shape in calls)
     torch.testing.assert_close(got, ffn.routed_loop(x, weights, idx), rtol=1e-5, atol=1e-6)
     off, _ = models(tiny_fp8)
