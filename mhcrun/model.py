@@ -636,9 +636,9 @@ class MoE(nn.Module):
         """The routed experts' sum for x [T, d] -> fp32: decode's rows (and the static path) gathered; an eager
         prefill chunk, where the experts are read in place, by the run's kernel in one call a slice of the chunk whose
         routes come to at most MAX_ROWS rows an expert on average (`CpuKernel.moe_routed`: one parallel region a stage,
-        the FP4 experts' many rows by its panels; against a call an expert and weight, or torch's GEMMs of dequantised
-        experts, a 128-token prefill took 0.77x as long, a 1,024-token one 0.8x on a 2-core VM: BENCHMARKS.md); else
-        expert by expert."""
+        the FP4 experts' many rows by its panels; on a 2-core VM a 128-token prefill took 0.77x as long as by a call an
+        expert and weight, before the panels, and a 1,024-token one 0.82-0.86x as long as by torch's GEMMs of
+        dequantised experts: BENCHMARKS.md); else expert by expert."""
         if static or self.reads_in_place(x.shape[0]):
             return self.routed_gathered(x, weights, idx)
         if not self.reads_in_place(1):
