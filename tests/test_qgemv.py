@@ -1170,10 +1170,11 @@ def hc_case(rows: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
 @pytest.mark.parametrize("rows, d", [(1, 256), (3, 131), (16, 64), (2, 7), (1, 2048)])
 def test_hc_steps_against_the_reference(isa, dtype, rows, d):
     """The C++ post step equals mhcrun.ops.hc.hc_post bitwise (stream order, no FMA; AVX-512: sixteen values a step,
-    the last step partial); the pre step (mixes GEMV, Sinkhorn, collapse, RMSNorm) and the head's collapse are within
-    rounding of the torch references: post and comb within 2e-6 (more for longer sums; a mean of squares over one
-    value fewer is refused), the sublayer input and the head's output within 2e-6 relative (fp32) or one bf16 step.
-    Rows up to MAX_ROWS, d not a multiple of the eight or sixteen lanes, and the mid-size config's width."""
+    the last step partial; a prefill's rows: `test_hc_post_of_a_prefill_is_the_reference`); the pre step (mixes GEMV,
+    Sinkhorn, collapse, RMSNorm) and the head's collapse are within rounding of the torch references: post and comb
+    within 2e-6 (more for longer sums; a mean of squares over one value fewer is refused), the sublayer input and the
+    head's output within 2e-6 relative (fp32) or one bf16 step. Rows up to MAX_ROWS, d not a multiple of the eight or
+    sixteen lanes, and the mid-size config's width."""
     from mhcrun.nki.ops import _ref_pre
     from mhcrun.ops import hc as ref
 
@@ -1455,16 +1456,34 @@ def test_route_is_gate_scores_and_route(isa, score_func, t, d, hashed):
     assert cpu_kernel("0").route(x, weight, bias, ids, k, 1.5, score_func) is None
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hc_post_of_a_prefill_is_the_reference(isa, dtype):
+    """A prefill chunk's post step (130 rows of 2,048: split over the threads) is mhcrun.ops.hc.hc_post bitwise, on
+    one thread and on two."""
+    from mhcrun.ops import hc as ref
+
+    k, c = kernel_in(isa), hc_case(130, 2048, dtype)
+    want = ref.hc_post(c["y"], c["x"], c["post"], c["comb"])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = k.hc_post(c["y"], c["x"], c["post"], c["comb"])
+            assert got.dtype == dtype and torch.equal(got, want), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_hc_steps_decline_what_they_do_not_take_and_keep_nan():
-    """Above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes torch). A NaN in
-    a stream comes out NaN where the reference puts it."""
+    """The pre step above MAX_ROWS rows, other dtypes, mixed dtypes and the kernel off: None (the caller takes
+    torch). A NaN in a stream comes out NaN where the reference puts it."""
     from mhcrun.ops import hc as ref
 
     k = cpu_kernel()
     if not k.on:
         pytest.skip(k.status())
     c = hc_case(qgemv.MAX_ROWS + 1, 64, torch.float32)
-    assert k.hc_post(c["y"], c["x"], c["post"], c["comb"]) is None
     assert k.hc_pre(c["x"], c["fn"], c["scale"], c["base"], c["w"], 20, 1e-6, 1e-6) is None
     c = hc_case(2, 64, torch.float16)
     assert k.hc_post(c["y"], c["x"], c["post"], c["comb"]) is None

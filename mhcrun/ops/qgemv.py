@@ -274,17 +274,20 @@ class CpuKernel:
             return None
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def hc_takes(self, streams: Tensor, *ts: Tensor) -> bool:
+    def hc_takes(self, streams: Tensor, *ts: Tensor, rows: int | None = MAX_ROWS) -> bool:
         """Whether the mHC steps' C++ (`hc_post`, `hc_pre`) takes streams [..., n, d] (and ts): the kernel on, CPU
-        tensors, fp32 or bf16 streams, at most MAX_ROWS rows (above, torch's few large ops are as fast)."""
+        tensors, fp32 or bf16 streams, at most `rows` rows (None: any; the pre step's at most MAX_ROWS: above, its
+        mixes are a GEMM that torch does faster than the C++ does row by row)."""
         return (self.on and all(t.is_cpu for t in (streams, *ts)) and streams.dim() >= 2
-                and streams.dtype in (torch.float32, torch.bfloat16)
-                and 0 < streams.numel() <= MAX_ROWS * streams.shape[-1] * streams.shape[-2])
+                and streams.dtype in (torch.float32, torch.bfloat16) and streams.numel() > 0
+                and (rows is None or streams.numel() <= rows * streams.shape[-1] * streams.shape[-2]))
 
     def hc_post(self, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor | None:
         """mhcrun.ops.hc.hc_post, bitwise, in one call: y [..., d], residual [..., n, d] (same dtype: fp32 or bf16),
-        post [..., n], comb [..., n, n] fp32 -> [..., n, d]; None where it does not apply (`hc_takes`)."""
-        if not self.hc_takes(residual, post, comb) or y.dtype != residual.dtype or post.dtype != torch.float32 \
+        post [..., n], comb [..., n, n] fp32 -> [..., n, d], any number of rows (a prefill's over the run's threads: one
+        pass where torch's take 2n + 1); None where it does not apply (`hc_takes`)."""
+        if not self.hc_takes(residual, post, comb, rows=None) or y.dtype != residual.dtype \
+                or post.dtype != torch.float32 \
                 or comb.dtype != torch.float32:
             return None
         *lead, n, d = residual.shape
@@ -292,7 +295,8 @@ class CpuKernel:
         out = torch.empty_like(residual)
         rc = load_library(self.library).mhc_hc_post(int(y.dtype == torch.bfloat16), y.data_ptr(), residual.data_ptr(),
                                                     post.data_ptr(), comb.data_ptr(), out.data_ptr(),
-                                                    residual.numel() // (n * d), n, d, self.isa)
+                                                    residual.numel() // (n * d), n, d, self.isa,
+                                                    torch.get_num_threads())
         return None if rc else out
 
     def hc_pre(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
@@ -763,7 +767,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_act_quant_fp8.restype = ctypes.c_int
     lib.mhc_act_quant_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_hc_post.restype = ctypes.c_int
-    lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mhc_hc_post.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_attend.restype = ctypes.c_int
     lib.mhc_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
     lib.mhc_open_group.restype = ctypes.c_int
