@@ -3089,6 +3089,31 @@ class ExpertBatch {
         }
     }
 
+    // Jobs of one expert each whose rows of x are gathered already (`xs[i]` [rows, k]: w2's, the experts' own h rows
+    // in place of their w1 results; ptrs[i] the expert's weight and scales), their results going to rows `ats[i]` of
+    // y [*, n]; the x prepared in parallel. 0, or 4 out of memory.
+    int add_gathered(int fmt, const std::vector<const int64_t*>& ptrs, int scale_kind, const std::vector<float*>& xs,
+                     const std::vector<std::vector<int64_t>>& ats, float* y, int64_t n, int64_t k, int64_t block,
+                     int isa) {
+        try {
+            const size_t first = jobs.size();
+            for (size_t i = 0; i < xs.size(); i++) {
+                const int64_t rows = static_cast<int64_t>(ats[i].size());
+                parts.push_back(Part{y, n, ats[i], xs[i], {}, Floats(rows * n), {}, {}});
+                jobs.push_back(make_job(fmt, scale_kind, reinterpret_cast<const void*>(ptrs[i][0]),
+                                        reinterpret_cast<const void*>(ptrs[i][1]), xs[i], parts.back().y.data(), rows,
+                                        n, k, block, 1));
+            }
+            const int64_t todo = int64_t(xs.size());
+            int oom = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_) if (todo * k >= PARALLEL_VALUES) reduction(| : oom)
+            for (int64_t i = 0; i < todo; i++) oom |= prepare_x(jobs[first + i], isa, parts[first + i].own) ? 0 : 1;
+            return oom ? 4 : 0;
+        } catch (const std::bad_alloc&) {
+            return 4;
+        }
+    }
+
     // Each job's rows of results where they go (rows in parallel, for a prefill's many).
     void scatter() const {
         std::vector<std::pair<const Part*, int64_t>> rows;
@@ -3103,17 +3128,18 @@ class ExpertBatch {
         }
     }
 
-  private:
     struct Part {
         float* out;
         int64_t n;
         std::vector<int64_t> at;    // the rows of out
         const float* src;           // x, and the row of it each of `at` reads
         std::vector<int64_t> from;
-        Floats y, x;                // x empty where the job shares an earlier job's prepared x
+        Floats y, x;                // x empty where the job shares an earlier job's (or was gathered already)
         XBuf own;
     };
-    std::deque<Part> parts;  // one per job; a deque keeps each in place
+    std::deque<Part> parts;  // one per job (jobs[i]'s: parts[i]); a deque keeps each in place
+
+  private:
     int threads_;
 
     // One set's experts: each expert's rows of x gathered (where no earlier job of the batch gathered the same rows)
@@ -3198,7 +3224,8 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64
 // rounded to FP8 (blocks of act_block; 0: as given), each row through its k experts idx [t, k] of the sets w1, w3 (ptrs
 // [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit, limit))
 // (limit > 0; else no clamps) in fp32, as torch's ops compute it but for exp (the C library's, within rounding of
-// torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Return codes as
+// torch's), h rounded to FP8, through w2 ([d, inter]), and the k results summed in order -> y [t, d]. Each expert's
+// rows stay together from w1 to w2 (h in place of its w1 results, w2's x without a gather). Return codes as
 // mhc_qgemv_experts' (each set holds `experts` experts), and 1 where a rounding declines (non-finite values: the
 // caller takes its torch path).
 int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const int64_t* ptrs2, int64_t experts,
@@ -3207,36 +3234,56 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
                    int threads) {
     if (!in_set(idx, t * k, experts)) return 8;
     std::vector<float> xq;
-    Floats g, u, h, out;
+    Floats out;
     try {
-        g.resize(t * k * inter), u.resize(t * k * inter), h.resize(t * k * inter), out.resize(t * k * d);
+        out.resize(t * k * d);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    const bool wide = t * k * inter >= PARALLEL_VALUES;
     const float* xin = x;
     if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
     if (int rc = check_args(fmt, block, isa)) return rc;
-    {  // w1 and w3 in one parallel region, on one prepared x
-        ExpertBatch gate_up(threads);
-        if (gate_up.add(fmt, ptrs1, idx, scale_kind, xin, g.data(), t, k, 1, inter, d, block, isa) ||
-            gate_up.add(fmt, ptrs3, idx, scale_kind, xin, u.data(), t, k, 1, inter, d, block, isa))
-            return 4;
-        if (int rc = run_jobs(gate_up.jobs, isa, threads)) return rc;
-        gate_up.scatter();
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (int64_t r = 0; r < t * k; r++)
+    ExpertBatch gate_up(threads);  // w1 and w3 in one parallel region, on one prepared x; each expert's rows alike
+    if (gate_up.add(fmt, ptrs1, idx, scale_kind, xin, nullptr, t, k, 1, inter, d, block, isa) ||
+        gate_up.add(fmt, ptrs3, idx, scale_kind, xin, nullptr, t, k, 1, inter, d, block, isa))
+        return 4;
+    if (int rc = run_jobs(gate_up.jobs, isa, threads)) return rc;
+    const size_t used = gate_up.jobs.size() / 2;  // the experts in use: w1's jobs, then w3's in the same order
+    std::vector<std::pair<size_t, int64_t>> rows;  // (expert, row)
+    for (size_t e = 0; e < used; e++)
+        for (size_t r = 0; r < gate_up.parts[e].at.size(); r++) rows.emplace_back(e, int64_t(r));
+    const int64_t count = int64_t(rows.size());
+    // h into each expert's w1 rows, in place: weights * (silu(min(g, limit)) * clamp(u, -limit, limit)) in fp32, as
+    // torch's ops compute it but for exp (the C library's)
+#pragma omp parallel for schedule(static) num_threads(threads) if (count * inter >= PARALLEL_VALUES)
+    for (int64_t i = 0; i < count; i++) {
+        auto& g = gate_up.parts[rows[i].first];
+        const auto& u = gate_up.parts[used + rows[i].first];
+        const int64_t r = rows[i].second;
+        const float w = weights[g.at[r]];
+        float* gr = g.y.data() + r * inter;
+        const float* ur = u.y.data() + r * inter;
         for (int64_t e = 0; e < inter; e++) {
-            float a = g[r * inter + e], b = u[r * inter + e];
+            float a = gr[e], b = ur[e];
             if (limit > 0) a = a > limit ? limit : a, b = b < -limit ? -limit : b > limit ? limit : b;  // NaN kept
-            h[r * inter + e] = weights[r] * ((a / (1.0f + std::exp(-a))) * b);
+            gr[e] = w * ((a / (1.0f + std::exp(-a))) * b);
         }
-    if (act_block > 0 && mhc_act_quant_fp8(h.data(), h.data(), t * k, inter, act_block, isa, threads)) return 1;
-    if (int rc = mhc_qgemv_experts(fmt, ptrs2, experts, idx, scale_kind, h.data(), out.data(), t, k, k, d, inter, block,
-                                   isa, threads))
-        return rc;
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+    }
+    std::vector<const int64_t*> p2(used);
+    std::vector<float*> hs(used);
+    std::vector<std::vector<int64_t>> ats(used);
+    for (size_t e = 0; e < used; e++) {
+        auto& g = gate_up.parts[e];
+        if (act_block > 0 && mhc_act_quant_fp8(g.y.data(), g.y.data(), int64_t(g.at.size()), inter, act_block, isa,
+                                               threads))
+            return 1;
+        p2[e] = ptrs2 + 2 * idx[g.at[0]], hs[e] = g.y.data(), ats[e] = g.at;
+    }
+    ExpertBatch down(threads);  // w2 of each expert on its own h rows (in w1's order: its routes' order)
+    if (down.add_gathered(fmt, p2, scale_kind, hs, ats, out.data(), d, inter, block, isa)) return 4;
+    if (int rc = run_jobs(down.jobs, isa, threads)) return rc;
+    down.scatter();
+#pragma omp parallel for schedule(static) num_threads(threads) if (t * k * d >= PARALLEL_VALUES)
     for (int64_t r = 0; r < t; r++)
         for (int64_t e = 0; e < d; e++) {
             float acc = out[(r * k) * d + e];
