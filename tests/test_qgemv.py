@@ -1560,12 +1560,12 @@ def test_attend_declines_what_it_does_not_take_and_keeps_nan(isa):
 
 @pytest.mark.parametrize("x_shape, c_shape", [((1, 1, 16, 512), (1, 1, 1, 32)), ((2, 1, 512), (2, 1, 32)),
                                               ((3, 128), (3, 32)), ((2, 2, 4, 72), (2, 2, 1, 16)),
-                                              ((1, 1, 3, 2), (1, 1, 1, 1))])
+                                              ((1, 1, 3, 2), (1, 1, 1, 1)), ((1, 40, 16, 512), (1, 40, 1, 32))])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_tail_equals_the_reference_bitwise(x_shape, c_shape, inverse):
     """`CpuKernel.rope_tail` equals apply_rope_tail bit for bit (queries with a shared head dim, kv rows, compressed
-    entries, batch > 1, odd head counts, the whole vector rotated), forwards and inverse, NaN and infinities where
-    the reference puts them."""
+    entries, batch > 1, odd head counts, the whole vector rotated, a prefill's queries split over the threads: on one
+    thread and on two), forwards and inverse, NaN and infinities where the reference puts them."""
     k = cpu_kernel()
     if not k.on:
         pytest.skip(k.status())
@@ -1573,14 +1573,20 @@ def test_rope_tail_equals_the_reference_bitwise(x_shape, c_shape, inverse):
     x = torch.randn(x_shape, generator=g) * 100
     cos, sin = torch.randn(c_shape, generator=g), torch.randn(c_shape, generator=g)
     x.view(-1)[-1], x.view(-1)[-4] = float("nan"), float("inf")
-    got, want = k.rope_tail(x, cos, sin, 2 * c_shape[-1], inverse), apply_rope_tail(x, cos, sin, 2 * c_shape[-1],
-                                                                                       inverse)
-    assert got is not None and torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    want = apply_rope_tail(x, cos, sin, 2 * c_shape[-1], inverse)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = k.rope_tail(x, cos, sin, 2 * c_shape[-1], inverse)
+            assert got is not None and torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rope_tail_declines_what_it_does_not_take():
-    """bf16, tables that do not broadcast as a shared head dim, more than MAX_ROWS rows, the kernel off: None."""
+    """bf16, tables that do not broadcast as a shared head dim, the kernel off: None."""
     k = cpu_kernel()
     if not k.on:
         pytest.skip(k.status())
@@ -1589,8 +1595,6 @@ def test_rope_tail_declines_what_it_does_not_take():
     assert k.rope_tail(x, c[:, :, :, :8], c[:, :, :, :8], 32) is None  # tables for another rope_dim
     assert k.rope_tail(x, c.squeeze(2), c.squeeze(2), 32) is None  # not x's rank: torch would broadcast otherwise
     assert k.rope_tail(x, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), 32) is None  # a table per head
-    big = torch.randn(qgemv.MAX_ROWS + 1, 64)
-    assert k.rope_tail(big, torch.randn(qgemv.MAX_ROWS + 1, 16), torch.randn(qgemv.MAX_ROWS + 1, 16), 32) is None
     assert cpu_kernel("0").rope_tail(x, c, c, 32) is None
 
 
@@ -1674,12 +1678,13 @@ def test_kv_fp8_encode_is_the_reference_bitwise():
 # ---------------------------------------------------------------- FP4 rounding of indexer queries
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 16, 128), (2, 1, 3, 100), (1, 5)])
+@pytest.mark.parametrize("shape", [(1, 1, 16, 128), (2, 1, 3, 100), (1, 5), (1, 40, 16, 128)])
 def test_fp4_simulate_is_the_reference_bitwise(shape):
     """`CpuKernel.fp4_simulate` equals quant.fp4_simulate bit for bit, and `CpuKernel.kv_fp4_encode` kvcache.encode of
     the fp4 format (codes and scales): the e2m1 grid, its midpoints (ties to the even mantissa) and their neighbours,
     both signs and -0.0, blocks at scales 2**-130 .. 2**125 (subnormal inputs, the amax floor, the largest scales), a
-    partial last block; an odd width is declined by the encoder."""
+    partial last block, a prefill's queries (split over the threads); an odd width, or more than decode's entries, is
+    declined by the encoder."""
     from mhcrun.ops import kvcache
     from mhcrun.ops.quant import fp4_simulate
 
@@ -1698,6 +1703,9 @@ def test_fp4_simulate_is_the_reference_bitwise(shape):
         flat[min(3, flat.numel() - 1)] = -0.0
         got, want = k.fp4_simulate(x, 32), fp4_simulate(x, 32)
         assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        if math.prod(shape[:-1]) > qgemv.MAX_ROWS * 16:  # the encoder takes decode's few entries
+            assert k.kv_fp4_encode(x, 32) is None
+            continue
         enc = k.kv_fp4_encode(x, 32)  # the same rounding as the indexer keys' cache entries
         if shape[-1] % 2:
             assert enc is None  # two codes a byte
@@ -1707,7 +1715,7 @@ def test_fp4_simulate_is_the_reference_bitwise(shape):
 
 
 def test_fp4_simulate_declines_what_it_does_not_take():
-    """Non-finite x (torch's own rules apply there), bf16, more rows than decode's, the kernel off: None."""
+    """Non-finite x (torch's own rules apply there), bf16, the kernel off: None."""
     k = cpu_kernel()
     if not k.on:
         pytest.skip(k.status())
@@ -1718,7 +1726,6 @@ def test_fp4_simulate_declines_what_it_does_not_take():
         assert k.fp4_simulate(y, 32) is None and k.kv_fp4_encode(y, 32) is None
     assert k.kv_fp4_encode(x.bfloat16(), 32) is None and cpu_kernel("0").kv_fp4_encode(x, 32) is None
     assert k.fp4_simulate(x.bfloat16(), 32) is None
-    assert k.fp4_simulate(torch.randn(qgemv.MAX_ROWS * 64 + 1, 32), 32) is None
     assert cpu_kernel("0").fp4_simulate(x, 32) is None
 
 

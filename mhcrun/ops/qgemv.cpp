@@ -2757,11 +2757,15 @@ int mhc_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64
 
 // mhcrun.ops.rope.apply_rope_tail for fp32, bitwise (each product rounded, then their difference or sum, as torch's
 // elementwise ops: plain C++, no FMA): x [rows, g, dim] -> out, the last `rd` channels of each of a row's g vectors
-// rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied.
+// rotated pairwise (2i, 2i + 1) by the row's cos, sin [rows, rd / 2] (inverse: by -sin), the others copied; a
+// prefill's many rows split over `threads` threads (one pass where torch's rotation and concatenation take several).
 int mhc_rope_tail(const float* x, const float* cos, const float* sin, float* out, int64_t rows, int64_t g,
-                  int64_t dim, int64_t rd, int inverse) {
+                  int64_t dim, int64_t rd, int inverse, int threads) {
     const int64_t half = rd / 2, nope = dim - rd;
+    const unsigned caller = _mm_getcsr();
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * g * dim >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
+        take_caller_mode(caller);  // subnormal products as the caller's thread rounds them
         const float* c = cos + r * half;
         const float* s = sin + r * half;
         for (int64_t v = 0; v < g; v++) {
@@ -3329,12 +3333,15 @@ int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t
 // values into out (x itself allowed) and/or as kvcache's fp4 entries (packed codes, block scales). 1, writing nothing,
 // for a non-finite x or a thread that flushes subnormals.
 static int fp4_blocks(const float* x, int64_t rows, int64_t k, int64_t block, float* out, uint8_t* packed,
-                      float* scales) {
+                      float* scales, int threads) {
     if (flushes_denormals()) return 1;
     for (int64_t i = 0; i < rows * k; i++)
         if (!std::isfinite(x[i])) return 1;
     const int64_t sb = (k + block - 1) / block;
-    for (int64_t r = 0; r < rows; r++)
+    const unsigned caller = _mm_getcsr();
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * k >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        take_caller_mode(caller);  // the caller does not flush (above)
         for (int64_t k0 = 0, g = 0; k0 < k; k0 += block, g++) {
             const float* v = x + r * k + k0;
             const int64_t len = k0 + block < k ? block : k - k0;
@@ -3356,6 +3363,7 @@ static int fp4_blocks(const float* x, int64_t rows, int64_t k, int64_t block, fl
                 }
             }
         }
+    }
     return 0;
 }
 
@@ -3363,10 +3371,11 @@ static int fp4_blocks(const float* x, int64_t rows, int64_t k, int64_t block, fl
 // last may be partial), scale = pow2_ceil(max(amax, 6 * 2**-126) / 6) (a normal power of two: the one division
 // rounds as torch's), q = x / scale (as x times the inverse: the same correctly rounded product), rounded to the
 // e2m1 grid with ties to the even mantissa (round_e2m1: half-to-even on the binade's step, saturating at 6, the
-// sign kept, -0.0 included), times the scale (exact). Returns 1, leaving x as it was, when x holds a non-finite value
-// or the thread flushes subnormals (the caller then takes torch's path).
-int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
-    return fp4_blocks(x, rows, k, block, x, nullptr, nullptr);
+// sign kept, -0.0 included), times the scale (exact); a prefill's many rows split over `threads` threads. Returns 1,
+// leaving x as it was, when x holds a non-finite value or the thread flushes subnormals (the caller then takes torch's
+// path).
+int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block, int threads) {
+    return fp4_blocks(x, rows, k, block, x, nullptr, nullptr, threads);
 }
 
 // mhcrun.ops.kvcache.encode of the fp4 format (indexer keys), bitwise: each row of x [rows, k] (k even) -> its e2m1
@@ -3375,7 +3384,7 @@ int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block) {
 // nothing, when x holds a non-finite value or the thread flushes subnormals (the caller then takes torch's path).
 int mhc_kv_fp4_encode(const float* x, uint8_t* packed, float* scales, int64_t rows, int64_t k, int64_t block) {
     if (k % 2) return 6;
-    return fp4_blocks(x, rows, k, block, nullptr, packed, scales);
+    return fp4_blocks(x, rows, k, block, nullptr, packed, scales, 1);
 }
 
 // mhcrun.ops.kvcache.encode of the fp8 format (pow2 scales) in fp32, bitwise: each row of x [rows, nope + rd] ->

@@ -234,15 +234,15 @@ class CpuKernel:
             load_library(self.library).mhc_takes_int(xf.data_ptr(), xf.numel() // k, k))
 
     def fp4_simulate(self, x: Tensor, block: int) -> Tensor | None:
-        """mhcrun.ops.quant.fp4_simulate(x, block), bitwise, in one call (`mhc_fp4_simulate`), for a CPU fp32 x of
-        decode's few rows (at most MAX_ROWS * 64: an indexer query's heads); None where it does not apply (non-finite
-        x included)."""
+        """mhcrun.ops.quant.fp4_simulate(x, block), bitwise, in one call (`mhc_fp4_simulate`), for a CPU fp32 x (an
+        indexer query's heads; a prefill's over the run's threads); None where it does not apply (non-finite x
+        included)."""
         k = x.shape[-1] if x.dim() else 0
-        if not self.on or x.dtype != torch.float32 or not x.is_cpu or not k \
-                or x.numel() // k > MAX_ROWS * 64:
+        if not self.on or x.dtype != torch.float32 or not x.is_cpu or not k:
             return None
         y = x.clone(memory_format=torch.contiguous_format)
-        return None if load_library(self.library).mhc_fp4_simulate(y.data_ptr(), y.numel() // k, k, block) else y
+        return None if load_library(self.library).mhc_fp4_simulate(y.data_ptr(), y.numel() // k, k, block,
+                                                                   torch.get_num_threads()) else y
 
     def decodes(self, w: QWeight) -> bool:
         """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
@@ -491,7 +491,7 @@ class CpuKernel:
     def rope_tail(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, inverse: bool = False) -> Tensor | None:
         """mhcrun.ops.rope.apply_rope_tail, bitwise, in one call (`mhc_rope_tail`): fp32 CPU x [..., dim], cos and sin
         [..., rope_dim // 2] of x's rank whose leading dims are x's first ones followed by ones (a head dim they
-        share), at most MAX_ROWS rows of them (decode); None where it does not apply."""
+        share), any number of rows (a prefill's over the run's threads); None where it does not apply."""
         ts = (x, cos, sin)
         if not self.on or any(t.dtype != torch.float32 or not t.is_cpu for t in ts) \
                 or cos.shape != sin.shape or cos.dim() != x.dim() or 2 * cos.shape[-1] != rope_dim \
@@ -501,13 +501,13 @@ class CpuKernel:
         while lead and lead[-1] == 1:
             lead = lead[:-1]
         rows = math.prod(lead)
-        if tuple(x.shape[:len(lead)]) != lead or rows > MAX_ROWS or not x.numel():
+        if tuple(x.shape[:len(lead)]) != lead or not x.numel():
             return None
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
         load_library(self.library).mhc_rope_tail(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows,
                                                  x.numel() // (rows * x.shape[-1]), x.shape[-1], rope_dim,
-                                                 int(inverse))
+                                                 int(inverse), torch.get_num_threads())
         return out
 
     def kv_fp8(self, codes: Tensor, scale: Tensor, rope: Tensor, block: int) -> Tensor | None:
@@ -779,13 +779,13 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_rms_norm.restype = ctypes.c_int
     lib.mhc_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
-    lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.mhc_kv_fp8_decode.restype = ctypes.c_int
     lib.mhc_kv_fp8_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_kv_fp8_encode.restype = ctypes.c_int
     lib.mhc_kv_fp8_encode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.mhc_fp4_simulate.restype = ctypes.c_int
-    lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.mhc_fp4_simulate.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_kv_fp4_decode.restype = ctypes.c_int
     lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_index_topk.restype = ctypes.c_int
