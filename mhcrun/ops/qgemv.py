@@ -20,7 +20,8 @@ is FP8-rounded (`takes_int`).
 
 It also multiplies a prefill chunk's rows by FP8/FP4 weights (`qgemm`): bf16 panels of 32 output rows, each
 decoded once, by AMX tiles where the CPU has them (Intel's Sapphire Rapids and later), else by the BF16 dot
-products of avx512bf16.
+products of avx512bf16; and, with AVX2, a prefill chunk's routed FP4 experts (`moe_routed`, a slice of the chunk a
+call): int16 panels of 16 weight rows decoded once, four rows of x at a time (qgemv.cpp's `run_panels`).
 
 The same library runs the mHC steps of eager decode rows (`hc_post`, `hc_post_pre`, `hc_head`: one call each instead
 of ~200 small torch ops a site; `mhcrun.nki.ops` dispatches to them as backend "cpu"), and eager decode's
@@ -31,7 +32,8 @@ and compressed entries where they lie), the indexer's scores and top-k (`index_t
 encoding and decoding of kv cache entries (`kv_fp8_encode`, `kv_fp8`, `kv_fp4`), the indexer queries' FP4 rounding
 (`fp4_simulate`), the indexer keys' encoding (`kv_fp4_encode`) and the window mask (`window_mask`); a Linear's
 activation rounding and GEMV together (`linear`), the gate (`route`), and a step's routed experts and its shared
-expert (`moe_routed`).
+expert (`moe_routed`). Of these, the bitwise ones a prefill's rows take too, over the run's threads (`hc_post`,
+`rope_tail`, `fp4_simulate`).
 
 Routed experts that compiled graphs read in place are an `ExpertSet`: the addresses of each expert's bytes and
 scales as one int64 tensor (a graph input like any module tensor) and the layout they share.
@@ -287,8 +289,7 @@ class CpuKernel:
         post [..., n], comb [..., n, n] fp32 -> [..., n, d], any number of rows (a prefill's over the run's threads: one
         pass where torch's take 2n + 1); None where it does not apply (`hc_takes`)."""
         if not self.hc_takes(residual, post, comb, rows=None) or y.dtype != residual.dtype \
-                or post.dtype != torch.float32 \
-                or comb.dtype != torch.float32:
+                or post.dtype != torch.float32 or comb.dtype != torch.float32:
             return None
         *lead, n, d = residual.shape
         y, residual, post, comb = (t.contiguous() for t in (y, residual, post, comb))
