@@ -177,8 +177,9 @@ class CpuKernel:
         hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32: the torch
         path's result within rounding (silu's exp is the C library's; the rest the same operations in the same order).
         Also a prefill chunk's, while its routes come to at most MAX_ROWS rows an expert on average (T * k <= MAX_ROWS *
-        E, the GEMV rows' range; more take the experts' GEMMs). None where it does not apply or declines (non-finite
-        values: torch's rules then apply); ValueError as `experts_at`'s."""
+        E: the call's transients stay those of such a chunk; `MoE.routed` takes a longer one a slice at a time; with
+        AVX2 an FP4 expert of four rows or more takes the panels). None where it does not apply or declines
+        (non-finite values: torch's rules then apply); ValueError as `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
         if not self.on or not t or idx.numel() > MAX_ROWS * w1.ptrs.shape[0] or x.dtype != torch.float32 \
