@@ -1522,6 +1522,20 @@ AVX2 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, float* 
 constexpr int PANEL = 16;
 constexpr int64_t PANEL_MIN_ROWS = 4;  // rows of x from which a job takes panels
 
+// 8 x 8 dwords, r[c] holding row c's dwords 0..7, transposed in registers: r[p] then holds dword p of every row.
+AVX2 INLINE void transpose8(__m256i (&r)[8]) {
+    __m256i u[8];
+    for (int i = 0; i < 8; i += 4) {  // u[i + j], 128-bit lane L: rows i .. i + 3 at dword 4L + j
+        const __m256i a = _mm256_unpacklo_epi32(r[i], r[i + 1]), b = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+        const __m256i c = _mm256_unpacklo_epi32(r[i + 2], r[i + 3]), d = _mm256_unpackhi_epi32(r[i + 2], r[i + 3]);
+        u[i] = _mm256_unpacklo_epi64(a, c), u[i + 1] = _mm256_unpackhi_epi64(a, c);
+        u[i + 2] = _mm256_unpacklo_epi64(b, d), u[i + 3] = _mm256_unpackhi_epi64(b, d);
+    }
+    for (int j = 0; j < 4; j++)
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20),
+        r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+}
+
 // Byte p of each 32-bit word of a 16-byte lane into the high byte of the word's low half (A) or high half (B).
 struct PanelMasks {
     alignas(32) int8_t a[4][32], b[4][32];
@@ -1540,66 +1554,43 @@ const PanelMasks PANEL_MASKS;
 // bytes `ahead` of them (the next panel's) fetched meanwhile: sixteen rows at once are more streams than the CPU's
 // prefetcher follows (packing took twice as long without).
 AVX2 INLINE void pack_panel8(const uint8_t* const* rows, int64_t off, int64_t ahead, __m256i* out) {
-    __m256i r[8], u[8];
+    __m256i r[8];
     for (int i = 0; i < 8; i++) {
         if (!(off & 63)) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + off + ahead), _MM_HINT_T0);
         r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + off));
     }
-    for (int i = 0; i < 8; i += 4) {  // transpose the 8 x 8 words: u[q] = word q (and q + 4) of rows i .. i + 3
-        const __m256i a = _mm256_unpacklo_epi32(r[i], r[i + 1]), b = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-        const __m256i c = _mm256_unpacklo_epi32(r[i + 2], r[i + 3]), d = _mm256_unpackhi_epi32(r[i + 2], r[i + 3]);
-        u[i] = _mm256_unpacklo_epi64(a, c), u[i + 1] = _mm256_unpackhi_epi64(a, c);
-        u[i + 2] = _mm256_unpacklo_epi64(b, d), u[i + 3] = _mm256_unpackhi_epi64(b, d);
-    }
+    transpose8(r);  // r[q]: word q (bytes 4q .. 4q + 3: pairs 4q .. 4q + 3) of each row
     const __m256i lo_t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(FP4_INT_LO)));
     const __m256i m0f = _mm256_set1_epi8(0x0F);
-    for (int q = 0; q < 4; q++) {
-        const __m256i wq[2] = {_mm256_permute2x128_si256(u[q], u[q + 4], 0x20),   // word q: bytes 4q .. 4q + 3
-                               _mm256_permute2x128_si256(u[q], u[q + 4], 0x31)};  // word q + 4
-        for (int h = 0; h < 2; h++) {
-            const __m256i el = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(wq[h], m0f));
-            const __m256i ol = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(_mm256_srli_epi16(wq[h], 4), m0f));
-            for (int p = 0; p < 4; p++) {
-                const __m256i* ma = reinterpret_cast<const __m256i*>(PANEL_MASKS.a[p]);
-                const __m256i* mb = reinterpret_cast<const __m256i*>(PANEL_MASKS.b[p]);
-                const __m256i a = _mm256_shuffle_epi8(el, _mm256_load_si256(ma));
-                const __m256i b = _mm256_shuffle_epi8(ol, _mm256_load_si256(mb));
-                _mm256_store_si256(out + 2 * (4 * (q + 4 * h) + p), _mm256_srai_epi16(_mm256_or_si256(a, b), 8));
-            }
+    for (int q = 0; q < 8; q++) {
+        const __m256i el = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(r[q], m0f));
+        const __m256i ol = _mm256_shuffle_epi8(lo_t, _mm256_and_si256(_mm256_srli_epi16(r[q], 4), m0f));
+        for (int p = 0; p < 4; p++) {
+            const __m256i* ma = reinterpret_cast<const __m256i*>(PANEL_MASKS.a[p]);
+            const __m256i* mb = reinterpret_cast<const __m256i*>(PANEL_MASKS.b[p]);
+            const __m256i a = _mm256_shuffle_epi8(el, _mm256_load_si256(ma));
+            const __m256i b = _mm256_shuffle_epi8(ol, _mm256_load_si256(mb));
+            _mm256_store_si256(out + 2 * (4 * q + p), _mm256_srai_epi16(_mm256_or_si256(a, b), 8));
         }
     }
 }
 
-// The e8m0 scales of a panel's rows (sbs: each row's bytes, `groups` of them) -> sc [groups][PANEL] fp32 (exact: 0 is
-// 2**-127, 255 NaN), eight groups of eight rows at a time (a transpose), the last groups one by one.
+// The e8m0 scales of a panel's rows (sbs: each row's bytes, `groups` of them) -> sc [groups][PANEL] fp32 by the e8m0
+// table, eight groups of eight rows at a time (a transpose; one by one a panel's scales took ~6% of a routed call),
+// the last groups one by one.
 AVX2 INLINE void panel_scales(const uint8_t* const* sbs, int64_t groups, float* sc) {
-    const __m256i zero = _mm256_setzero_si256(), ff = _mm256_set1_epi32(255);
-    const __m256 tiny = _mm256_set1_ps(0x1p-127f), nan = _mm256_set1_ps(NAN);
     int64_t g0 = 0;
     for (; g0 + 8 <= groups; g0 += 8)
         for (int h = 0; h < PANEL / 8; h++) {
-            __m256 v[8];
+            __m256i v[8];
             for (int i = 0; i < 8; i++) {
                 __m128i b = _mm_setzero_si128();
                 std::memcpy(&b, sbs[8 * h + i] + g0, 8);
-                const __m256i e = _mm256_cvtepu8_epi32(b);
-                const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-                const __m256 t = _mm256_blendv_ps(f, tiny, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, zero)));
-                v[i] = _mm256_blendv_ps(t, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, ff)));
+                v[i] = _mm256_castps_si256(_mm256_i32gather_ps(E8M0.v, _mm256_cvtepu8_epi32(b), 4));
             }
-            const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
-            const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
-            const __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
-            const __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
-            const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
-            const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
-            const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
-            const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-            const __m256 q[8] = {_mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
-                                 _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
-                                 _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
-                                 _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
-            for (int g = 0; g < 8; g++) _mm256_storeu_ps(sc + (g0 + g) * PANEL + 8 * h, q[g]);
+            transpose8(v);
+            for (int g = 0; g < 8; g++)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + (g0 + g) * PANEL + 8 * h), v[g]);
         }
     for (; g0 < groups; g0++)
         for (int i = 0; i < PANEL; i++) sc[g0 * PANEL + i] = E8M0.v[sbs[i][g0]];
