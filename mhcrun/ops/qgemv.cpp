@@ -464,11 +464,78 @@ struct IntX {
     int64_t chunks = 0;
 };
 
+// A whole chunk of 128 values v in input order split at its top bits, as make_int_x(..., in_order, 0, ..., top) makes
+// it, in AVX2 (the panels' x: a prefill's routes; the scalar loop took ~6% of a routed call): each value's lowest set
+// bit from its mantissa's lowest bit (m & -m, whose exponent converting it to fp32 gives), the chunk's span by a min
+// and a max, then each magnitude shifted into place per lane. The same integers, scale and split as the scalar loop;
+// false where it would return false.
+AVX2 bool int_chunk_top(const float* v, int16_t* dst, float& scale, uint8_t& two) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), man = _mm256_set1_epi32(0x7FFFFF);
+    const __m256i one = _mm256_set1_epi32(0x800000), ff = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
+    __m256i lo_v = _mm256_set1_epi32(1000), hi_v = _mm256_set1_epi32(-1000), bad = zero;
+    for (int i = 0; i < INT_CHUNK; i += 8) {
+        const __m256i u = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), abs_mask);
+        const __m256i e = _mm256_srli_epi32(u, 23), nz = _mm256_xor_si256(_mm256_cmpeq_epi32(u, zero),
+                                                                          _mm256_set1_epi32(-1));
+        bad = _mm256_or_si256(bad, _mm256_and_si256(nz, _mm256_or_si256(_mm256_cmpeq_epi32(e, zero),
+                                                                        _mm256_cmpeq_epi32(e, ff))));
+        const __m256i m = _mm256_or_si256(_mm256_and_si256(u, man), one);
+        const __m256i bit = _mm256_and_si256(m, _mm256_sub_epi32(zero, m));  // 2**ctz(m) <= 2**23: exact in fp32
+        const __m256i ctz = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(bit)), 23),
+                                             _mm256_set1_epi32(127));
+        const __m256i low = _mm256_add_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(150)), ctz);
+        const __m256i high = _mm256_sub_epi32(e, _mm256_set1_epi32(126));
+        lo_v = _mm256_min_epi32(lo_v, _mm256_blendv_epi8(_mm256_set1_epi32(1000), low, nz));
+        hi_v = _mm256_max_epi32(hi_v, _mm256_blendv_epi8(_mm256_set1_epi32(-1000), high, nz));
+    }
+    if (!_mm256_testz_si256(bad, bad)) return false;  // subnormal (below 2**-125 anyway), inf, NaN
+    alignas(32) int32_t los[8], his[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(los), lo_v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(his), hi_v);
+    int lo = los[0], hi = his[0];
+    for (int i = 1; i < 8; i++) lo = los[i] < lo ? los[i] : lo, hi = his[i] > hi ? his[i] : hi;
+    scale = 1.0f, two = 0;
+    if (hi == -1000) {  // all zero
+        std::memset(dst, 0, sizeof(int16_t) * 2 * INT_CHUNK);
+        return true;
+    }
+    if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
+    const int split = hi - lo > INT_WINDOW ? hi - lo - INT_WINDOW : 0;
+    two = uint8_t(split);
+    scale = std::ldexp(1.0f, lo + split - 1);
+    const __m128i by = _mm_cvtsi32_si128(split);
+    const __m256i base = _mm256_set1_epi32(150 + lo), rest = _mm256_set1_epi32((1 << split) - 1);
+    for (int i = 0; i < INT_CHUNK; i += 16) {
+        __m256i tops[2], rests[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i + 8 * h));
+            const __m256i u = _mm256_and_si256(w, abs_mask), sign = _mm256_srai_epi32(w, 31);
+            const __m256i m = _mm256_andnot_si256(_mm256_cmpeq_epi32(u, zero),
+                                                  _mm256_or_si256(_mm256_and_si256(u, man), one));
+            const __m256i shift = _mm256_sub_epi32(_mm256_srli_epi32(u, 23), base);  // >= -23: shifted-out bits zero
+            const __m256i mag = _mm256_srlv_epi32(_mm256_sllv_epi32(m, _mm256_max_epi32(shift, zero)),
+                                                  _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero));
+            const __m256i t = _mm256_srl_epi32(mag, by), r = _mm256_and_si256(mag, rest);
+            tops[h] = _mm256_sub_epi32(_mm256_xor_si256(t, sign), sign);
+            rests[h] = _mm256_sub_epi32(_mm256_xor_si256(r, sign), sign);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(tops[0], tops[1]), 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + INT_CHUNK + i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(rests[0], rests[1]), 0xD8));
+    }
+    return true;
+}
+
+inline int in_order(int i) { return i; }
+
+// x rows [rows, k] (row r at x + from[r] * k where `from` is given: gathered rows read where they lie) -> out.
 inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out,
-                       bool top = false) {
+                       bool top = false, const int64_t* from = nullptr, int isa = 0) {
     const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
     int slot[INT_CHUNK];
     for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
+    const bool fast = isa == 1 && top && order == in_order && unit == 0;
     out.chunks = chunks;
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
@@ -476,8 +543,15 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
     out.any_two.assign(rows * chunks, 0);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < chunks; c++) {
-            const float* v = x + r * k + c * INT_CHUNK;
+            const float* v = x + (from ? from[r] : r) * k + c * INT_CHUNK;
             const int n = k - c * INT_CHUNK < INT_CHUNK ? int(k - c * INT_CHUNK) : INT_CHUNK;
+            if (fast && n == INT_CHUNK) {
+                uint8_t& two = out.two[r * chunks + c];
+                if (!int_chunk_top(v, out.v.data() + (r * chunks + c) * 2 * INT_CHUNK, out.scale[r * chunks + c], two))
+                    return false;
+                if (two) out.any_two[r * chunks] = 1;
+                continue;
+            }
             int lo = 1000, hi = -1000;  // the chunk's lowest set bit, and the bit above its largest magnitude
             for (int i = 0; i < n; i++) {
                 const uint32_t u = bits_of(v[i]) & 0x7FFFFFFFu, e = u >> 23;
@@ -1476,20 +1550,19 @@ AVX2 INLINE void fp4_int_chunks(const Job& j, int64_t n, const int16_t* const* x
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, w += 64) {
         prefetch_ahead(w);
-        __m256i v0[4], v1[4];
-        fp4_int_words(w, v0);
-        fp4_int_words(w + 32, v1);
-        const __m256 s0 = step_scales(true, sb, nullptr, 2 * c, 0), s1 = step_scales(true, sb, nullptr, 2 * c + 1, 0);
-        for (int r = 0; r < R; r++) {
-            const int16_t* x = xs[r] + c * 2 * INT_CHUNK;
-            __m256 f0 = int_dot(v0, x), f1 = int_dot(v1, x + 64);
-            if (TWO && two[r][c]) {
-                f0 = _mm256_fmadd_ps(int_dot(v0, x + INT_CHUNK), _mm256_set1_ps(0x1p15f), f0);
-                f1 = _mm256_fmadd_ps(int_dot(v1, x + INT_CHUNK + 64), _mm256_set1_ps(0x1p15f), f1);
+        __m256 part[R];
+        for (int h = 0; h < 2; h++) {  // a step's words dead before the next step's (both at once spilled registers)
+            __m256i v[4];
+            fp4_int_words(w + 32 * h, v);
+            const __m256 sv = step_scales(true, sb, nullptr, 2 * c + h, 0);
+            for (int r = 0; r < R; r++) {
+                const int16_t* x = xs[r] + c * 2 * INT_CHUNK + 64 * h;
+                __m256 f = int_dot(v, x);
+                if (TWO && two[r][c]) f = _mm256_fmadd_ps(int_dot(v, x + INT_CHUNK), _mm256_set1_ps(0x1p15f), f);
+                part[r] = h ? _mm256_fmadd_ps(f, sv, part[r]) : _mm256_mul_ps(f, sv);
             }
-            const __m256 part = _mm256_fmadd_ps(f1, s1, _mm256_mul_ps(f0, s0));
-            acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xsc[r][c]), acc[r]);
         }
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(xsc[r][c]), acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -2275,9 +2348,8 @@ struct XBuf {
     std::vector<float> f;
     std::vector<uint16_t> h;
     IntX i;
+    Floats g;  // the rows gathered, where they were given by a row map and the integer x does not take them
 };
-
-inline int in_order(int i) { return i; }
 
 // Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
 // (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
@@ -2285,8 +2357,9 @@ inline int in_order(int i) { return i; }
 // fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their
 // order (j.xb); else for fp4 (and bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
 // reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
-// False when out of memory.
-bool prepare_x(Job& j, int isa, XBuf& own) {
+// With `from`, row r of x lies at j.x + from[r] * k (a routed expert's rows): the integer x reads them there, the
+// others a gathered copy. False when out of memory.
+bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     const int64_t rows = j.m * j.groups, k = j.k;
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
@@ -2296,12 +2369,17 @@ bool prepare_x(Job& j, int isa, XBuf& own) {
                            j.block == 32 && j.scale_kind == 0 && j.k % INT_CHUNK == 0 && j.s_cols == k / 32;
         if (j.fmt == FMT_FP4 && int_rows &&
             make_int_x(j.x, rows, k, panel ? in_order : isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot,
-                       panel || isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i, panel)) {
+                       panel || isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i, panel, from, isa)) {
             j.panel = panel;
             j.x_stride = own.i.chunks * 2 * INT_CHUNK;
             j.xi = own.i.v.data(), j.xi_scale = own.i.scale.data(), j.xi_two = own.i.two.data();
             j.xi_any_two = own.i.any_two.data();
             return true;
+        }
+        if (from) {
+            own.g.resize(rows * k);
+            for (int64_t r = 0; r < rows; r++) std::memcpy(own.g.data() + r * k, j.x + from[r] * k, sizeof(float) * k);
+            j.x = own.g.data();
         }
         if (isa == 3 && fits && avx512bf16::takes_bf16(j.x, rows * k)) {
             const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
@@ -2946,6 +3024,19 @@ int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
     return make_int_x(x, rows, k, avx512bf16::fp4_slot, 0, unused) ? 1 : 0;
 }
 
+// The panels' integer x of rows [rows, k] (make_int_x in input order, split at the top bits) into v [rows, chunks, 2,
+// 128], scale and two [rows, chunks], by the scalar loop (isa 0) or AVX2's int_chunk_top (isa 1, a CPU that has it):
+// for the tests, which compare the two. 1, or 0 where x does not qualify (nothing written).
+int mhc_int_x_top(const float* x, int64_t rows, int64_t k, int isa, int16_t* v, float* scale, uint8_t* two) {
+    IntX out;
+    if (isa < 0 || isa > 1 || isa > mhc_qgemv_isa() || !make_int_x(x, rows, k, in_order, 0, out, true, nullptr, isa))
+        return 0;
+    std::memcpy(v, out.v.data(), sizeof(int16_t) * out.v.size());
+    std::memcpy(scale, out.scale.data(), sizeof(float) * out.scale.size());
+    std::memcpy(two, out.two.data(), out.two.size());
+    return 1;
+}
+
 // The instruction set a run takes unless told otherwise: the best, but AVX-512 without the BF16 dot products on a CPU
 // that is neither AMD's nor has AMX. Zen 4 retires vdpbf16ps at the FMA's instruction rate (twice its products): the
 // dot rows decode FP8 1.7x and FP4 1.3x faster there; an Intel Xeon (Sapphire Rapids) VM retired it at half the
@@ -3094,7 +3185,7 @@ class ExpertBatch {
             const size_t first = jobs.size();
             for (size_t i = 0; i < xs.size(); i++) {
                 const int64_t rows = static_cast<int64_t>(ats[i].size());
-                parts.push_back(Part{y, n, ats[i], xs[i], {}, Floats(rows * n), {}, {}});
+                parts.push_back(Part{y, n, ats[i], xs[i], {}, Floats(rows * n), false, {}});
                 jobs.push_back(make_job(fmt, scale_kind, reinterpret_cast<const void*>(ptrs[i][0]),
                                         reinterpret_cast<const void*>(ptrs[i][1]), xs[i], parts.back().y.data(), rows,
                                         n, k, block, 1));
@@ -3129,7 +3220,8 @@ class ExpertBatch {
         std::vector<int64_t> at;    // the rows of out
         const float* src;           // x, and the row of it each of `at` reads
         std::vector<int64_t> from;
-        Floats y, x;                // x empty where the job shares an earlier job's (or was gathered already)
+        Floats y;
+        bool owns_x;                // whether the job prepares its x from src's rows (not an earlier job's, not given)
         XBuf own;
     };
     std::deque<Part> parts;  // one per job (jobs[i]'s: parts[i]); a deque keeps each in place
@@ -3137,8 +3229,8 @@ class ExpertBatch {
   private:
     int threads_;
 
-    // One set's experts: each expert's rows of x gathered (where no earlier job of the batch gathered the same rows)
-    // and prepared, the rows copied and the x prepared in parallel (a prefill's experts).
+    // One set's experts: each expert's x prepared from its rows where they lie (prepare_x's row map; where no earlier
+    // job of the batch prepares the same rows), the experts in parallel (a prefill's).
     int add_set(int fmt, const int64_t* ptrs, const int64_t* idx, int scale_kind, const float* x, float* y, int64_t b,
                 int64_t kk, int64_t kx, int64_t n, int64_t k, int64_t block, int isa) {
         std::vector<int64_t> used;  // the experts in order of first use
@@ -3151,35 +3243,29 @@ class ExpertBatch {
         }
         std::vector<size_t> own;  // the new jobs that prepare their own x
         std::vector<std::pair<size_t, size_t>> shared;  // and those that take an earlier job's, once it is prepared
-        std::vector<std::pair<float*, const float*>> copies;
+        int64_t values = 0;
         for (size_t e = 0; e < used.size(); e++) {
             const int64_t rows = static_cast<int64_t>(pairs[e].size());
             std::vector<int64_t> from(rows);
             for (int64_t r = 0; r < rows; r++) from[r] = (pairs[e][r] / kk) * kx + (kx > 1 ? pairs[e][r] % kk : 0);
-            parts.push_back(Part{y, n, pairs[e], x, std::move(from), Floats(rows * n), {}, {}});
+            parts.push_back(Part{y, n, pairs[e], x, std::move(from), Floats(rows * n), false, {}});
             Part& mine = parts.back();
             const int64_t* at = ptrs + 2 * used[e];
             Job j = make_job(fmt, scale_kind, reinterpret_cast<const void*>(at[0]), reinterpret_cast<const void*>(at[1]),
-                             nullptr, mine.y.data(), rows, n, k, block, 1);
+                             x, mine.y.data(), rows, n, k, block, 1);
             if (const size_t o = sharer(j, mine); o < jobs.size()) {
                 shared.emplace_back(jobs.size(), o);
             } else {
-                mine.x.resize(rows * k);
-                j.x = mine.x.data();
-                for (int64_t r = 0; r < rows; r++) copies.emplace_back(mine.x.data() + r * k, x + mine.from[r] * k);
+                mine.owns_x = true, values += rows * k;
                 own.push_back(jobs.size());
             }
             jobs.push_back(j);
         }
-        const int64_t count = int64_t(copies.size()), todo = int64_t(own.size());
+        const int64_t todo = int64_t(own.size());
         int oom = 0;
-#pragma omp parallel num_threads(threads_) if (count * k >= PARALLEL_VALUES) reduction(| : oom)
-        {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < count; i++) std::memcpy(copies[i].first, copies[i].second, sizeof(float) * k);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < todo; i++) oom |= prepare_x(jobs[own[i]], isa, parts[own[i]].own) ? 0 : 1;
-        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_) if (values >= PARALLEL_VALUES) reduction(| : oom)
+        for (int64_t i = 0; i < todo; i++)
+            oom |= prepare_x(jobs[own[i]], isa, parts[own[i]].own, parts[own[i]].from.data()) ? 0 : 1;
         for (auto [i, o] : shared) {
             Job& j = jobs[i];
             const Job& from = jobs[o];
@@ -3196,7 +3282,7 @@ class ExpertBatch {
             const Job& o = jobs[i];
             const Part& theirs = parts[i];
             if (o.fmt == j.fmt && o.block == j.block && o.k == j.k && o.m == j.m && o.s_cols == j.s_cols &&
-                !theirs.x.empty() && theirs.src == mine.src && theirs.from == mine.from)
+                theirs.owns_x && theirs.src == mine.src && theirs.from == mine.from)
                 return i;
         }
         return jobs.size();

@@ -754,6 +754,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mhc_takes_int.restype = ctypes.c_int
     lib.mhc_takes_int.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.mhc_int_x_top.restype = ctypes.c_int
+    lib.mhc_int_x_top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
