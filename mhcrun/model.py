@@ -635,7 +635,7 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, static: bool) -> torch.Tensor:
         """The routed experts' sum for x [T, d] -> fp32: decode's rows (and the static path) gathered; an eager
         prefill chunk, where the experts are read in place, by the run's kernel in one call a slice of the chunk whose
-        routes come to at most MAX_ROWS rows an expert on average (`CpuKernel.moe_routed`: one parallel region a stage,
+        routes come to at most `CpuKernel.routed_routes` (`CpuKernel.moe_routed`: one parallel region a stage,
         the FP4 experts' many rows by its panels; on a 2-core VM a 128-token prefill took 0.77x as long as by a call an
         expert and weight, before the panels, and a 1,024-token one 0.82-0.86x as long as by torch's GEMMs of
         dequantised experts: BENCHMARKS.md); else expert by expert."""
@@ -643,7 +643,8 @@ class MoE(nn.Module):
             return self.routed_gathered(x, weights, idx)
         if not self.reads_in_place(1):
             return self.routed_loop(x, weights, idx)
-        most = max(1, MAX_ROWS * len(self.owned) // idx.shape[1])  # tokens a call: the kernel's bound on its routes
+        w1, w2 = self.gathered["w1"], self.gathered["w2"]
+        most = max(1, self.opts.cpu.routed_routes(w1, w2) // idx.shape[1])  # tokens a call: the kernel's bound
         span = -(-x.shape[0] // -(-x.shape[0] // most))  # as few calls, of even size (no call of a few tokens)
         ys = [self.routed_in_one_call(x[t:t + span], weights[t:t + span], idx[t:t + span])
               for t in range(0, x.shape[0], span)]

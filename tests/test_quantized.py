@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,37 @@ def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monke
     off.opts.cpu = cpu_kernel("0")
     off_ffn = off.layers[1].ffn
     torch.testing.assert_close(off_ffn.routed(x, weights, idx, static=False), off_ffn.routed_loop(x, weights, idx))
+
+
+def test_routed_prefill_slices_grow_where_the_panels_take_them(mid2, monkeypatch):
+    """With AVX2's panels (FP4 experts, e8m0 groups of 32, whole chunks: the mid-size config), a routed call takes as
+    many routes as ROUTED_CALL_BYTES of its transients hold (`route_bytes` a route), more than MAX_ROWS rows an
+    expert, so that a panel decoded once serves more rows; a longer chunk still takes calls of even size within that
+    bound, the per-expert loop's output within rounding. Other experts keep the MAX_ROWS bound."""
+    kernel = cpu_kernel()
+    if kernel.isa != qgemv.ISAS["avx2"]:
+        pytest.skip(f"the panels are AVX2's (CPU kernel {kernel.status()})")
+    kept = load_checkpoint(mid2, 2)
+    model = build_model(kept.config, kept.tensors, kept.quantized, n_layers=2)
+    model.opts.cpu = kernel
+    ffn, cfg = model.layers[1].ffn, model.cfg
+    assert ffn.reads_in_place(1)
+    w1, w2 = ffn.gathered["w1"], ffn.gathered["w2"]
+    floor = qgemv.MAX_ROWS * cfg.n_routed_experts
+    monkeypatch.setattr(qgemv, "ROUTED_CALL_BYTES", 3 * floor * qgemv.route_bytes(cfg.dim, cfg.moe_inter_dim) // 2)
+    assert kernel.routed_routes(w1, w2) == 3 * floor // 2
+    assert kernel.routed_routes(replace(w1, fmt=qgemv.FORMATS["fp8"]), w2) == floor
+    assert kernel.routed_routes(replace(w1, block=64), w2) == floor
+    k = cfg.n_activated_experts
+    t = 2 * (3 * floor // 2 // k) + 5
+    x = torch.randn(t, cfg.dim, generator=torch.Generator().manual_seed(8))
+    weights, idx = ffn.gate(x, torch.arange(t) + 5)
+    calls, fused = [], type(kernel).moe_routed
+    monkeypatch.setattr(type(kernel), "moe_routed", lambda self, *a: calls.append(a[2].shape) or fused(self, *a))
+    got = ffn.routed(x, weights, idx, static=False)
+    even = -(-t // 3)
+    assert calls == [(even, k), (even, k), (t - 2 * even, k)] and floor < even * k <= 3 * floor // 2
+    torch.testing.assert_close(got, ffn.routed_loop(x, weights, idx), rtol=1e-5, atol=1e-5)
 
 
 def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):

@@ -61,6 +61,7 @@ RC_EXPERT = 8  # qgemv.cpp: a routed expert index outside its set
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 HEAD_ROWS = 128  # rows a token may bring to a per-head step (its heads: V4's 128 at most)
 AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
+ROUTED_CALL_BYTES = 128 << 20  # a routed call's transients where its panels take a prefill's many routes
 FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
 # weights by BF16 dot products where x is exact in bf16 (after the FP8 activation rounding), else as avx512
@@ -98,6 +99,17 @@ class CpuKernel:
         decided when it was loaded) and the kernel on. Safe while torch.compile traces, where the answer is fixed
         into the graph."""
         return w.kernel and rows <= MAX_ROWS and self.on
+
+    def routed_routes(self, w1: ExpertSet, w2: ExpertSet) -> int:
+        """The most routes (tokens times k) a `moe_routed` call takes: MAX_ROWS rows an expert on average (beyond
+        decode's sizes the GEMV rows lose to GEMMs of dequantised experts), or where AVX2's panels multiply the experts
+        (FP4, e8m0 groups of 32, whole chunks of 128 inputs), as many as ROUTED_CALL_BYTES of the call's transients
+        hold (`route_bytes`): a panel decoded once serves more rows (a 1,024-token prefill of the mid-size config
+        takes two calls, not seven: BENCHMARKS.md)."""
+        most = MAX_ROWS * w1.ptrs.shape[0]
+        panels = self.isa == ISAS["avx2"] and all(
+            s.fmt == FORMATS["fp4"] and s.kind == 0 and s.block == 32 and s.in_features % 128 == 0 for s in (w1, w2))
+        return max(most, ROUTED_CALL_BYTES // route_bytes(w2.out_features, w1.out_features)) if panels else most
 
     def gemm_first(self, rows: int) -> bool:
         """Whether `rows` rows of x take the panels (`qgemm`) before the GEMV rows: with AMX, from AMX_ROWS on."""
@@ -176,13 +188,13 @@ class CpuKernel:
         experts idx [T, k] (the sets read in place; x rounded to FP8 first when act_block is not 0, and the experts'
         hidden values before w2), weighted by weights [T, k], the k results summed in order -> [T, d] fp32: the torch
         path's result within rounding (silu's exp is the C library's; the rest the same operations in the same order).
-        Also a prefill chunk's, while its routes come to at most MAX_ROWS rows an expert on average (T * k <= MAX_ROWS *
-        E: the call's transients stay those of such a chunk; `MoE.routed` takes a longer one a slice at a time; with
-        AVX2 an FP4 expert of four rows or more takes the panels). None where it does not apply or declines
-        (non-finite values: torch's rules then apply); ValueError as `experts_at`'s."""
+        Also a prefill chunk's, while its routes come to at most `routed_routes` (which bounds the call's transients;
+        `MoE.routed` takes a longer chunk a slice at a time; with AVX2 an FP4 expert of four rows or more takes the
+        panels). None where it does not apply or declines (non-finite values: torch's rules then apply); ValueError as
+        `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
-        if not self.on or not t or idx.numel() > MAX_ROWS * w1.ptrs.shape[0] or x.dtype != torch.float32 \
+        if not self.on or not t or idx.numel() > self.routed_routes(w1, w2) or x.dtype != torch.float32 \
                 or not x.is_cpu \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
                 or len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 \
@@ -840,6 +852,12 @@ class ExpertSet:
     block: int
     out_features: int
     in_features: int
+
+
+def route_bytes(d: int, inter: int) -> int:
+    """A routed call's transients a route (qgemv.cpp's `mhc_moe_routed`): x as integers (two int16 windows: 4d), w1's
+    and w3's results (8 inter), h as integers (4 inter), w2's results and the k sums' inputs (8d)."""
+    return 12 * (d + inter)
 
 
 def routed_result(rc: int, y: Tensor, ids: Tensor, experts: int) -> Tensor | None:
