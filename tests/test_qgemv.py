@@ -921,12 +921,13 @@ def test_routed_prefill_chunk_splits_over_threads(isa, fmt):
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("rows, limit", [(1, 10.0), (3, 0.05), (2, 0.0), (20, 10.0)])
-def test_routed_experts_in_one_call(isa, fmt, rows, limit):
+def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     """CpuKernel.moe_routed (MoE.routed_gathered of decode rows in one call, and of a prefill chunk's: 20 rows) gives
     what the torch path gives (each projection through qlinear_gathered over the sets read in place, swiglu, the
     routing weights, the k results summed) within rounding (silu's exp is the C library's), with the activation
     rounding and without, experts repeated within a row, the clamps biting (limit 0.05) or off (0). It declines NaN x
-    (torch's rules then apply), more routes than MAX_ROWS rows an expert on average, and sets of two layouts."""
+    (torch's rules then apply), more routes than its bound (`routed_routes`: MAX_ROWS rows an expert on average, or
+    ROUTED_CALL_BYTES of transients where AVX2's panels take FP4 experts), and sets of two layouts."""
     from mhcrun.model import swiglu_expert
     from mhcrun.ops.qlinear import qlinear_gathered
 
@@ -954,7 +955,11 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit):
     bad = x.clone()
     bad[0, 7] = float("nan")
     assert isa.moe_routed(bad, weights, idx, *sets, limit, 128) is None
-    many = qgemv.MAX_ROWS * sets[0].ptrs.shape[0] // k + 1  # more routes than MAX_ROWS an expert on average
+    floor = qgemv.MAX_ROWS * sets[0].ptrs.shape[0]
+    monkeypatch.setattr(qgemv, "ROUTED_CALL_BYTES", 2 * floor * qgemv.route_bytes(d, inter))
+    panels = fmt == "fp4" and isa.isa == qgemv.ISAS["avx2"]
+    assert isa.routed_routes(sets[0], sets[2]) == (2 * floor if panels else floor)
+    many = isa.routed_routes(sets[0], sets[2]) // k + 1  # more routes than the call's bound
     assert isa.moe_routed(torch.randn(many, d), torch.rand(many, k), torch.zeros(many, k, dtype=torch.long), *sets,
                           limit, 128) is None
     fits = many - 1  # a prefill chunk's worth: one call all the same
