@@ -451,10 +451,14 @@ class Attention(nn.Module):
         n_comp = 0 if comp is None else comp.size(1)
         per_query = query_bytes(self.n_heads, 2 * win + n_comp, n_sel, self.head_dim)
         for sl in query_slices(s, per_query, max_len=win):
-            # the slice's window keys: the ring, then the chunk's entries from `window` before the slice to its end
+            # the slice's window keys: the ring (only while a query of the slice can see it: query t sees positions
+            # after start + t - window, the ring's are before start), then the chunk's entries from `window` before
+            # the slice to its end
             lo = max(0, sl.start - win + 1)
-            keys = [ring, kv[:, lo:sl.stop]]
-            km = [mask[:, sl, :win], mask[:, sl, win + lo:win + sl.stop]]
+            sees_ring = sl.start < win - 1
+            keys = [ring, kv[:, lo:sl.stop]] if sees_ring else [kv[:, lo:sl.stop]]
+            km = [mask[:, sl, :win]] if sees_ring else []
+            km.append(mask[:, sl, win + lo:win + sl.stop])
             if comp is not None:
                 keys.append(comp)
                 km.append(comp_mask[:, sl])
