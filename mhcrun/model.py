@@ -450,7 +450,9 @@ class Attention(nn.Module):
         n_sel = 0 if chosen is None else chosen.size(-1)
         n_comp = 0 if comp is None else comp.size(1)
         per_query = query_bytes(self.n_heads, 2 * win + n_comp, n_sel, self.head_dim)
-        for sl in query_slices(s, per_query, max_len=win):
+        # half a window of queries a slice: its window keys come to 1.5 windows, of which each query sees one (whole
+        # windows of queries took two: a 1,024-token prefill's attention 0.7x the time, BENCHMARKS.md)
+        for sl in query_slices(s, per_query, max_len=max(1, win // 2)):
             # the slice's window keys: the ring (only while a query of the slice can see it: query t sees positions
             # after start + t - window, the ring's are before start), then the chunk's entries from `window` before
             # the slice to its end
