@@ -452,12 +452,14 @@ class Attention(nn.Module):
         per_query = query_bytes(self.n_heads, 2 * win + n_comp, n_sel, self.head_dim)
         # half a window of queries a slice: its window keys come to 1.5 windows, of which each query sees one (whole
         # windows of queries took two: a 1,024-token prefill's attention 0.7x the time, BENCHMARKS.md)
+        # a chunk at the start of every row's sequence: the ring holds nothing yet (eager only: no sync in graphs)
+        ring_empty = not static and not torch.compiler.is_compiling() and not bool((start > 0).any())
         for sl in query_slices(s, per_query, max_len=max(1, win // 2)):
             # the slice's window keys: the ring (only while a query of the slice can see it: query t sees positions
             # after start + t - window, the ring's are before start), then the chunk's entries from `window` before
             # the slice to its end
             lo = max(0, sl.start - win + 1)
-            sees_ring = sl.start < win - 1
+            sees_ring = sl.start < win - 1 and not ring_empty
             keys = [ring, kv[:, lo:sl.stop]] if sees_ring else [kv[:, lo:sl.stop]]
             km = [mask[:, sl, :win]] if sees_ring else []
             km.append(mask[:, sl, win + lo:win + sl.stop])

@@ -113,6 +113,25 @@ def test_batch_of_different_lengths_chunked_equals_each_alone_single_chunk():
             assert abs(m1 - m2) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["window", "mixed"])
+def test_chunk_of_rows_at_different_starts_equals_each_alone(kind):
+    """One chunk for two rows, one beginning its sequence (an empty ring) and one at position 40 (a ring of the
+    window before it): each row's logits are those of the row's chunk alone. The chunk spans several query slices
+    (half a window each), so the first slices read the ring for the second row and the later ones leave it out."""
+    ids1, chunk = prompt(40, seed=3), prompt(30, seed=5)
+    model = make_model(KINDS[kind], quant_sim=False)
+    model.setup_caches(2, 160)
+    prefill(model, ids1, 1, len(ids1))
+    both = model(torch.tensor([chunk, chunk]), torch.tensor([0, 1]), torch.tensor([0, len(ids1)]))
+    model.setup_caches(1, 160)
+    alone0 = prefill(model, chunk, 0, len(chunk))
+    model.setup_caches(1, 160)
+    prefill(model, ids1, 0, len(ids1))
+    alone1 = model(torch.tensor([chunk]), torch.tensor([0]), len(ids1))
+    torch.testing.assert_close(both[0], alone0[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(both[1], alone1[0], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
 def test_decode_after_chunked_prefill_equals_full_recompute(quant_sim):
     model = make_model(KINDS["mixed"], quant_sim)
