@@ -18,6 +18,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import Attention, RunOptions, cache_formats
 from mhcrun.ops.attention import ATTN_WORKSPACE
 from mhcrun.ops.index import INDEX_WORKSPACE
+from mhcrun.ops.qgemv import route_bytes
 from mhcrun.snapshot import state_extents
 from mhcrun.weights import dequantized_dtype, scale_name
 
@@ -151,10 +152,12 @@ def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: 
 def chunk_activation_bytes(cfg: ModelConfig, chunk: int) -> int:
     """The activations that grow with a prefill chunk of `chunk` tokens: the mHC streams and their copies through
     a layer, the attention's queries and outputs, the MoE's intermediates (measured on the mid-size config:
-    ~0.3 MB a token there)."""
+    ~0.3 MB a token there), or where more, the CPU kernel's routed call's transients (`qgemv.route_bytes` a route,
+    k routes a token: a call takes at most the chunk's)."""
     streams = 8 * cfg.hc_mult * cfg.dim * 4
     attn = 4 * cfg.n_heads * cfg.head_dim * 4 + 4 * cfg.q_lora_rank * 4
-    moe = 4 * (cfg.n_activated_experts + 1) * cfg.moe_inter_dim * 4
+    k = cfg.n_activated_experts
+    moe = max(4 * (k + 1) * cfg.moe_inter_dim * 4, k * route_bytes(cfg.dim, cfg.moe_inter_dim))
     return chunk * (streams + attn + moe)
 
 
