@@ -194,7 +194,9 @@ class CpuKernel:
         `experts_at`'s."""
         t, d = x.shape if x.dim() == 2 else (0, 0)
         sets = (w1, w3, w2)
-        if not self.on or not t or idx.numel() > self.routed_routes(w1, w2) or x.dtype != torch.float32 \
+        # the MAX_ROWS floor first: a decode step's calls (eight a step) never need routed_routes
+        over = idx.numel() > MAX_ROWS * w1.ptrs.shape[0] and idx.numel() > self.routed_routes(w1, w2)
+        if not self.on or not t or over or x.dtype != torch.float32 \
                 or not x.is_cpu \
                 or weights.dtype != torch.float32 or weights.shape != idx.shape or idx.shape[0] != t \
                 or len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 \
