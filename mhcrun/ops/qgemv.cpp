@@ -464,6 +464,14 @@ struct IntX {
     int64_t chunks = 0;
 };
 
+// Whether a chunk whose lowest set bit is 2**lo and whose largest magnitude lies below 2**hi takes the integer rows
+// (inside 2**-125 .. 2**100, at most two windows), and where the panels split it (`top`), how many bits below its
+// top window (0: one window). -1 where it does not take them.
+inline int chunk_split(int lo, int hi, bool top) {
+    if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return -1;
+    return top && hi - lo > INT_WINDOW ? hi - lo - INT_WINDOW : 0;
+}
+
 // A whole chunk of 128 values v in input order split at its top bits, as make_int_x(..., in_order, 0, ..., top) makes
 // it, in AVX2 (the panels' x: a prefill's routes; the scalar loop took ~6% of a routed call): each value's lowest set
 // bit from its mantissa's lowest bit (m & -m, whose exponent converting it to fp32 gives), the chunk's span by a min
@@ -499,8 +507,8 @@ AVX2 bool int_chunk_top(const float* v, int16_t* dst, float& scale, uint8_t& two
         std::memset(dst, 0, sizeof(int16_t) * 2 * INT_CHUNK);
         return true;
     }
-    if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-    const int split = hi - lo > INT_WINDOW ? hi - lo - INT_WINDOW : 0;
+    const int split = chunk_split(lo, hi, true);
+    if (split < 0) return false;
     two = uint8_t(split);
     scale = std::ldexp(1.0f, lo + split - 1);
     const __m128i by = _mm_cvtsi32_si128(split);
@@ -563,8 +571,8 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
                 hi = int(e) - 126 > hi ? int(e) - 126 : hi;
             }
             if (hi == -1000) continue;  // all zero
-            if (lo < -125 || hi > 100 || hi - lo > 2 * INT_WINDOW) return false;
-            const int split = top && hi - lo > INT_WINDOW ? hi - lo - INT_WINDOW : 0;  // 1 .. 15
+            const int split = chunk_split(lo, hi, top);  // 1 .. 15 where split
+            if (split < 0) return false;
             if (hi - lo > INT_WINDOW) out.two[r * chunks + c] = top ? uint8_t(split) : 1, out.any_two[r * chunks] = 1;
             // e2m1 values are half the table's integers
             out.scale[r * chunks + c] = std::ldexp(1.0f, lo + split - 1 - unit);
