@@ -187,10 +187,11 @@ def test_fp4_against_reference(isa, n, k, block, m):
 
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(40, 77), (300, 256), (3, 16), (17, 2050), (9, 94), (5, 64)])
-@pytest.mark.parametrize("m", [1, 4, 7])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
 def test_bf16_against_reference(isa, n, k, m):
     """AVX-512 splits x into even and odd inputs for an even k (64 weights a step, a tail of 2 to 30), and takes
-    the widening loop for an odd one."""
+    the widening loop for an odd one; AVX2 splits x for any k (each half zero-padded to 8), one, two or four steps
+    of 16 weights a pass for four, two or one row of x (a tail of 1 to 15)."""
     g = gen(300 + m)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x3 = torch.randn(m, 1, k, generator=g)

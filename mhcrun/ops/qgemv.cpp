@@ -303,6 +303,7 @@ AVX512 INLINE void bf16_split_step(const uint16_t* w, int64_t k, int64_t left, c
     }
 }
 
+
 // Whether a job's bf16 rows take the split loop (then prepare_x splits x: AVX-512, an even number of inputs).
 inline bool bf16_split(const Job& j) { return j.fmt == FMT_BF16 && j.k % 2 == 0; }
 
@@ -1787,33 +1788,68 @@ AVX2 void run_panels(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
+// bf16, x split into its even and its odd inputs (split_x; as avx512::bf16_split_step): 16 weights (one 32-byte load)
+// become their even inputs' fp32 values by a shift of each 32-bit lane and their odd ones' by a mask, no widening. xk
+// points at the even inputs' eight; the odd ones' lie `half` after them.
 template <int R>
-AVX2 INLINE void bf16_step(const uint8_t* w, const float* const* xk, __m256 (&acc)[R]) {
-    __m256i t = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
-    for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xk[r]), acc[r]);
+AVX2 INLINE void bf16_split_step(const uint8_t* w, const float* const* xk, int64_t half, __m256 (&ae)[R],
+                                 __m256 (&ao)[R]) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256 ev = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    const __m256 od = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xFFFF0000u))));
+    for (int r = 0; r < R; r++) {
+        ae[r] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(xk[r]), ae[r]);
+        ao[r] = _mm256_fmadd_ps(od, _mm256_loadu_ps(xk[r] + half), ao[r]);
+    }
 }
 
+// x rows [rows, k] -> xs [rows, 2 * half] (half: k / 2 rounded up to 8), each row's even inputs, then its odd ones,
+// each half zero-padded, for bf16_row.
+inline int64_t split_half(int64_t k) { return (k + 15) / 16 * 8; }
+
+void split_x(const float* x, float* xs, int64_t rows, int64_t k) {
+    const int64_t half = split_half(k);
+    std::fill(xs, xs + rows * 2 * half, 0.0f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) xs[r * 2 * half + (i & 1) * half + i / 2] = x[r * k + i];
+}
+
+// bf16 row n (split x: split_x): C split steps a pass (64 weights for one row of x, 32 for two, 16 for more: registers), each
+// into its own pair of chains, so that one row of x (decode's) is not bound by the FMA's latency (two chains ran at
+// ~3 values a cycle: 18 of the read stream's 24 GB/s for the mid-size head); the last < 16 weights zero-padded.
 template <int R>
 AVX2 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out) {
+    constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
     const uint8_t* w = j.w + n * j.row_bytes;
-    __m256 a0[R], a1[R];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    const int64_t half = j.x_stride / 2;
+    __m256 ae[C][R], ao[C][R];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) ae[c][r] = ao[c][r] = _mm256_setzero_ps();
+    const float* xk[R];
     int64_t k = 0;
+    for (; k + 16 * C <= j.k; k += 16 * C) {
+        prefetch_ahead(w + 2 * k);
+        if (C == 4) prefetch_ahead(w + 2 * k + 64);
+        for (int c = 0; c < C; c++) {
+            for (int r = 0; r < R; r++) xk[r] = xs[r] + k / 2 + 8 * c;
+            bf16_split_step<R>(w + 2 * k + 32 * c, xk, half, ae[c], ao[c]);
+        }
+    }
     for (; k + 16 <= j.k; k += 16) {
-        if (!(k & 31)) prefetch_ahead(w + 2 * k);
-        const float* xk[R];
-        const float* xk8[R];
-        for (int r = 0; r < R; r++) xk[r] = xs[r] + k, xk8[r] = xs[r] + k + 8;
-        bf16_step<R>(w + 2 * k, xk, a0);
-        bf16_step<R>(w + 2 * k + 16, xk8, a1);
+        for (int r = 0; r < R; r++) xk[r] = xs[r] + k / 2;
+        bf16_split_step<R>(w + 2 * k, xk, half, ae[0], ao[0]);
     }
-    for (; k < j.k; k += 8) {
-        const int64_t len = j.k - k < 8 ? j.k - k : 8;
-        Tail<R> t(w + 2 * k, 2 * len, xs, k, len);
-        bf16_step<R>(t.w, t.xp, a0);
+    if (k < j.k) {  // the last < 16 weights zero-padded (x's halves are, up to their multiple of 8: split_x)
+        alignas(32) uint8_t tw[32] = {};
+        std::memcpy(tw, w + 2 * k, 2 * (j.k - k));
+        for (int r = 0; r < R; r++) xk[r] = xs[r] + k / 2;
+        bf16_split_step<R>(tw, xk, half, ae[0], ao[0]);
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int r = 0; r < R; r++) {
+        __m256 s = _mm256_add_ps(ae[0][r], ao[0][r]);
+        for (int c = 1; c < C; c++) s = _mm256_add_ps(s, _mm256_add_ps(ae[c][r], ao[c][r]));
+        out[r] = hsum(s);
+    }
 }
 
 }  // namespace avx2
@@ -2363,8 +2399,9 @@ struct XBuf {
 // (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
 // and whole chunks: in input order, split at each chunk's top bits, for the panels: j.panel); else with isa 3, fp8 /
 // fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their
-// order (j.xb); else for fp4 (and bf16 weights of an even number of inputs on AVX-512: avx512::bf16_split), x
-// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order); else x as given.
+// order (j.xb); else for fp4 and bf16 weights (AVX-512: of an even number of inputs, avx512::bf16_split), x
+// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order, bf16's split_x); else x
+// as given.
 // With `from`, row r of x lies at j.x + from[r] * k (a routed expert's rows): the integer x reads them there, the
 // others a gathered copy. False when out of memory.
 bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
@@ -2400,6 +2437,13 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
         if (isa == 1 && j.fmt == FMT_FP8) {
             own.f.resize(rows * k);
             j.x_exp = avx2::scale_x(j.x, own.f.data(), rows, k);
+            j.x = own.f.data();
+            return true;
+        }
+        if (isa == 1 && j.fmt == FMT_BF16) {
+            j.x_stride = 2 * avx2::split_half(k);
+            own.f.resize(rows * j.x_stride);
+            avx2::split_x(j.x, own.f.data(), rows, k);
             j.x = own.f.data();
             return true;
         }
