@@ -1554,6 +1554,9 @@ AVX2 INLINE void fp4_int_chunks(const Job& j, int64_t n, const int16_t* const* x
                                 const uint8_t* const* two, float* out) {
     const uint8_t* w = j.w + n * j.row_bytes;
     const uint8_t* sb = static_cast<const uint8_t*>(j.s) + n * j.s_cols;
+    // the scales of the row 8 rows on, asked for now: a row's scales are one line apart from the next row's, a stream
+    // the weights' prefetch does not cover (a decode routed call out of DRAM 0.96-0.99x the time)
+    _mm_prefetch(reinterpret_cast<const char*>(sb + 8 * j.s_cols), _MM_HINT_T0);
     const int64_t chunks = j.k / INT_CHUNK;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
