@@ -1805,16 +1805,8 @@ AVX2 INLINE void bf16_split_step(const uint8_t* w, const float* const* xk, int64
     }
 }
 
-// x rows [rows, k] -> xs [rows, 2 * half] (half: k / 2 rounded up to 8), each row's even inputs, then its odd ones,
-// each half zero-padded, for bf16_row.
+// The half of bf16_row's split x (split_x): k / 2 rounded up to 8, each half zero-padded to it.
 inline int64_t split_half(int64_t k) { return (k + 15) / 16 * 8; }
-
-void split_x(const float* x, float* xs, int64_t rows, int64_t k) {
-    const int64_t half = split_half(k);
-    std::fill(xs, xs + rows * 2 * half, 0.0f);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i++) xs[r * 2 * half + (i & 1) * half + i / 2] = x[r * k + i];
-}
 
 // bf16 row n (split x: split_x): C split steps a pass (64 weights for one row of x, 32 for two, 16 for more:
 // registers), each into its own pair of chains; the last < 16 weights zero-padded. In cache a row of x takes 0.71-0.78x
@@ -2397,6 +2389,22 @@ struct XBuf {
     Floats g;  // the rows gathered, where they were given by a row map and the integer x does not take them
 };
 
+// x rows [rows, k] -> xs [rows, 2 * half] (half >= ceil(k / 2)): each row's even inputs, then its odd ones, each half
+// zero-padded past its values. The split x of AVX2's bf16 rows (half: avx2::split_half) and of AVX-512's bf16 and fp4
+// rows (k even, half k / 2).
+void split_x(const float* x, float* xs, int64_t rows, int64_t k, int64_t half) {
+    std::fill(xs, xs + rows * 2 * half, 0.0f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) xs[r * 2 * half + (i & 1) * half + i / 2] = x[r * k + i];
+}
+
+// Whether AVX2's panels take an FP4 weight's rows (given PANEL_MIN_ROWS rows of x or more and one group of outputs):
+// e8m0 scales, one a group of 32 inputs, `s_cols` a row; whole chunks of inputs. qgemv.py's routed_routes asks it
+// through mhc_panels_take.
+inline bool panel_layout(int fmt, int scale_kind, int64_t block, int64_t k, int64_t s_cols, int isa) {
+    return isa == 1 && fmt == FMT_FP4 && block == 32 && scale_kind == 0 && k % INT_CHUNK == 0 && s_cols == k / 32;
+}
+
 // Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
 // (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
 // and whole chunks: in input order, split at each chunk's top bits, for the panels: j.panel); else with isa 3, fp8 /
@@ -2412,8 +2420,8 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
         const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
-        const bool panel = isa == 1 && j.fmt == FMT_FP4 && j.groups == 1 && j.m >= avx2::PANEL_MIN_ROWS &&
-                           j.block == 32 && j.scale_kind == 0 && j.k % INT_CHUNK == 0 && j.s_cols == k / 32;
+        const bool panel = panel_layout(j.fmt, j.scale_kind, j.block, k, j.s_cols, isa) && j.groups == 1 &&
+                           j.m >= avx2::PANEL_MIN_ROWS;
         if (j.fmt == FMT_FP4 && int_rows &&
             make_int_x(j.x, rows, k, panel ? in_order : isa == 3 ? avx512bf16::fp4_slot : avx2::fp4_int_slot,
                        panel || isa == 3 ? 0 : avx2::FP4_INT_UNIT, own.i, panel, from, isa)) {
@@ -2442,28 +2450,14 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
             j.x = own.f.data();
             return true;
         }
-        if (isa == 1 && j.fmt == FMT_BF16) {
-            j.x_stride = 2 * avx2::split_half(k);
-            own.f.resize(rows * j.x_stride);
-            avx2::split_x(j.x, own.f.data(), rows, k);
-            j.x = own.f.data();
-            return true;
-        }
-        if (j.fmt != FMT_FP4 && !(isa >= 2 && avx512::bf16_split(j))) return true;
-        j.x_stride = isa >= 2 ? k : (k + 63) / 64 * 64;
+        const bool split = isa >= 2 || j.fmt == FMT_BF16;  // else AVX2's fp4 rows: fp4_permute
+        if (j.fmt != FMT_FP4 && !(isa >= 2 && avx512::bf16_split(j)) && !(isa == 1 && j.fmt == FMT_BF16)) return true;
+        j.x_stride = isa >= 2 ? k : split ? 2 * avx2::split_half(k) : (k + 63) / 64 * 64;
         own.f.resize(rows * j.x_stride);
+        if (split) split_x(j.x, own.f.data(), rows, k, j.x_stride / 2);
+        else avx2::fp4_permute(j.x, own.f.data(), rows, k, j.x_stride);
     } catch (const std::bad_alloc&) {
         return false;
-    }
-    if (isa >= 2) {
-        const int64_t half = k / 2;
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t t = 0; t < half; t++) {
-                own.f[i * k + t] = j.x[i * k + 2 * t];
-                own.f[i * k + half + t] = j.x[i * k + 2 * t + 1];
-            }
-    } else {
-        avx2::fp4_permute(j.x, own.f.data(), rows, k, j.x_stride);
     }
     j.x = own.f.data();
     return true;
@@ -3070,6 +3064,12 @@ int mhc_qgemv_isa(void) {
 // Whether x [n] takes the BF16 dot-product rows (avx512bf16::takes_bf16): exact in bf16, each value zero or finite
 // and at least 2**-110 in magnitude. 1 or 0.
 int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
+
+// Whether AVX2's panels take a prefill's rows of an FP4 weight of k inputs whose scales are its own (k / block a row):
+// panel_layout. 1 or 0.
+int mhc_panels_take(int fmt, int scale_kind, int64_t block, int64_t k, int isa) {
+    return block > 0 && panel_layout(fmt, scale_kind, block, k, k / block, isa) ? 1 : 0;
+}
 
 // Whether x [rows, k] takes the FP4 integer rows of isa 3 and 1 (make_int_x): every value finite, and each
 // chunk of 128 inputs of a row within 30 bits of its lowest set bit, inside 2**-125 .. 2**100. 1 or 0.

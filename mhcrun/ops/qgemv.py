@@ -104,11 +104,12 @@ class CpuKernel:
         """The most routes (tokens times k) a `moe_routed` call takes: MAX_ROWS rows an expert on average (beyond
         decode's sizes the GEMV rows lose to GEMMs of dequantised experts), or where AVX2's panels multiply the experts
         (FP4, e8m0 groups of 32, whole chunks of 128 inputs), as many as ROUTED_CALL_BYTES of the call's transients
-        hold (`route_bytes`): a panel decoded once serves more rows (a 1,024-token prefill of the mid-size config
-        takes two calls, not seven: BENCHMARKS.md)."""
+        hold (`route_bytes`; the layouts the panels take, as the C++ decides them: `mhc_panels_take`): a panel decoded
+        once serves more rows (a 1,024-token prefill of the mid-size config takes two calls, not seven:
+        BENCHMARKS.md)."""
         most = MAX_ROWS * w1.ptrs.shape[0]
-        panels = self.isa == ISAS["avx2"] and all(
-            s.fmt == FORMATS["fp4"] and s.kind == 0 and s.block == 32 and s.in_features % 128 == 0 for s in (w1, w2))
+        panels = self.on and all(load_library(self.library).mhc_panels_take(s.fmt, s.kind, s.block, s.in_features,
+                                                                            self.isa) for s in (w1, w2))
         return max(most, ROUTED_CALL_BYTES // route_bytes(w2.out_features, w1.out_features)) if panels else most
 
     def gemm_first(self, rows: int) -> bool:
@@ -766,6 +767,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_qgemm_amx.restype = ctypes.c_int
     lib.mhc_takes_bf16.restype = ctypes.c_int
     lib.mhc_takes_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.mhc_panels_take.restype = ctypes.c_int
+    lib.mhc_panels_take.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.mhc_takes_int.restype = ctypes.c_int
     lib.mhc_takes_int.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.mhc_int_x_top.restype = ctypes.c_int
