@@ -6,7 +6,7 @@
 - `--check-weights`: the scan of every stored tensor (`mhcrun.weightcheck`, scan.cpp) in GB/s of the checkpoint's
   bytes, beside memcpy's bandwidth and beside a plain read of the same mapped bytes, each best of --repeats
   (the shards are read once first, so every pass reads from the page cache).
-- The per-step logits check (`generate.nonfinite_rows`, one isfinite reduction over [batch, vocab]) beside one
+- The per-step logits check (`generate.nonfinite_rows`, one sum over [batch, vocab]) beside one
   eager decode step of the model, over --steps steps.
 """
 

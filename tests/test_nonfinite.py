@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mhcrun.cli import app
 from mhcrun.config import config_from_hf
 from mhcrun.errors import NonFiniteError
-from mhcrun.generate import generate, raise_nonfinite
+from mhcrun.generate import generate, nonfinite_rows, raise_nonfinite
 from mhcrun.model import build_model
 from mhcrun.runner import DEFAULT_MODEL
 from mhcrun.tiny import init_tensors, tiny_config_raw
@@ -35,6 +35,21 @@ def test_nan_weight_stops_generate_at_the_first_step(graph_mode):
         model.layers[1].attn.wq_a.weight[3, 5] = float("nan")
     with pytest.raises(NonFiniteError, match=r"prompt 0: the logits of step 0 \(prefill\) hold NaN"):
         raise_nonfinite(generate(model, [[0, 5, 9]], 4, eos_id=1, graph_mode=graph_mode, backend="aot_eager"))
+
+
+def test_nonfinite_rows_finds_each_kind_and_passes_sums_that_overflow():
+    """The sum's quick pass lets no non-finite row through: NaN, +-Inf, both infinities in one row (their sum is
+    NaN), and a row whose finite values overflow the sum (checked value by value: finite)."""
+    logits = torch.randn(6, 300)
+    logits[1, 7] = float("nan")
+    logits[2, 299] = float("inf")
+    logits[3, 0] = float("-inf")
+    logits[4, 3], logits[4, 9] = float("inf"), float("-inf")
+    logits[5, :2] = 3e38  # finite, but their sum is inf
+    assert nonfinite_rows(logits) == [(1, "NaN"), (2, "Inf"), (3, "Inf"), (4, "Inf")]
+    assert nonfinite_rows(logits[[0, 5]]) == []
+    assert nonfinite_rows(logits[1]) == [(0, "NaN")]  # one row as a 1-D tensor (speculate's)
+    assert nonfinite_rows(logits[0]) == []
 
 
 def test_inf_appearing_in_decode_names_the_decode_step_and_the_row():
