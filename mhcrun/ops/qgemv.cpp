@@ -1680,13 +1680,16 @@ AVX2 INLINE void panel_scales(const uint8_t* const* sbs, int64_t groups, float* 
         for (int i = 0; i < PANEL; i++) sc[g0 * PANEL + i] = E8M0.v[sbs[i][g0]];
 }
 
-// R rows of x (R <= 4) against group g's 16 pairs of the panel pw, x at `at` of each row: acc[r] += the int32 sums
-// times scales sc (the group's, both vectors) times x's.
+// R rows of x (R <= 4) against group g's 16 pairs of the panel pw, x at `at` of each row: acc [R][16] (row r's
+// sixteen outputs at acc + PANEL * r) += the int32 sums times scales sc (the group's, both vectors) times x's. The
+// sums stay in registers over the group's pairs (unrolled); acc is read and written once a group, in memory (held in
+// registers too, it spilled them inside the pairs' loop, and copies between registers took a third of its issue).
 template <int R>
 AVX2 INLINE void panel_group(const __m256i* pw, const int16_t* const* xs, int64_t at, const float* sc, const float* xsc,
-                             __m256 (&acc)[R][2]) {
+                             float* acc) {
     __m256i ia[R][2];
     for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
     for (int t = 0; t < 16; t++) {
         const __m256i wa = _mm256_load_si256(pw + 2 * t), wb = _mm256_load_si256(pw + 2 * t + 1);
         for (int r = 0; r < R; r++) {
@@ -1700,23 +1703,20 @@ AVX2 INLINE void panel_group(const __m256i* pw, const int16_t* const* xs, int64_
     const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
     for (int r = 0; r < R; r++) {
         const __m256 f = _mm256_set1_ps(xsc[r]);
-        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, f), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
+        float* a = acc + PANEL * r;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, f), _mm256_loadu_ps(a)));
+        _mm256_storeu_ps(a + 8,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, f), _mm256_loadu_ps(a + 8)));
     }
 }
 
 // R rows of x from row m0 against groups [g0, g1) of the packed panel (pw, its scales sc [groups][16]), added to
 // acc [R][16].
 template <int R>
-AVX2 void panel_rows(const Job& j, int64_t m0, const __m256i* pw, const float* sc, int64_t g0, int64_t g1,
-                     float* acc_rows) {
+AVX2 void panel_rows(const Job& j, int64_t m0, const __m256i* pw, const float* sc, int64_t g0, int64_t g1, float* acc) {
     const int64_t chunks = j.k / INT_CHUNK;
     const int16_t* xs[R];
-    __m256 acc[R][2];
-    for (int r = 0; r < R; r++) {
-        xs[r] = j.xi + (m0 + r) * j.x_stride;
-        acc[r][0] = _mm256_loadu_ps(acc_rows + PANEL * r), acc[r][1] = _mm256_loadu_ps(acc_rows + PANEL * r + 8);
-    }
+    for (int r = 0; r < R; r++) xs[r] = j.xi + (m0 + r) * j.x_stride;
     for (int64_t c = g0 / 4; c < g1 / 4; c++) {
         float xsc[R];
         for (int r = 0; r < R; r++) xsc[r] = j.xi_scale[(m0 + r) * chunks + c];
@@ -1733,6 +1733,7 @@ AVX2 void panel_rows(const Job& j, int64_t m0, const __m256i* pw, const float* s
                 const int zero = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(q, _mm256_setzero_si256())));
                 set |= uint64_t(~zero & 0xFF) << (8 * v);
             }
+            float* a = acc + PANEL * r;
             for (; set; set &= set - 1) {
                 const int t = __builtin_ctzll(set);
                 int32_t pair;
@@ -1741,13 +1742,13 @@ AVX2 void panel_rows(const Job& j, int64_t m0, const __m256i* pw, const float* s
                 const __m256i xb = _mm256_set1_epi32(pair);
                 const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_load_si256(pw + 2 * p), xb));
                 const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_load_si256(pw + 2 * p + 1), xb));
-                acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g), f), acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g + 8), f), acc[r][1]);
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g), f),
+                                                    _mm256_loadu_ps(a)));
+                _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_loadu_ps(sc + PANEL * g + 8), f),
+                                                        _mm256_loadu_ps(a + 8)));
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        _mm256_storeu_ps(acc_rows + PANEL * r, acc[r][0]), _mm256_storeu_ps(acc_rows + PANEL * r + 8, acc[r][1]);
 }
 
 constexpr int64_t PANEL_SPAN = 16;  // groups (512 inputs: 16 KB of a panel) that every row of x meets in turn
