@@ -329,8 +329,9 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (entry indices, valid) [b, s, min(topk, n)]: each query's top-k closed entries (tie rule in
-        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go (in CPU eager
-        decode the run's kernel scores and selects in one call: `CpuKernel.index_topk`, the scores within rounding).
+        `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go (in CPU decode the
+        run's kernel scores and selects in one call, `CpuKernel.index_topk`, the scores within rounding: eager, and
+        in compiled graphs by its op, which read the key cache where it lies).
         n: the entries the chunk's queries may see, or with `static` every entry slot in one slice."""
         b, s = x.shape[:2]
         q = self.queries(qr, cos, sin)
@@ -349,8 +350,9 @@ class Indexer(nn.Module):
                 return None
             return self.opts.cpu.index_topk(q, w, cache.fp4, cache.scale, rows, closed, n, self.topk, INDEX_FP4_BLOCK)
 
-        return eager_first(fast, lambda: select_topk_sliced(score_slice, n, closed, self.topk,
-                                                            n if static else entry_step(b * s, self.n_heads)))
+        out = fast()  # in graphs too (its op): a graph's indexer otherwise decodes and scores every entry slot
+        return out if out is not None else select_topk_sliced(score_slice, n, closed, self.topk,
+                                                               n if static else entry_step(b * s, self.n_heads))
 
 
 class Attention(nn.Module):

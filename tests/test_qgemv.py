@@ -1121,6 +1121,40 @@ def test_native_attend_op_is_the_python_op_in_cpp(isa, b, s, h, n, k, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("b, s, n, closed", [(1, 1, 200, [[200]]), (2, 1, 50, [[50], [23]]),
+                                             (1, 3, 20, [[18, 19, 20]])])
+def test_native_index_topk_op_is_the_python_op_in_cpp(isa, b, s, n, closed):
+    """mhcrun::index_topk_native (the indexer's top-k compiled graphs call) gives mhcrun::index_topk_cpu's results
+    bitwise, which are the kernel's (`CpuKernel.index_topk`); where the kernel declines (a NaN score) both give the
+    reference: select_topk of index_scores on the decoded keys. Traced, it is one op in the graph."""
+    assert isa.ops, "the kernel's torch ops were not built"
+    q, w, packed, scale = index_case(b, s, 16, 128, 3, n + 5, False, seed=7 * n + b)
+    rows, closed = torch.tensor([2, 0][:b]), torch.tensor(closed)
+    args = (q, w, packed, scale, rows, closed, n, 64, 32)
+    want = isa.index_topk(*args)
+    for op in (torch.ops.mhcrun.index_topk_native, torch.ops.mhcrun.index_topk_cpu):
+        got = op(*args, isa.library, isa.isa)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    nan = q.clone()
+    nan[0, 0, 1, 3] = float("nan")
+    assert isa.index_topk(nan, *args[1:]) is None
+    ref = reference_index_topk(nan, w, packed, scale, rows, closed, n, 64)
+    for op in (torch.ops.mhcrun.index_topk_native, torch.ops.mhcrun.index_topk_cpu):
+        got = op(nan, *args[1:], isa.library, isa.isa)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    torch._dynamo.reset()
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    got = torch.compile(isa.index_topk, backend=record, fullgraph=True)(*args)
+    assert "mhcrun.index_topk_native" in targets, targets
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_kernel
 def test_compiled_attention_and_post_pre_call_the_kernel_ops(isa):
     """Traced, the kernel's attention and post+pre step are one op each in the graph (their C++ kernels
     mhcrun::attend_native and mhcrun::hc_post_pre_native where the run loaded the kernel's ops; else nothing: the

@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
+
+from mhcrun.ops.qgemv import CpuKernel, index_topk_shape
+from mhcrun.ops.quant import dequantize_act, unpack_fp4
 
 INDEX_WORKSPACE = 192 << 20  # bytes the indexer's per-head fp32 scores and their copies take at once (entries
 # in slices; three [s, heads, slice] tensors live at once: the dot products, their ReLU and the weighted ones)
@@ -72,3 +76,21 @@ def select_topk_sliced(score_slice: Callable[[int, int], torch.Tensor], n: int, 
 def entry_step(s: int, heads: int, workspace: int = INDEX_WORKSPACE) -> int:
     """Entries per slice so that a chunk's per-head fp32 scores [s, heads, step] (three copies) fit the workspace."""
     return max(1, workspace // max(1, 3 * 4 * s * heads))
+
+
+@torch.library.custom_op("mhcrun::index_topk_cpu", mutates_args=())
+def index_topk_cpu(q: Tensor, w: Tensor, packed: Tensor, scale: Tensor, rows: Tensor, closed: Tensor, n: int,
+                   topk: int, block: int, library: str, isa: int) -> tuple[Tensor, Tensor]:
+    """The CPU kernel's indexer scores and top-k (`CpuKernel.index_topk`) as an opaque op of compiled graphs; where the
+    kernel declines, `select_topk` of `index_scores` over the first n fp4 keys of cache rows `rows` (decoded as the
+    cache decodes them): what its C++ twin `mhcrun::index_topk_native` (torch_ops.cpp) hands over when it does not
+    take the call. -> (entries int64, valid bool) [b, s, min(topk, n)]."""
+    out = CpuKernel(library, isa).index_topk(q, w, packed, scale, rows, closed, n, topk, block)
+    if out is None:
+        keys = dequantize_act(unpack_fp4(packed[rows, :n]), scale[rows, :n], block).to(q.dtype)
+        seen = torch.arange(n, device=q.device).view(1, 1, -1) < closed.unsqueeze(-1)
+        out = select_topk(index_scores(q, keys, w), seen, topk)
+    return out[0].contiguous(), out[1].contiguous()
+
+
+index_topk_cpu.register_fake(index_topk_shape)

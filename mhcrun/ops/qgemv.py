@@ -571,7 +571,9 @@ class CpuKernel:
         rows [b] (int64), entries j < n scored, j < closed [b, s] valid -> (entries int64, valid bool) [b, s,
         min(topk, n)] as `index.select_topk` of `index.index_scores` gives them (the tie rule; the scores within
         rounding: the dot products summed in another order), for decode's few queries (at most MAX_ROWS); None where
-        it does not apply (a NaN score included: the caller then takes the reference)."""
+        it does not apply (a NaN score included: the caller then takes the reference). In a compiled graph, the op
+        whose C++ makes this call (`mhcrun::index_topk_native`, torch_ops.cpp; its Python op `mhcrun::index_topk_cpu`
+        takes the reference where the kernel declines)."""
         ts = (q, w, scale)
         if not self.on or q.dim() != 4 or any(t.dtype != torch.float32 or not t.is_cpu for t in ts) \
                 or packed.dtype != torch.uint8 or not packed.is_cpu or rows.dtype != torch.int64 \
@@ -582,6 +584,9 @@ class CpuKernel:
                 or w.shape != (b, s, h) or rows.shape != (b,) or closed.shape != (b, s) \
                 or packed.shape[2] * 2 != d or scale.shape != (*packed.shape[:2], -(-d // block)):
             return None
+        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
+            return None if not self.ops else tuple(torch.ops.mhcrun.index_topk_native(
+                q, w, packed, scale, rows, closed, n, topk, block, self.library, self.isa))
         q, w, packed, scale, rows, closed = (t.contiguous() for t in (q, w, packed, scale, rows, closed))
         kk = min(topk, n)
         entries, valid = torch.empty(b, s, kk, dtype=torch.int64), torch.empty(b, s, kk, dtype=torch.bool)
@@ -709,8 +714,9 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
 
 
 def load_torch_ops(env: Env) -> str:
-    """The kernel's GEMVs, post+pre step and attention as C++ kernels of torch's dispatcher (torch_ops.cpp:
-    `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`, `mhcrun::attend_native`),
+    """The kernel's GEMVs, post+pre step, attention and indexer top-k as C++ kernels of torch's dispatcher
+    (torch_ops.cpp: `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`,
+    `mhcrun::attend_native`, `mhcrun::index_topk_native`),
     built for this torch (once per source, compiler and torch) and loaded into the process: the library's path, or ""
     where they cannot be built (compiled graphs then call the GEMVs' Python ops, and the torch reference for the
     rest)."""
@@ -724,6 +730,7 @@ def load_torch_ops(env: Env) -> str:
         torch.library.register_fake("mhcrun::qgemv_expert_set_native")(expert_set_shape)
         torch.library.register_fake("mhcrun::hc_post_pre_native")(post_pre_shape)
         torch.library.register_fake("mhcrun::attend_native")(attend_shape)
+        torch.library.register_fake("mhcrun::index_topk_native")(index_topk_shape)
     return path
 
 
@@ -741,6 +748,14 @@ def attend_shape(q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float
                  sel_mask: Tensor | None, library: str, isa: int) -> Tensor:
     """What `mhcrun::attend_cpu` (and its C++ kernel) gives, empty: o like q [b, s, h, d] fp32 (fake kernel)."""
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def index_topk_shape(q: Tensor, w: Tensor, packed: Tensor, scale: Tensor, rows: Tensor, closed: Tensor, n: int,
+                     topk: int, block: int, library: str, isa: int) -> tuple[Tensor, Tensor]:
+    """What `mhcrun::index_topk_cpu` (and its C++ kernel) gives, empty: entries int64 and valid bool [b, s,
+    min(topk, n)] for q [b, s, h, d] (fake kernel)."""
+    lead = (*q.shape[:2], min(topk, n))
+    return q.new_empty(lead, dtype=torch.int64), q.new_empty(lead, dtype=torch.bool)
 
 
 def qgemv_shape(x3: Tensor, data: Tensor, scale: Tensor | None, block: int, groups: int, library: str,

@@ -1,8 +1,9 @@
 // mhcrun's CPU kernel ops as C++ kernels of torch's dispatcher, for compiled graphs: `mhcrun::qgemv_native`,
-// `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native` and `mhcrun::attend_native` are the Python ops
-// `mhcrun::qgemv`, `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear), `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops) and
-// `mhcrun::attend_cpu` (mhcrun.ops.attention) in C++, with their arguments (the shapes they give, their fake kernels:
-// mhcrun.ops.qgemv). A graph that inductor compiles with its C++ wrapper calls them without entering Python.
+// `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`, `mhcrun::attend_native` and
+// `mhcrun::index_topk_native` are the Python ops `mhcrun::qgemv`, `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear),
+// `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops), `mhcrun::attend_cpu` (mhcrun.ops.attention) and `mhcrun::index_topk_cpu`
+// (mhcrun.ops.index) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A graph
+// that inductor compiles with its C++ wrapper calls them without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
 // through dlopen. They do the common case only: the kernel's one call on arguments of the shapes it reads. Anything
@@ -224,6 +225,50 @@ at::Tensor attend_native(const at::Tensor& q, const at::Tensor& kv, const at::Te
     return o;
 }
 
+using IndexTopkFn = int (*)(const float*, const float*, const uint8_t*, const float*, const int64_t*, const int64_t*,
+                            int64_t*, uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int);
+using Two = std::tuple<at::Tensor, at::Tensor>;
+
+Two python_index_topk(const at::Tensor& q, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale,
+                      const at::Tensor& rows, const at::Tensor& closed, int64_t n, int64_t topk, int64_t block,
+                      c10::string_view library, int64_t isa) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mhcrun::index_topk_cpu", "")
+        .typed<Two(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, int64_t, int64_t, int64_t, c10::string_view, int64_t)>();
+    return op.call(q, w, packed, scale, rows, closed, n, topk, block, library, isa);
+}
+
+// mhcrun::index_topk_cpu in one kernel call (mhc_index_topk): q [b, s, h, d], w [b, s, h] fp32 against the first n
+// entries of the fp4 key cache (packed [B, L, d / 2] uint8, scale [B, L, ceil(d / block)] fp32) at rows [b], entries
+// j < closed [b, s] valid -> (entries int64, valid bool) [b, s, min(topk, n)].
+Two index_topk_native(const at::Tensor& q, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale,
+                      const at::Tensor& rows, const at::Tensor& closed, int64_t n, int64_t topk, int64_t block,
+                      c10::string_view library, int64_t isa) {
+    auto fallback = [&] { return python_index_topk(q, w, packed, scale, rows, closed, n, topk, block, library, isa); };
+    if (q.dim() != 4 || packed.dim() != 3 || !cpu_of({&q, &w, &scale}, at::kFloat) || !cpu_of({&packed}, at::kByte)
+            || !cpu_of({&rows, &closed}, at::kLong))
+        return fallback();
+    const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3);
+    if (b * s < 1 || n < 1 || n > packed.size(1) || topk < 1 || block < 1
+            || w.sizes() != at::IntArrayRef({b, s, h}) || rows.sizes() != at::IntArrayRef({b})
+            || closed.sizes() != at::IntArrayRef({b, s}) || packed.size(2) * 2 != d
+            || scale.sizes() != at::IntArrayRef({packed.size(0), packed.size(1), (d + block - 1) / block}))
+        return fallback();
+    const at::Tensor qc = q.contiguous(), wc = w.contiguous(), pc = packed.contiguous(), sc = scale.contiguous();
+    const at::Tensor rc = rows.contiguous(), cc = closed.contiguous();
+    const int64_t kk = std::min(topk, n);
+    at::Tensor entries = at::empty({b, s, kk}, rows.options());
+    at::Tensor valid = at::empty({b, s, kk}, q.options().dtype(at::kBool));
+    auto call = reinterpret_cast<IndexTopkFn>(entry(std::string(library), "mhc_index_topk"));
+    if (call(qc.data_ptr<float>(), wc.data_ptr<float>(), pc.data_ptr<uint8_t>(), sc.data_ptr<float>(),
+             rc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), entries.data_ptr<int64_t>(),
+             reinterpret_cast<uint8_t*>(valid.data_ptr<bool>()), b, s, h, d, packed.size(0), packed.size(1), n, topk,
+             block, static_cast<int>(std::min<int64_t>(isa, 2))))
+        return fallback();
+    return {entries, valid};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
@@ -235,6 +280,8 @@ TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
           "(Tensor, Tensor, Tensor, Tensor)");
     m.def("attend_native(Tensor q, Tensor kv, Tensor mask, Tensor sink, float scale, Tensor? sel, Tensor? sel_mask, "
           "str library, int isa) -> Tensor");
+    m.def("index_topk_native(Tensor q, Tensor w, Tensor packed, Tensor scale, Tensor rows, Tensor closed, int n, "
+          "int topk, int block, str library, int isa) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mhcrun, CPU, m) {
@@ -242,4 +289,5 @@ TORCH_LIBRARY_IMPL(mhcrun, CPU, m) {
     m.impl("qgemv_expert_set_native", qgemv_expert_set_native);
     m.impl("hc_post_pre_native", hc_post_pre_native);
     m.impl("attend_native", attend_native);
+    m.impl("index_topk_native", index_topk_native);
 }
