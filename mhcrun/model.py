@@ -330,8 +330,8 @@ class Indexer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (entry indices, valid) [b, s, min(topk, n)]: each query's top-k closed entries (tie rule in
         `mhcrun.ops.index`), scored a slice of entries at a time with the heads reduced as they go (in CPU decode the
-        run's kernel scores and selects in one call, `CpuKernel.index_topk`, the scores within rounding: eager, and
-        in compiled graphs by its op, which read the key cache where it lies).
+        run's kernel scores and selects in one call, `CpuKernel.index_topk`, the scores within rounding, reading the
+        key cache where it lies: eager, and in compiled graphs through its op).
         n: the entries the chunk's queries may see, or with `static` every entry slot in one slice."""
         b, s = x.shape[:2]
         q = self.queries(qr, cos, sin)

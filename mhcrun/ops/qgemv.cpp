@@ -1683,7 +1683,8 @@ AVX2 INLINE void panel_scales(const uint8_t* const* sbs, int64_t groups, float* 
 // R rows of x (R <= 4) against group g's 16 pairs of the panel pw, x at `at` of each row: acc [R][16] (row r's
 // sixteen outputs at acc + PANEL * r) += the int32 sums times scales sc (the group's, both vectors) times x's. The
 // sums stay in registers over the group's pairs (unrolled); acc is read and written once a group, in memory (held in
-// registers too, it spilled them inside the pairs' loop, and copies between registers took a third of its issue).
+// registers too, it spilled them inside the pairs' loop, which also copied eight registers a pair: 0.95-0.96x a
+// prefill's routed call this way, BENCHMARKS.md).
 template <int R>
 AVX2 INLINE void panel_group(const __m256i* pw, const int16_t* const* xs, int64_t at, const float* sc, const float* xsc,
                              float* acc) {
