@@ -648,13 +648,17 @@ class MoE(nn.Module):
         routes come to at most `CpuKernel.routed_routes` (`CpuKernel.moe_routed`: one parallel region a stage,
         the FP4 experts' many rows by its panels; on a 2-core VM a 128-token prefill took 0.77x as long as by a call an
         expert and weight, before the panels, and a 1,024-token one 0.82-0.86x as long as by torch's GEMMs of
-        dequantised experts: BENCHMARKS.md); else expert by expert."""
+        dequantised experts: BENCHMARKS.md); else expert by expert, as also where the chunk is longer than a call
+        takes and AMX multiplies an expert's many rows (`CpuKernel.gemm_first`: a 512-token chunk's experts 0.59x as
+        long as by the calls' GEMV rows on an AMX VM, a 128-token one 1.09x: BENCHMARKS.md)."""
         if static or self.reads_in_place(x.shape[0]):
             return self.routed_gathered(x, weights, idx)
         if not self.reads_in_place(1):
             return self.routed_loop(x, weights, idx)
         w1, w2 = self.gathered["w1"], self.gathered["w2"]
         most = max(1, self.opts.cpu.routed_routes(w1, w2) // idx.shape[1])  # tokens a call: the kernel's bound
+        if x.shape[0] > most and self.opts.cpu.gemm_first(idx.numel() // len(self.owned)):
+            return self.routed_loop(x, weights, idx)
         span = -(-x.shape[0] // -(-x.shape[0] // most))  # as few calls, of even size (no call of a few tokens)
         ys = [self.routed_in_one_call(x[t:t + span], weights[t:t + span], idx[t:t + span])
               for t in range(0, x.shape[0], span)]
