@@ -36,7 +36,7 @@ from mhcrun.config import ModelConfig
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops import kvcache
 from mhcrun.ops.attention import closed_mask, query_bytes, query_slices, sparse_attn, window_mask
-from mhcrun.ops.compress import add_to_open_group, compress_chunk, stays_open
+from mhcrun.ops.compress import add_to_open_group, compress_chunk, state_rows, stays_open
 from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
@@ -234,6 +234,8 @@ class Compressor(nn.Module):
                                                        start, r, r if self.overlap else 0):
             return
         closed = self.close_one(rows, kv, raw, start) if fast and not static and not opens and s == 1 else None
+        if closed is None and static and s == 1 and not self.keep_chunk:
+            closed = self.step_static(rows, kv, raw, start)
         if closed is None:
             closed = self.close(kv, raw, rows, start, opens, static)
         if closed is None:
@@ -258,6 +260,20 @@ class Compressor(nn.Module):
             rows, slot, pooled = rows[closed], slot[closed], pooled[closed]
         return rows, slot, slot * self.ratio, pooled
 
+    def step_static(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor,
+                    start: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`close` with `static` for a decode step (one token a row) by the run's kernel in one call, in compiled graphs
+        too (`CpuKernel.compress_step`, the pooling within rounding): the one group a token may close is pooled, not
+        every group of the buffer; None where it does not apply (nothing written)."""
+        step = self.opts.cpu.compress_step(self.kv_state, self.score_state, rows, kv, raw, self.ape, start, self.ratio,
+                                           self.overlap)
+        if step is None:
+            return None
+        pooled, done = step  # [b, d], [b]: the rows whose group closed; the others' entry goes to the spare slot
+        slot, done = (start // self.ratio).view(-1, 1), done.view(-1, 1)
+        return (rows.view(-1, 1), torch.where(done, slot, self.n_entries), torch.where(done, slot, 0) * self.ratio,
+                pooled.unsqueeze(1))
+
     def close(self, kv: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, opens: bool,
               static: bool) -> tuple[torch.Tensor, ...] | None:
         """The chunk's tokens into the state; -> the groups it closes as (state rows, entry slots, their first
@@ -271,11 +287,8 @@ class Compressor(nn.Module):
         if opens:
             add_to_open_group(self.kv_state, self.score_state, rows, kv, score, start, r, self.overlap)
             return None
-        fresh = (start == 0).view(-1, 1, 1)  # a new sequence: no previous group, no open group
-        kv_state = self.kv_state[rows].masked_fill(fresh, 0.0)
-        score_state = self.score_state[rows].masked_fill(fresh, float("-inf"))
         pooled, closed, entry, self.kv_state[rows], self.score_state[rows] = compress_chunk(
-            kv_state, score_state, kv, score, start, r, self.overlap)
+            *state_rows(self.kv_state, self.score_state, rows, start), kv, score, start, r, self.overlap)
         if static:  # [b, G]
             return (rows.view(-1, 1), torch.where(closed, entry, self.n_entries), torch.where(closed, entry, 0) * r,
                     pooled.masked_fill(~closed.unsqueeze(-1), 0.0))

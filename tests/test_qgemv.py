@@ -1430,6 +1430,58 @@ def test_close_group_step_in_one_call(overlap, starts):
     assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)  # the refusals wrote nothing
 
 
+@needs_kernel
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("starts", [[3], [7, 130], [5, 6], [0, 3]])
+def test_native_compress_step_op_is_the_python_op_in_cpp(isa, overlap, starts):
+    """mhcrun::compress_step_native (the static path's compressor step in compiled graphs) writes the state and gives
+    the pooled group as mhcrun::compress_step_cpu does, which is the kernel's (`CpuKernel.compress_step`: close_group
+    where a row's token closes its group, open_group where none does), bitwise; each is the reference
+    (`compress.compress_step`: compress_chunk of the token) with the state bitwise and the pooled group within
+    rounding; where the kernel declines (a row at position 0, which starts afresh) both give the reference bitwise.
+    Rows out of order, closing and not in one step, a group past a window. Traced, it is one op in the graph."""
+    from mhcrun.ops.compress import compress_step
+
+    assert isa.ops, "the kernel's torch ops were not built"
+    r = 4 if overlap else 8
+    starts = starts if overlap else [2 * p + 1 if p else 0 for p in starts]  # the same cases, groups of 8
+    g, c = gen(31 + len(starts) + sum(starts)), 24
+    start, rows = torch.tensor(starts), torch.tensor([2, 0][:len(starts)])
+    state = torch.randn(3, 2 * r if overlap else r, c, generator=g), torch.randn(3, 2 * r if overlap else r, c,
+                                                                                generator=g)
+    kv, raw = torch.randn(len(starts), 1, c, generator=g), torch.randn(len(starts), 1, c, generator=g)
+    ape = torch.randn(r, c, generator=g)
+    want_state = tuple(t.clone() for t in state)
+    want = compress_step(*want_state, rows, kv, raw + ape[start.view(-1, 1) % r], start, r, overlap)
+    args = (rows, kv, raw, ape, start, r, overlap)
+    kernel_state = tuple(t.clone() for t in state)
+    mine = isa.compress_step(*kernel_state, *args)
+    assert (mine is None) == (min(starts) == 0)
+    for op in (torch.ops.mhcrun.compress_step_native, torch.ops.mhcrun.compress_step_cpu):
+        got_state = tuple(t.clone() for t in state)
+        got = op(*got_state, *args, isa.library, isa.isa)
+        assert all(torch.equal(a, b) for a, b in zip(got_state, want_state, strict=True))
+        assert torch.equal(got[1], want[1]) and got[0].shape == want[0].shape
+        if mine is None:
+            assert torch.equal(got[0], want[0])
+        else:
+            assert torch.equal(got[0], mine[0]) and torch.equal(got[1], mine[1])
+            torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    if mine is not None:
+        torch._dynamo.reset()
+        targets = []
+
+        def record(gm, example_inputs):
+            targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return gm.forward
+
+        traced_state = tuple(t.clone() for t in state)
+        got = torch.compile(isa.compress_step, backend=record, fullgraph=True)(*traced_state, *args)
+        assert "mhcrun.compress_step_native" in targets, targets
+        assert torch.equal(got[0], mine[0])
+        assert all(torch.equal(a, b) for a, b in zip(traced_state, want_state, strict=True))
+
+
 def fp8_cache(n_rows: int, length: int, nope: int, rd: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A kv cache of the fp8 format [n_rows, length, ...] holding random entries, as kvcache.encode stores them."""
     from mhcrun.ops import kvcache

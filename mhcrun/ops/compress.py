@@ -8,6 +8,9 @@ Each closed group of r tokens pools into one entry: per channel, softmax over th
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from mhcrun.ops.qgemv import CpuKernel, compress_step_shape
 
 
 def overlap_transform(t: torch.Tensor, fill: float) -> torch.Tensor:
@@ -57,6 +60,41 @@ def compress_chunk(kv_state: torch.Tensor, score_state: torch.Tensor, kv: torch.
     keep = ((end // r - lead // r) * r).unsqueeze(1) + torch.arange(lead + r, device=kv.device)  # the new state
     keep = keep.unsqueeze(-1).expand(-1, -1, C)
     return pooled, closed, entry, buf_kv.gather(1, keep), buf_score.gather(1, keep)
+
+
+def state_rows(kv_state: Tensor, score_state: Tensor, rows: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+    """The state rows `rows` [b] of the buffers [B, lead + r, C], a row at position start 0 (a new sequence) emptied:
+    no previous group, no open group."""
+    fresh = (start == 0).view(-1, 1, 1)
+    return kv_state[rows].masked_fill(fresh, 0.0), score_state[rows].masked_fill(fresh, float("-inf"))
+
+
+def compress_step(kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor, start: Tensor,
+                  ratio: int, overlap: bool) -> tuple[Tensor, Tensor]:
+    """compress_chunk of one token a row (kv, score [b, 1, C], score with its bias) at positions start [b] on the state
+    rows `rows` [b] (`state_rows`), the new state written back into the buffers -> (pooled [b, d]: the group the
+    token closes, zeros where it closes none; closed [b] bool). One token can close only the group after the lead."""
+    pooled, closed, _, kv_state[rows], score_state[rows] = compress_chunk(
+        *state_rows(kv_state, score_state, rows, start), kv, score, start, ratio, overlap)
+    done = closed[:, 1 if overlap else 0]
+    return pooled[:, 1 if overlap else 0].masked_fill(~done.unsqueeze(-1), 0.0), done
+
+
+@torch.library.custom_op("mhcrun::compress_step_cpu", mutates_args=("kv_state", "score_state"))
+def compress_step_cpu(kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, raw: Tensor, ape: Tensor,
+                      start: Tensor, ratio: int, overlap: bool, library: str, isa: int) -> tuple[Tensor, Tensor]:
+    """The CPU kernel's compressor step (`CpuKernel.compress_step`) as an opaque op of compiled graphs, writing the
+    state rows; where the kernel declines, `compress_step` of the token with its bias (raw + ape[position % ratio]):
+    what its C++ twin `mhcrun::compress_step_native` (torch_ops.cpp) hands over when it does not take the call.
+    -> (pooled [b, d], closed [b] bool)."""
+    out = CpuKernel(library, isa).compress_step(kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap)
+    if out is None:
+        score = raw + ape[start.view(-1, 1) % ratio]
+        out = compress_step(kv_state, score_state, rows, kv, score, start, ratio, overlap)
+    return out[0].contiguous(), out[1].contiguous()
+
+
+compress_step_cpu.register_fake(compress_step_shape)
 
 
 def stays_open(start: torch.Tensor, s: int, ratio: int) -> bool:

@@ -658,6 +658,31 @@ class CpuKernel:
             kv_state.shape[1], ratio, lead)
         return None if rc else (pooled, closed)
 
+    def compress_step(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, raw: Tensor, ape: Tensor,
+                      start: Tensor, ratio: int, overlap: bool) -> tuple[Tensor, Tensor] | None:
+        """A compressor's step of the static path (`Compressor.forward`; one token a row, kv and raw [b, 1, c], raw
+        before its bias ape, every row at a position start [b] >= 1) in one call: `close_group` where some row's token
+        closes its group, else `open_group` -> (pooled [b, c / (2 if overlap else 1)], zeros where no group closed;
+        closed [b] bool), the state rows as `compress.compress_step` leaves them (the pooling within rounding of it):
+        only the groups that close are pooled. None where it does not apply (nothing written). In a compiled graph,
+        the op whose C++ makes these calls (`mhcrun::compress_step_native`, torch_ops.cpp; its Python op
+        `mhcrun::compress_step_cpu` takes the reference where the kernel declines)."""
+        if not self.on or kv.dim() != 3 or kv.shape[1] != 1 or start.dim() != 1:
+            return None
+        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
+            return None if not self.ops else tuple(torch.ops.mhcrun.compress_step_native(
+                kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap, self.library, self.isa))
+        first, lead = start.tolist(), ratio if overlap else 0
+        if min(first, default=0) < 1:  # a sequence's first token: the reference empties its state first
+            return None
+        if any(p % ratio == ratio - 1 for p in first):
+            return self.close_group(kv_state, score_state, rows, kv, raw, ape, start, ratio, lead)
+        if not self.open_group(kv_state, score_state, rows, kv, raw, ape, start, ratio, lead):
+            return None
+        pooled, closed = compress_step_shape(kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap,
+                                             self.library, self.isa)
+        return pooled.zero_(), closed.zero_()
+
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
         of decode's few rows and chunks; None where it does not apply."""
@@ -716,7 +741,7 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
 def load_torch_ops(env: Env) -> str:
     """The kernel's GEMVs, post+pre step, attention and indexer top-k as C++ kernels of torch's dispatcher
     (torch_ops.cpp: `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`,
-    `mhcrun::attend_native`, `mhcrun::index_topk_native`),
+    `mhcrun::attend_native`, `mhcrun::index_topk_native`, `mhcrun::compress_step_native`),
     built for this torch (once per source, compiler and torch) and loaded into the process: the library's path, or ""
     where they cannot be built (compiled graphs then call the GEMVs' Python ops, and the torch reference for the
     rest)."""
@@ -731,6 +756,7 @@ def load_torch_ops(env: Env) -> str:
         torch.library.register_fake("mhcrun::hc_post_pre_native")(post_pre_shape)
         torch.library.register_fake("mhcrun::attend_native")(attend_shape)
         torch.library.register_fake("mhcrun::index_topk_native")(index_topk_shape)
+        torch.library.register_fake("mhcrun::compress_step_native")(compress_step_shape)
     return path
 
 
@@ -748,6 +774,14 @@ def attend_shape(q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float
                  sel_mask: Tensor | None, library: str, isa: int) -> Tensor:
     """What `mhcrun::attend_cpu` (and its C++ kernel) gives, empty: o like q [b, s, h, d] fp32 (fake kernel)."""
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def compress_step_shape(kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, raw: Tensor, ape: Tensor,
+                        start: Tensor, ratio: int, overlap: bool, library: str, isa: int) -> tuple[Tensor, Tensor]:
+    """What `mhcrun::compress_step_cpu` (and its C++ kernel) gives, empty: pooled [b, c / (2 if overlap else 1)] fp32
+    and closed [b] bool for kv [b, 1, c] (fake kernel)."""
+    b, c = kv.shape[0], kv.shape[-1]
+    return kv.new_empty(b, c // 2 if overlap else c, dtype=torch.float32), kv.new_empty(b, dtype=torch.bool)
 
 
 def index_topk_shape(q: Tensor, w: Tensor, packed: Tensor, scale: Tensor, rows: Tensor, closed: Tensor, n: int,

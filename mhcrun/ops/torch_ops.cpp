@@ -1,8 +1,9 @@
 // mhcrun's CPU kernel ops as C++ kernels of torch's dispatcher, for compiled graphs: `mhcrun::qgemv_native`,
-// `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`, `mhcrun::attend_native` and
-// `mhcrun::index_topk_native` are the Python ops `mhcrun::qgemv`, `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear),
-// `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops), `mhcrun::attend_cpu` (mhcrun.ops.attention) and `mhcrun::index_topk_cpu`
-// (mhcrun.ops.index) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A graph
+// `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`, `mhcrun::attend_native`,
+// `mhcrun::index_topk_native` and `mhcrun::compress_step_native` are the Python ops `mhcrun::qgemv`,
+// `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear), `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops), `mhcrun::attend_cpu`
+// (mhcrun.ops.attention), `mhcrun::index_topk_cpu` (mhcrun.ops.index) and `mhcrun::compress_step_cpu`
+// (mhcrun.ops.compress) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A graph
 // that inductor compiles with its C++ wrapper calls them without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
@@ -17,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -269,6 +271,62 @@ Two index_topk_native(const at::Tensor& q, const at::Tensor& w, const at::Tensor
     return {entries, valid};
 }
 
+using OpenGroupFn = int (*)(float*, float*, const int64_t*, const float*, const float*, const float*, const int64_t*,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+using CloseGroupFn = int (*)(float*, float*, const int64_t*, const float*, const float*, const float*, const int64_t*,
+                            float*, uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+Two python_compress_step(at::Tensor& kv_state, at::Tensor& score_state, const at::Tensor& rows, const at::Tensor& kv,
+                         const at::Tensor& raw, const at::Tensor& ape, const at::Tensor& start, int64_t ratio,
+                         bool overlap, c10::string_view library, int64_t isa) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mhcrun::compress_step_cpu", "")
+        .typed<Two(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, int64_t, bool, c10::string_view, int64_t)>();
+    return op.call(kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap, library, isa);
+}
+
+// mhcrun::compress_step_cpu in one kernel call: a compressor's decode step, one token a row (kv, raw [b, 1, c] fp32,
+// raw before its bias ape [ratio, c]) at positions start [b] >= 1 into the state rows rows [b] of kv_state,
+// score_state [n_rows, lead + ratio, c] (written in place): mhc_close_group where some row's token closes its group,
+// else mhc_open_group -> (pooled [b, c / (overlap ? 2 : 1)], zeros where no group closed; closed [b] bool).
+Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at::Tensor& rows, const at::Tensor& kv,
+                         const at::Tensor& raw, const at::Tensor& ape, const at::Tensor& start, int64_t ratio,
+                         bool overlap, c10::string_view library, int64_t isa) {
+    auto fallback = [&] {
+        return python_compress_step(kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap, library, isa);
+    };
+    if (kv.dim() != 3 || kv.size(1) != 1 || kv_state.dim() != 3 || ratio < 1
+            || !cpu_of({&kv_state, &score_state, &kv, &raw, &ape}, at::kFloat) || !cpu_of({&rows, &start}, at::kLong)
+            || !kv_state.is_contiguous() || !score_state.is_contiguous() || score_state.sizes() != kv_state.sizes())
+        return fallback();
+    const int64_t b = kv.size(0), c = kv.size(2), lead = overlap ? ratio : 0;
+    if (b < 1 || raw.sizes() != kv.sizes() || kv_state.size(2) != c || ape.sizes() != at::IntArrayRef({ratio, c})
+            || rows.sizes() != at::IntArrayRef({b}) || start.sizes() != at::IntArrayRef({b}))
+        return fallback();
+    const at::Tensor kc = kv.contiguous(), rc = raw.contiguous(), ac = ape.contiguous();
+    const at::Tensor rowc = rows.contiguous(), sc = start.contiguous();
+    const int64_t* p = sc.data_ptr<int64_t>();
+    bool closes = false;
+    for (int64_t i = 0; i < b; i++) {
+        if (p[i] < 1) return fallback();  // a sequence's first token: the reference empties its state first
+        closes |= p[i] % ratio == ratio - 1;
+    }
+    at::Tensor pooled = at::zeros({b, overlap ? c / 2 : c}, kv.options());
+    at::Tensor closed = at::zeros({b}, kv.options().dtype(at::kBool));
+    const std::string lib(library);
+    const int rc_ = closes
+        ? reinterpret_cast<CloseGroupFn>(entry(lib, "mhc_close_group"))(
+              kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
+              rc.data_ptr<float>(), ac.data_ptr<float>(), p, pooled.data_ptr<float>(),
+              reinterpret_cast<uint8_t*>(closed.data_ptr<bool>()), b, c, kv_state.size(0), kv_state.size(1), ratio,
+              lead)
+        : reinterpret_cast<OpenGroupFn>(entry(lib, "mhc_open_group"))(
+              kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
+              rc.data_ptr<float>(), ac.data_ptr<float>(), p, b, 1, c, kv_state.size(0), kv_state.size(1), ratio, lead);
+    if (rc_) return fallback();  // nothing was written
+    return {pooled, closed};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
@@ -282,6 +340,8 @@ TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
           "str library, int isa) -> Tensor");
     m.def("index_topk_native(Tensor q, Tensor w, Tensor packed, Tensor scale, Tensor rows, Tensor closed, int n, "
           "int topk, int block, str library, int isa) -> (Tensor, Tensor)");
+    m.def("compress_step_native(Tensor(a!) kv_state, Tensor(b!) score_state, Tensor rows, Tensor kv, Tensor raw, "
+          "Tensor ape, Tensor start, int ratio, bool overlap, str library, int isa) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mhcrun, CPU, m) {
@@ -290,4 +350,5 @@ TORCH_LIBRARY_IMPL(mhcrun, CPU, m) {
     m.impl("hc_post_pre_native", hc_post_pre_native);
     m.impl("attend_native", attend_native);
     m.impl("index_topk_native", index_topk_native);
+    m.impl("compress_step_native", compress_step_native);
 }
