@@ -739,12 +739,12 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
 
 
 def load_torch_ops(env: Env) -> str:
-    """The kernel's GEMVs, post+pre step, attention and indexer top-k as C++ kernels of torch's dispatcher
-    (torch_ops.cpp: `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`, `mhcrun::hc_post_pre_native`,
-    `mhcrun::attend_native`, `mhcrun::index_topk_native`, `mhcrun::compress_step_native`),
-    built for this torch (once per source, compiler and torch) and loaded into the process: the library's path, or ""
-    where they cannot be built (compiled graphs then call the GEMVs' Python ops, and the torch reference for the
-    rest)."""
+    """The kernel's GEMVs, post+pre step, attention, indexer top-k and compressor step as C++ kernels of torch's
+    dispatcher (torch_ops.cpp: `mhcrun::qgemv_native`, `mhcrun::qgemv_expert_set_native`,
+    `mhcrun::hc_post_pre_native`, `mhcrun::attend_native`, `mhcrun::index_topk_native`,
+    `mhcrun::compress_step_native`), built for this torch (once per source, compiler and torch) and loaded into the
+    process: the library's path, or "" where they cannot be built (compiled graphs then call the GEMVs' Python ops,
+    and the torch reference for the rest)."""
     try:
         path = str(native.build(TORCH_OPS, env.kernel_cache, env.cxx, native.torch_flags()))
     except (OSError, RuntimeError, subprocess.SubprocessError):

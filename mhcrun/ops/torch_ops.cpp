@@ -3,8 +3,8 @@
 // `mhcrun::index_topk_native` and `mhcrun::compress_step_native` are the Python ops `mhcrun::qgemv`,
 // `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear), `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops), `mhcrun::attend_cpu`
 // (mhcrun.ops.attention), `mhcrun::index_topk_cpu` (mhcrun.ops.index) and `mhcrun::compress_step_cpu`
-// (mhcrun.ops.compress) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A graph
-// that inductor compiles with its C++ wrapper calls them without entering Python.
+// (mhcrun.ops.compress) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A
+// graph that inductor compiles with its C++ wrapper calls them without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
 // through dlopen. They do the common case only: the kernel's one call on arguments of the shapes it reads. Anything
@@ -303,7 +303,7 @@ Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at
     if (b < 1 || raw.sizes() != kv.sizes() || kv_state.size(2) != c || ape.sizes() != at::IntArrayRef({ratio, c})
             || rows.sizes() != at::IntArrayRef({b}) || start.sizes() != at::IntArrayRef({b}))
         return fallback();
-    const at::Tensor kc = kv.contiguous(), rc = raw.contiguous(), ac = ape.contiguous();
+    const at::Tensor kc = kv.contiguous(), gc = raw.contiguous(), ac = ape.contiguous();
     const at::Tensor rowc = rows.contiguous(), sc = start.contiguous();
     const int64_t* p = sc.data_ptr<int64_t>();
     bool closes = false;
@@ -314,16 +314,16 @@ Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at
     at::Tensor pooled = at::zeros({b, overlap ? c / 2 : c}, kv.options());
     at::Tensor closed = at::zeros({b}, kv.options().dtype(at::kBool));
     const std::string lib(library);
-    const int rc_ = closes
+    const int status = closes
         ? reinterpret_cast<CloseGroupFn>(entry(lib, "mhc_close_group"))(
               kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
-              rc.data_ptr<float>(), ac.data_ptr<float>(), p, pooled.data_ptr<float>(),
+              gc.data_ptr<float>(), ac.data_ptr<float>(), p, pooled.data_ptr<float>(),
               reinterpret_cast<uint8_t*>(closed.data_ptr<bool>()), b, c, kv_state.size(0), kv_state.size(1), ratio,
               lead)
         : reinterpret_cast<OpenGroupFn>(entry(lib, "mhc_open_group"))(
               kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
-              rc.data_ptr<float>(), ac.data_ptr<float>(), p, b, 1, c, kv_state.size(0), kv_state.size(1), ratio, lead);
-    if (rc_) return fallback();  // nothing was written
+              gc.data_ptr<float>(), ac.data_ptr<float>(), p, b, 1, c, kv_state.size(0), kv_state.size(1), ratio, lead);
+    if (status) return fallback();  // nothing was written
     return {pooled, closed};
 }
 
