@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mhcrun.ops.kvcache import decode_fp4
 from mhcrun.ops.qgemv import CpuKernel, index_topk_shape
-from mhcrun.ops.quant import dequantize_act, unpack_fp4
 
 INDEX_WORKSPACE = 192 << 20  # bytes the indexer's per-head fp32 scores and their copies take at once (entries
 # in slices; three [s, heads, slice] tensors live at once: the dot products, their ReLU and the weighted ones)
@@ -87,7 +87,7 @@ def index_topk_cpu(q: Tensor, w: Tensor, packed: Tensor, scale: Tensor, rows: Te
     take the call. -> (entries int64, valid bool) [b, s, min(topk, n)]."""
     out = CpuKernel(library, isa).index_topk(q, w, packed, scale, rows, closed, n, topk, block)
     if out is None:
-        keys = dequantize_act(unpack_fp4(packed[rows, :n]), scale[rows, :n], block).to(q.dtype)
+        keys = decode_fp4(packed[rows, :n], scale[rows, :n], block).to(q.dtype)
         seen = torch.arange(n, device=q.device).view(1, 1, -1) < closed.unsqueeze(-1)
         out = select_topk(index_scores(q, keys, w), seen, topk)
     return out[0].contiguous(), out[1].contiguous()

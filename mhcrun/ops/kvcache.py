@@ -86,7 +86,13 @@ def decode(fmt: CacheFormat, parts: dict[str, torch.Tensor], dtype: torch.dtype)
     if fmt.kind == "fp8":
         nope = dequantize_act(parts["fp8"], parts["scale"], KV_FP8_BLOCK).to(dtype)
         return torch.cat([nope, parts["rope"].to(dtype)], dim=-1)
-    return dequantize_act(unpack_fp4(parts["fp4"]), parts["scale"], INDEX_FP4_BLOCK).to(dtype)
+    return decode_fp4(parts["fp4"], parts["scale"]).to(dtype)
+
+
+def decode_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = INDEX_FP4_BLOCK) -> torch.Tensor:
+    """FP4 parts (e2m1 codes two a byte [..., dim / 2], a scale per `block` values [..., dim / block]) -> fp32
+    values [..., dim]."""
+    return dequantize_act(unpack_fp4(packed), scale, block)
 
 
 def simulate(fmt: CacheFormat, x: torch.Tensor) -> torch.Tensor:
