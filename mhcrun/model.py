@@ -233,9 +233,8 @@ class Compressor(nn.Module):
         if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
                                                        start, r, r if self.overlap else 0):
             return
-        closed = self.close_one(rows, kv, raw, start) if fast and not static and not opens and s == 1 else None
-        if closed is None and static and s == 1 and not self.keep_chunk:
-            closed = self.step_static(rows, kv, raw, start)
+        one = s == 1 and not opens and (fast or static and not self.keep_chunk)  # a decode step: the kernel's call
+        closed = self.close_step(rows, kv, raw, start, static) if one else None
         if closed is None:
             closed = self.close(kv, raw, rows, start, opens, static)
         if closed is None:
@@ -246,33 +245,25 @@ class Compressor(nn.Module):
                            lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotation)
         self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
 
-    def close_one(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor,
-                  start: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """`close` for a decode step in which some row's token closes its group, by the run's kernel in one call
-        (`CpuKernel.close_group`, the pooling within rounding); None where it does not apply (nothing written)."""
-        done = self.opts.cpu.close_group(self.kv_state, self.score_state, rows, kv, raw, self.ape, start, self.ratio,
-                                         self.ratio if self.overlap else 0)
-        if done is None:
-            return None
-        pooled, closed = done
-        slot = start // self.ratio
-        if not bool(closed.all()):  # rows at other positions: only the closed groups
-            rows, slot, pooled = rows[closed], slot[closed], pooled[closed]
-        return rows, slot, slot * self.ratio, pooled
-
-    def step_static(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor,
-                    start: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """`close` with `static` for a decode step (one token a row) by the run's kernel in one call, in compiled graphs
-        too (`CpuKernel.compress_step`, the pooling within rounding): the one group a token may close is pooled, not
-        every group of the buffer; None where it does not apply (nothing written)."""
+    def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
+                   static: bool) -> tuple[torch.Tensor, ...] | None:
+        """`close` for a decode step (one token a row) by the run's kernel in one call, in compiled graphs too
+        (`CpuKernel.compress_step`, the pooling within rounding): only the group a token closes is pooled; eager, the
+        closed groups; with `static` every row's [b, 1], a group left open into the spare slot. None where it does
+        not apply (nothing written)."""
         step = self.opts.cpu.compress_step(self.kv_state, self.score_state, rows, kv, raw, self.ape, start, self.ratio,
                                            self.overlap)
         if step is None:
             return None
-        pooled, done = step  # [b, d], [b]: the rows whose group closed; the others' entry goes to the spare slot
-        slot, done = (start // self.ratio).view(-1, 1), done.view(-1, 1)
-        return (rows.view(-1, 1), torch.where(done, slot, self.n_entries), torch.where(done, slot, 0) * self.ratio,
-                pooled.unsqueeze(1))
+        pooled, done = step  # [b, d], [b]: the rows whose group closed
+        slot = start // self.ratio
+        if static:
+            slot, done = slot.view(-1, 1), done.view(-1, 1)
+            return (rows.view(-1, 1), torch.where(done, slot, self.n_entries), torch.where(done, slot, 0) * self.ratio,
+                    pooled.unsqueeze(1))
+        if not bool(done.all()):  # rows at other positions: only the closed groups
+            rows, slot, pooled = rows[done], slot[done], pooled[done]
+        return rows, slot, slot * self.ratio, pooled
 
     def close(self, kv: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, opens: bool,
               static: bool) -> tuple[torch.Tensor, ...] | None:
