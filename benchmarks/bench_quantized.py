@@ -53,15 +53,25 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes read per second by the fastest of three read-only streams over `nbytes` (all of torch's threads, best
     of `repeats` each): a native loop (benchmarks/read_stream.cpp: sums with the lines asked for ahead, as the GEMV
-    loops do), torch's fp32 sum and its int64 max-reduction. A decode only reads its weights; torch's reductions
-    alone can be compute-bound (on a 2-core AVX-512 VM the int64 max read 13 GB/s where the native loop reads
-    23-26), which would flatter every share of it."""
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    streams = [lambda: src.view(torch.float32).sum(), lambda: src.view(torch.int64).max()]
-    native = _read_stream()
-    if native is not None:
-        lines, threads = nbytes // 64, torch.get_num_threads()  # torch's allocations are 64-byte aligned
-        streams.append(lambda: native(src.data_ptr(), lines, threads))
+    loops do), torch's fp32 sum and its int64 max-reduction; each over a buffer on 4 KB pages and, where the kernel
+    offers them, over its copy on 2 MB pages (`mhcrun.hugepages.place`, as a CPU run's weights are). A decode only
+    reads its weights; torch's reductions alone can be compute-bound (on a 2-core AVX-512 VM the int64 max read
+    13 GB/s where the native loop reads 23-26), and 4 KB pages cost a stream a page walk every 64 lines (on a
+    2-core AMX VM the native loop read 24.7 GB/s on them, 30.4 on 2 MB pages): either would flatter every share of
+    it."""
+    from mhcrun.hugepages import place, why_not
+
+    buffers = {"4 KB": torch.empty(nbytes, dtype=torch.uint8).random_()}
+    if why_not(2 * nbytes, True) is None:
+        huge = {"2 MB": buffers["4 KB"]}
+        place(huge)
+        buffers.update(huge)
+    native, lines, threads = _read_stream(), nbytes // 64, torch.get_num_threads()  # both buffers 64-byte aligned
+    streams = []
+    for src in buffers.values():
+        streams += [lambda src=src: src.view(torch.float32).sum(), lambda src=src: src.view(torch.int64).max()]
+        if native is not None:
+            streams.append(lambda src=src: native(src.data_ptr(), lines, threads))
     return max(nbytes / _best_time(fn, repeats) for fn in streams)
 
 

@@ -75,7 +75,8 @@ class LoadedCheckpoint:
     path: Path
     config: ModelConfig
     tensors: dict[str, torch.Tensor | QWeight]  # every spec'd name -> its tensor as stored (a view of the mapped
-    # shard; int64 for 'index'), fp32 when loaded with dequantize; a weight stored fp8/fp4 and kept so: a QWeight
+    # shard, or its copy on huge pages; int64 for 'index'), fp32 when loaded with dequantize; a weight stored fp8/fp4
+    # and kept so: a QWeight
     quantized: set[str]  # names whose weights are stored fp8/fp4
     bytes_by_dtype: dict[str, int]  # on-disk bytes of the loaded tensors (scales included), by dtype
     unused: list[str]  # tensors in the checkpoint that the model does not use (mtp.* excluded)
@@ -402,7 +403,8 @@ def check_mtp(cfg: ModelConfig, root: Path, weight_map: dict[str, str]) -> list[
 
 def load_checkpoint(path: str | Path, n_layers: int | None = None,
                     progress: Callable[[int, int], None] | None = None, dequantize: bool = False,
-                    tp: Shard = SINGLE, mtp: bool = False, scan: ctypes.CDLL | None = None) -> LoadedCheckpoint:
+                    tp: Shard = SINGLE, mtp: bool = False, scan: ctypes.CDLL | None = None,
+                    place: Callable[[dict[str, torch.Tensor | QWeight]], None] | None = None) -> LoadedCheckpoint:
     """Validate a checkpoint directory and load the tensors of layers [0, n_layers) (all by default).
 
     All headers, dtypes and shapes are checked before any tensor data is read. Then each shard is
@@ -412,7 +414,9 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
     share (`Shard.take`, `QWeight.share`: a scale with its weight). With `dequantize`, every float tensor is fp32
     and every FP8/FP4 weight is dequantised to fp32 (the reference the quantised path is checked against).
     `progress(done_bytes, total_bytes)` is called after each tensor. `scan`: scan.cpp's library, which checks the
-    quantised weights' scales (`QWeight.checked`; without it, torch's reference does).
+    quantised weights' scales (`QWeight.checked`; without it, torch's reference does). `place(tensors)`, where
+    given, moves each shard's tensors off its mapping once they are loaded (`hugepages.place`: copies on huge
+    pages), and the mapping is released before the next shard's.
     """
     plan = plan_checkpoint(path, n_layers, tp, mtp)
     cfg = plan.config
@@ -431,6 +435,7 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
         return _view(mapped[shard.path], shard, name)
 
     for shard_path in sorted(by_shard):  # shard by shard, in file order
+        loaded: dict[str, torch.Tensor | QWeight] = {}
         for p in by_shard[shard_path]:
             name = p.spec.name
             stored = view(shard_of[shard_path], name)
@@ -441,15 +446,18 @@ def load_checkpoint(path: str | Path, n_layers: int | None = None,
                 done += p.scale_shard.entries[scale_name(name)].nbytes
                 w = _checked(QWeight(stored, scale, block_size(cfg, p.fmt)).share(p.spec.split, tp),
                              f"{name} in {p.shard.path}", scan)
-                tensors[name] = dequantize_reference(w) if dequantize else w
+                loaded[name] = dequantize_reference(w) if dequantize else w
             else:
                 t = tp.take(stored, p.spec.split)
                 if p.fmt == "index":
                     t = _check_index(t, p, cfg)
-                tensors[name] = t.float() if dequantize and p.fmt == "float" else t
+                loaded[name] = t.float() if dequantize and p.fmt == "float" else t
             if progress is not None:
                 progress(done, total)
-        if dequantize:  # nothing refers to this shard's mapping any more: unmap it now
+        if place is not None:
+            place(loaded)
+        tensors.update(loaded)
+        if dequantize or place is not None:  # nothing refers to this shard's mapping any more: unmap it now
             mapped.pop(shard_path, None)
     tensors = {p.spec.name: tensors[p.spec.name] for p in plan.plans}  # spec order
     quantized = {p.spec.name for p in plan.plans if p.fmt in ("fp8", "fp4")}

@@ -422,10 +422,10 @@ def generate(
                           "reused_tokens": session.reused, "prefilled_tokens": session.prefilled}
             results[0].stats["prompt_cache"] = cache_note
         kernel = None
-        if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not
-            kernel = runner.model.opts.cpu.status()
+        if runner.device == "cpu":  # whether decode GEMVs took the fused kernel (mhcrun.ops.qgemv), or why not; and
+            kernel = runner.model.opts.cpu.status()  # the pages the weights are on (mhcrun.hugepages)
             for res in results:
-                res.stats["cpu_gemv_kernel"] = kernel
+                res.stats["cpu_gemv_kernel"], res.stats["weight_pages"] = kernel, runner.weight_pages
         for name, text, res in zip(names, texts, results, strict=True):
             res.text = tok.decode(res.tokens, keep_special=messages is not None) if tok else ""
             if as_json:
@@ -447,7 +447,8 @@ def generate(
             err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} "
                       f"tok/s | decode {s.get('decode_tok_s', 0):.1f} tok/s | compile {s.get('compile_s', 0):.2f} s "
                       f"| peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
-                      + (f" | CPU GEMV kernel {escape(kernel)}" if kernel else "")
+                      + (f" | CPU GEMV kernel {escape(kernel)} | weights on {escape(runner.weight_pages)}"
+                         if kernel else "")
                       + (f" | {stats_note(s['speculative'])}" if "speculative" in s else "")
                       + (f" | prompt cache: {cache_note['reused_tokens']} tokens reused, "
                          f"{cache_note['prefilled_tokens']} prefilled" + (", saved" if cache_note["saved"] else "")

@@ -20,7 +20,8 @@ from mhcrun.checkpoint import (
 )
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
-from mhcrun.memory import MemoryPlan, plan_memory
+from mhcrun.hugepages import place, why_not
+from mhcrun.memory import MemoryPlan, plan_memory, weight_bytes
 from mhcrun.model import Transformer, build_model
 from mhcrun.nki.ops import HcBackend
 from mhcrun.ops.qgemv import KERNEL_OFF, open_cpu_kernel
@@ -50,6 +51,7 @@ class Runner:
     env: Env = field(default_factory=Env)  # the environment, as the command read it
     warned_chat_tokens: bool = False  # said once: its tokenizer lacks the chat format's tokens
     mtp: bool = False  # load and build the first MTP layer too (speculative decoding, `mhcrun.speculate`)
+    weight_pages: str = ""  # the pages the loaded weights are on: "2 MB pages" or "4 KB pages (why)" (`hugepages`)
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -89,7 +91,12 @@ class Runner:
         """Map the shards (or dequantise them) and build the model."""
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
-        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan)
+        # every decode step streams every weight: on a CPU, on 2 MB pages where the kernel has them (`hugepages`)
+        why = why_not(weight_bytes(self.plan, DTYPES[self.dtype], self.dequantize), self.env.huge_pages) \
+            if self.device == "cpu" else "not a CPU run"
+        self.weight_pages = "2 MB pages" if why is None else f"4 KB pages ({why})"
+        self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan,
+                                    place if why is None else None)
         c = self.ckpt
         self.model = build_model(c.config, c.tensors, c.quantized, DTYPES[self.dtype], self.layers, self.device,
                                  self.tp, self.mtp)

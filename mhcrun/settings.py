@@ -52,6 +52,7 @@ class Env:
     hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference
     nki_sim: str | None = None  # MHCRUN_NKI_SIM: 1|exact or device runs the NKI kernels in the simulator
     cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off; avx2|avx512|avx512bf16|amx caps the kernel; else its default
+    huge_pages: bool = True  # MHCRUN_HUGE_PAGES=0: a CPU run's weights stay on the shards' 4 KB pages (`hugepages`)
     scaled_mm: bool = False  # MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM on cuda
     kernel_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "mhcrun" / "kernels")
     cxx: str = "g++"  # CXX: the compiler of the C++ kernels
@@ -65,13 +66,16 @@ class Env:
         sim = environ.get("MHCRUN_NKI_SIM", "0")
         if sim not in NKI_SIM_MODES:
             raise InputError(f"MHCRUN_NKI_SIM must be one of {', '.join(NKI_SIM_MODES)}, got {sim!r}")
+        huge = environ.get("MHCRUN_HUGE_PAGES", "1")
+        if huge not in ("0", "1"):
+            raise InputError(f"MHCRUN_HUGE_PAGES must be 0 or 1, got {huge!r}")
         launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
         return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
                    nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
-                   scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
+                   huge_pages=huge == "1", scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
                    local_rank=launch["LOCAL_RANK"])
 
