@@ -1,6 +1,7 @@
 """mhcrun beside ik_llama.cpp on the same checkpoint and CPU: decode and prefill speed, bytes read, ratios.
 
     python benchmarks/bench_cpu_peer.py --llama-bench PATH --gguf FILE [--model DIR] [--threads 2] [--rounds 3]
+        [--peer-huge-pages]
     python benchmarks/bench_cpu_peer.py [--model DIR]     # mhcrun alone: its rates against the machine's
 
 `--llama-bench` is an ik_llama.cpp `llama-bench` you built and `--gguf` the same checkpoint converted for it
@@ -12,8 +13,11 @@ best of the rounds is kept per measurement (the machine is shared and noisy; alt
 the ratios).
 
 Prints, in one run:
-- the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given)
-  and torch's fp32 matmul rate at 4,096;
+- the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given, on
+  4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`) and torch's fp32 matmul rate at 4,096;
+- the pages each side's weights are on (mhcrun's `weight_pages`; ik_llama.cpp's mmap of the GGUF is on 4 KB pages,
+  and with `--peer-huge-pages` it reads the model into 2 MB hugetlbfs pages: its `-thp 1`, for which pages must be
+  reserved, `echo N > /proc/sys/vm/nr_hugepages` as root, N at least the GGUF's size / 2 MB);
 - decode tok/s (batch 1) after 128 and after 1,024 prompt tokens (mhcrun: `generate --prompt-ids` of that length
   then `--gen` tokens, its `decode_tok_s`; ik: `llama-bench -gp N,G`), prefill tok/s at 128 and 1,024 (mhcrun's
   `prefill_tok_s`, ik's `-p N`); both warmed up: llama-bench runs each test once untimed first (its default), and
@@ -83,14 +87,19 @@ def run_mhcrun(model: Path, mode: str, n_prompt: int, n_gen: int, vocab: int, th
     return json.loads(res.stdout.splitlines()[-1])["stats"]
 
 
-def run_llama_bench(exe: Path, gguf: Path, n_gen: int, threads: int) -> list[dict]:
-    """One llama-bench run of every test (prefill 128 and 1,024; decode of n_gen after each), one repetition."""
+def run_llama_bench(exe: Path, gguf: Path, n_gen: int, threads: int, huge_pages: bool = False) -> list[dict]:
+    """One llama-bench run of every test (prefill 128 and 1,024; decode of n_gen after each), one repetition; with
+    `huge_pages`, the model read into 2 MB pages (its `-thp 1`: hugetlbfs pages, which must be reserved)."""
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-p", ",".join(map(str, PROMPTS)),
-           "-n", "0", *[a for n in PROMPTS for a in ("-gp", f"{n},{n_gen}")]]
+           "-n", "0", *[a for n in PROMPTS for a in ("-gp", f"{n},{n_gen}")], *(["-thp", "1"] if huge_pages else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode:
         raise SystemExit(f"llama-bench failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
-    return json.loads(res.stdout)
+    if huge_pages and "using THP" not in res.stdout:  # it falls back to 4 KB pages, saying so on stderr only
+        raise SystemExit("llama-bench -thp 1 did not get huge pages: reserve hugetlbfs pages first (as root: echo N > "
+                         "/proc/sys/vm/nr_hugepages, N at least the GGUF's size / 2 MB)")
+    # -thp prints its own line ("impl: using THP ...") inside the JSON, at each model load
+    return json.loads("\n".join(line for line in res.stdout.splitlines() if not line.startswith("impl: ")))
 
 
 def ik_rates(rows: list[dict]) -> dict[str, float]:
@@ -135,6 +144,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=32, help="tokens decoded after each prompt")
     ap.add_argument("--modes", default=",".join(MODES), help="mhcrun's graph modes to run (eager,regions)")
+    ap.add_argument("--peer-huge-pages", action="store_true",
+                    help="run llama-bench with -thp 1 (its weights on 2 MB hugetlbfs pages, which must be reserved), "
+                         "as mhcrun's are on transparent huge pages where the kernel offers them")
     args = ap.parse_args()
     if (args.llama_bench is None) != (args.gguf is None):
         raise SystemExit("--llama-bench and --gguf go together")
@@ -149,23 +161,25 @@ def main() -> None:
         model = args.model or make_synthetic(CONFIGS / "v4-mid.json", Path(tmp) / "mid4", 4, seed=1)
         plan = plan_checkpoint(model)
         vocab = plan.config.vocab_size
-        ours, theirs, compile_s = {m: [] for m in modes}, [], []
+        ours, theirs, compile_s, pages = {m: [] for m in modes}, [], [], set()
         for r in range(args.rounds):
             for m in modes:
                 # the first regions process compiles into an empty inductor cache (cold), the rest reuse it
                 stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads, Path(tmp) / "inductor")
                          for n in PROMPTS}
+                pages.add(stats[PROMPTS[0]].get("weight_pages", "?"))
                 ours[m].append({f"{k}@{n}": stats[n][f"{k}_tok_s"] for n in PROMPTS for k in ("prefill", "decode")})
                 if m == "regions":
                     compile_s += [stats[n]["compile_s"] for n in PROMPTS]
             if args.llama_bench:
-                theirs.append(ik_rates(run_llama_bench(args.llama_bench, args.gguf, args.gen, args.threads)))
+                theirs.append(ik_rates(run_llama_bench(args.llama_bench, args.gguf, args.gen, args.threads,
+                                                       args.peer_huge_pages)))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None, compile_s)
+        report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None, compile_s, pages)
 
 
 def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None,
-           compile_s: list[float]) -> None:
+           compile_s: list[float], pages: set[str]) -> None:
     bw, mm = read_bandwidth(), matmul_rate()
     reads = dict.fromkeys(ours, decode_bytes_per_token(plan))
     rates = dict(ours)
@@ -174,6 +188,9 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
     macs = decode_macs_per_token(plan)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (read stream), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
           f"at 4096; {args.threads} threads; best of {args.rounds} alternating rounds; {args.gen} tokens decoded")
+    print(f"weights: mhcrun on {', '.join(sorted(pages))}"
+          + (f"; ik_llama.cpp on {'2 MB (hugetlbfs) pages' if args.peer_huge_pages else '4 KB pages (its mmap)'}"
+             if ik is not None else ""))
     cols, ratios = list(rates), list(ours) if ik is not None else []
     print(f"{'':28}" + "".join(f"{'mhcrun ' + c if c != 'ik' else 'ik_llama.cpp':>18}" for c in cols)
           + "".join(f"{c + '/ik':>14}" for c in ratios))
