@@ -62,7 +62,7 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     from mhcrun.hugepages import place, why_not
 
     buffers = {"4 KB": torch.empty(nbytes, dtype=torch.uint8).random_()}
-    if why_not(2 * nbytes, True) is None:
+    if why_not(2 * nbytes, True) is None:  # room for the copy beside the original
         huge = {"2 MB": buffers["4 KB"]}
         place(huge)
         buffers.update(huge)

@@ -92,8 +92,9 @@ class Runner:
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
         # every decode step streams every weight: on a CPU, on 2 MB pages where the kernel has them (`hugepages`)
-        why = why_not(weight_bytes(self.plan, DTYPES[self.dtype], self.dequantize), self.env.huge_pages) \
-            if self.device == "cpu" else "not a CPU run"
+        # (under --tp the ranks share the machine: each copies its share, and the check counts all of them)
+        why = why_not(self.tp.world * weight_bytes(self.plan, DTYPES[self.dtype], self.dequantize),
+                      self.env.huge_pages) if self.device == "cpu" else "not a CPU run"
         self.weight_pages = "2 MB pages" if why is None else f"4 KB pages ({why})"
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan,
                                     place if why is None else None)
