@@ -75,8 +75,9 @@ def numel(shape: tuple[int, ...]) -> int:
 def weight_bytes(plan: CheckpointPlan, dtype: torch.dtype, dequantize: bool) -> int:
     """Bytes of the weights once built (see `mhcrun.model.build_model`).
 
-    Kept quantised: every shard byte that loads stays mapped (it is touched when used), plus the copies of
-    the float tensors cast to their run-time dtype. Dequantised: every tensor as its fp32 (or run dtype) copy.
+    Kept quantised: every shard byte that loads stays mapped (it is touched when used) or, on a CPU where the kernel
+    offers huge pages, is copied onto them (`mhcrun.hugepages`: the same bytes), plus the copies of the float tensors
+    cast to their run-time dtype. Dequantised: every tensor as its fp32 (or run dtype) copy.
     Under --tp, one rank's: its share of the split tensors and its own experts (`plan.tp`).
     """
     total = 0 if dequantize else sum(plan.bytes_by_dtype.values())
