@@ -109,10 +109,11 @@ def test_load_checkpoint_places_each_shard_then_releases_its_mapping():
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
 
 
-def test_a_run_decodes_the_same_tokens_on_either_pages():
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_a_run_decodes_the_same_tokens_on_either_pages(dequantize):
     runs = {}
     for on in (True, False):
-        r = load_runner(None, env=Env(huge_pages=on))
+        r = load_runner(None, dequantize=dequantize, env=Env(huge_pages=on))
         runs[on] = (r.weight_pages, generate(r.model, [[0, 5, 6, 7]], 6, -1, ignore_eos=True)[0].tokens)
     assert runs[False][0] == "4 KB pages (MHCRUN_HUGE_PAGES=0)"
     small = f"4 KB pages (transparent huge pages: {thp_mode() or 'none'})"
