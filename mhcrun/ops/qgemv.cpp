@@ -2483,9 +2483,9 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     for (size_t i = 0; i < jobs.size(); i++) {
         const Job& j = jobs[i];
         const int64_t most = std::max<int64_t>(1, j.n / (4 * threads)), rows = UNIT_BYTES / std::max<int64_t>(1, j.row_bytes);
-        const int64_t even = std::clamp<int64_t>(rows, 1, most);
-        const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? std::max(j.block, even / j.block * j.block)
-                                                                           : even;
+        const int64_t sized = std::clamp<int64_t>(rows, 1, most);  // ~UNIT_BYTES, but four units a thread
+        const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? std::max(j.block, sized / j.block * j.block)
+                                                                           : sized;
         for (int64_t n0 = 0; n0 < j.n; n0 += unit) units.push_back({i, n0, n0 + unit < j.n ? n0 + unit : j.n});
     }
     int nan = 0, flush = 0;
