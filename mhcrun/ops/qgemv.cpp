@@ -166,12 +166,16 @@ inline int take_caller_mode(unsigned caller) {
 // The first min(n, 16) of sixteen lanes.
 inline __mmask16 lanes16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1); }
 
-// The weight bytes 8 KB ahead of those being decoded, asked for now (once a 64-byte line): a core that decodes
+// The weight bytes AHEAD bytes ahead of those being decoded, asked for now (once a 64-byte line): a core that decodes
 // between its loads keeps too few misses in flight for the DRAM's latency on its own. Out of DRAM on a 2-core
-// AVX-512 VM (weights cycled through 1 GB, 2 threads): bf16 13 -> 19-21 GB/s, fp8 6.4 -> 11, fp4 6.4 -> 7.5-8.
-constexpr int64_t PREFETCH_BYTES = 8192;
+// AVX-512 VM (weights cycled through 1 GB, 2 threads), 8 KB ahead: bf16 13 -> 19-21 GB/s, fp8 6.4 -> 11, fp4 6.4 ->
+// 7.5-8. AVX-512's bf16 and fp8 rows, which spend fewer cycles a line than the fp4 rows, ask 2 KB ahead
+// (PREFETCH_NEAR): a decode step's GEMVs (2 MB pages, 2 threads, AMX VM) 0.93x the time of 8 KB ahead, fp4 rows 2 KB
+// ahead 1.06x (BENCHMARKS.md).
+constexpr int64_t PREFETCH_BYTES = 8192, PREFETCH_NEAR = 2048;
+template <int64_t AHEAD = PREFETCH_BYTES>
 INLINE void prefetch_ahead(const uint8_t* p) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + AHEAD, _MM_HINT_T0);
 }
 
 namespace avx512 {
@@ -218,7 +222,7 @@ AVX512 bool fp8_row(const Job& j, int64_t n, const float* const* xs, float* out)
         for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
         int64_t k = k0;
         for (; k + 32 <= k1; k += 32) {
-            if (!(k & 63)) prefetch_ahead(w + k);
+            if (!(k & 63)) prefetch_ahead<PREFETCH_NEAR>(w + k);
             fp8_step<R, false>(w, k, 0, xs, p0, p1, nan);
         }
         if (k < k1) fp8_step<R, true>(w, k, tail32(k1 - k), xs, p0, p1, nan);
@@ -314,15 +318,15 @@ AVX512 void bf16_row(const Job& j, int64_t n, const float* const* xs, float* out
     int64_t k = 0;
     if (bf16_split(j)) {
         for (; k + 64 <= j.k; k += 64) {
-            prefetch_ahead(reinterpret_cast<const uint8_t*>(w + k));
-            prefetch_ahead(reinterpret_cast<const uint8_t*>(w + k + 32));
+            prefetch_ahead<PREFETCH_NEAR>(reinterpret_cast<const uint8_t*>(w + k));
+            prefetch_ahead<PREFETCH_NEAR>(reinterpret_cast<const uint8_t*>(w + k + 32));
             bf16_split_step<R, false>(w, k, 0, xs, j.k / 2, a0, a1);
             bf16_split_step<R, false>(w, k + 32, 0, xs, j.k / 2, a2, a3);
         }
         for (; k < j.k; k += 32) bf16_split_step<R, true>(w, k, j.k - k, xs, j.k / 2, a0, a1);
     } else {
         for (; k + 32 <= j.k; k += 32) {
-            prefetch_ahead(reinterpret_cast<const uint8_t*>(w + k));
+            prefetch_ahead<PREFETCH_NEAR>(reinterpret_cast<const uint8_t*>(w + k));
             bf16_step<R, false>(w, k, 0, xs, a0);
             bf16_step<R, false>(w, k + 16, 0, xs, a1);
         }
@@ -708,7 +712,7 @@ AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
         for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
         int64_t k = k0;
         for (; k + 64 <= k1; k += 64) {
-            prefetch_ahead(w + k);
+            prefetch_ahead<PREFETCH_NEAR>(w + k);
             fp8_step<R, false>(w, k, 0, t, xs, p0, p1);
         }
         if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1);
