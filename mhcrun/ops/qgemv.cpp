@@ -2866,6 +2866,29 @@ int mhc_close_group(float* kv_state, float* score_state, const int64_t* rows, co
     return 0;
 }
 
+// A compressor's decode step (mhcrun.model.Compressor.forward's static path: one token a row, at positions start[i] >=
+// 1): mhc_close_group where some row's token closes its group, else mhc_open_group of each row's token with pooled
+// and closed zeroed. Arguments as mhc_close_group's; 6 where a start is below 1 (a sequence's first token: the
+// reference empties its state first) or the buffers do not fit (nothing written).
+int mhc_compress_step(float* kv_state, float* score_state, const int64_t* rows, const float* kv, const float* score,
+                      const float* ape, const int64_t* start, float* pooled, uint8_t* closed, int64_t b, int64_t c,
+                      int64_t n_rows, int64_t len, int64_t ratio, int64_t lead) {
+    if (ratio < 1 || (lead && c % 2)) return 6;
+    bool closes = false;
+    for (int64_t i = 0; i < b; i++) {
+        if (start[i] < 1) return 6;
+        closes |= start[i] % ratio == ratio - 1;
+    }
+    if (closes)
+        return mhc_close_group(kv_state, score_state, rows, kv, score, ape, start, pooled, closed, b, c, n_rows, len,
+                               ratio, lead);
+    if (int rc = mhc_open_group(kv_state, score_state, rows, kv, score, ape, start, b, 1, c, n_rows, len, ratio, lead))
+        return rc;
+    std::fill(pooled, pooled + b * (lead ? c / 2 : c), 0.0f);
+    std::fill(closed, closed + b, uint8_t(0));
+    return 0;
+}
+
 // mhcrun.ops.norm.rms_norm of fp32 rows x [rows, d] with weight [d] (null: none) -> out [rows, d]: x * (1 /
 // sqrt(mean(x^2) + eps)), then weight times it, each product rounded as torch rounds it (no FMA); the mean of squares within rounding of
 // torch's (summed in another order: sixteen lanes of FMAs with isa >= 2, else eight lanes). 3 for an isa this CPU

@@ -642,6 +642,29 @@ class CpuKernel:
         the rows whose group closed, their pooled group; zeros elsewhere), the state as `compress.compress_chunk`
         leaves it (the pooling within rounding of its softmax and sum). None where it does not apply (no row closes
         included; then nothing was written)."""
+        return self._step_call("mhc_close_group", kv_state, score_state, rows, kv, score, ape, start, ratio, lead)
+
+    def compress_step(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, raw: Tensor, ape: Tensor,
+                      start: Tensor, ratio: int, overlap: bool) -> tuple[Tensor, Tensor] | None:
+        """A compressor's step of the static path (`Compressor.forward`; one token a row, kv and raw [b, 1, c], raw
+        before its bias ape, every row at a position start [b] >= 1) in one call (`mhc_compress_step`: `close_group`
+        where some row's token closes its group, else `open_group`) -> (pooled [b, c / (2 if overlap else 1)], zeros
+        where no group closed; closed [b] bool), the state rows as `compress.compress_step` leaves them (the pooling
+        within rounding of it): only the groups that close are pooled. None where it does not apply (nothing
+        written). In a compiled graph, the op whose C++ makes the same call (`mhcrun::compress_step_native`,
+        torch_ops.cpp; its Python op `mhcrun::compress_step_cpu` takes the reference where the kernel declines)."""
+        if not self.on or kv.dim() != 3 or kv.shape[1] != 1 or start.dim() != 1:
+            return None
+        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
+            return None if not self.ops else tuple(torch.ops.mhcrun.compress_step_native(
+                kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap, self.library, self.isa))
+        return self._step_call("mhc_compress_step", kv_state, score_state, rows, kv, raw, ape, start, ratio,
+                               ratio if overlap else 0)
+
+    def _step_call(self, name: str, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
+                   ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
+        """`close_group` or `compress_step` by the kernel's entry point `name` (their arguments and results), or None
+        where the arguments do not fit or the kernel declines (nothing written)."""
         ts = (kv_state, score_state, kv, score, ape)
         if not self.on or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in ts) \
                 or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or kv.shape[1] != 1 \
@@ -652,36 +675,11 @@ class CpuKernel:
         b, _, c = kv.shape
         rows, start = rows.contiguous(), start.contiguous()
         pooled, closed = torch.empty(b, c // 2 if lead else c), torch.empty(b, dtype=torch.bool)
-        rc = load_library(self.library).mhc_close_group(
+        rc = getattr(load_library(self.library), name)(
             kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(), kv.data_ptr(), score.data_ptr(),
             ape.data_ptr(), start.data_ptr(), pooled.data_ptr(), closed.data_ptr(), b, c, kv_state.shape[0],
             kv_state.shape[1], ratio, lead)
         return None if rc else (pooled, closed)
-
-    def compress_step(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, raw: Tensor, ape: Tensor,
-                      start: Tensor, ratio: int, overlap: bool) -> tuple[Tensor, Tensor] | None:
-        """A compressor's step of the static path (`Compressor.forward`; one token a row, kv and raw [b, 1, c], raw
-        before its bias ape, every row at a position start [b] >= 1) in one call: `close_group` where some row's token
-        closes its group, else `open_group` -> (pooled [b, c / (2 if overlap else 1)], zeros where no group closed;
-        closed [b] bool), the state rows as `compress.compress_step` leaves them (the pooling within rounding of it):
-        only the groups that close are pooled. None where it does not apply (nothing written). In a compiled graph,
-        the op whose C++ makes these calls (`mhcrun::compress_step_native`, torch_ops.cpp; its Python op
-        `mhcrun::compress_step_cpu` takes the reference where the kernel declines)."""
-        if not self.on or kv.dim() != 3 or kv.shape[1] != 1 or start.dim() != 1:
-            return None
-        if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
-            return None if not self.ops else tuple(torch.ops.mhcrun.compress_step_native(
-                kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap, self.library, self.isa))
-        first, lead = start.tolist(), ratio if overlap else 0
-        if min(first, default=0) < 1:  # a sequence's first token: the reference empties its state first
-            return None
-        if any(p % ratio == ratio - 1 for p in first):
-            return self.close_group(kv_state, score_state, rows, kv, raw, ape, start, ratio, lead)
-        if not self.open_group(kv_state, score_state, rows, kv, raw, ape, start, ratio, lead):
-            return None
-        pooled, closed = compress_step_shape(kv_state, score_state, rows, kv, raw, ape, start, ratio, overlap,
-                                             self.library, self.isa)
-        return pooled.zero_(), closed.zero_()
 
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
@@ -862,6 +860,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_index_topk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int]
     lib.mhc_close_group.restype = ctypes.c_int
     lib.mhc_close_group.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6
+    lib.mhc_compress_step.restype = ctypes.c_int
+    lib.mhc_compress_step.argtypes = lib.mhc_close_group.argtypes
     lib.mhc_attend_decode.restype = ctypes.c_int
     lib.mhc_attend_decode.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 9 + [ctypes.c_float] + \
         [ctypes.c_int] * 2

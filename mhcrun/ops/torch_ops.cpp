@@ -271,10 +271,8 @@ Two index_topk_native(const at::Tensor& q, const at::Tensor& w, const at::Tensor
     return {entries, valid};
 }
 
-using OpenGroupFn = int (*)(float*, float*, const int64_t*, const float*, const float*, const float*, const int64_t*,
-                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-using CloseGroupFn = int (*)(float*, float*, const int64_t*, const float*, const float*, const float*, const int64_t*,
-                            float*, uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+using CompressStepFn = int (*)(float*, float*, const int64_t*, const float*, const float*, const float*,
+                              const int64_t*, float*, uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 Two python_compress_step(at::Tensor& kv_state, at::Tensor& score_state, const at::Tensor& rows, const at::Tensor& kv,
                          const at::Tensor& raw, const at::Tensor& ape, const at::Tensor& start, int64_t ratio,
@@ -287,8 +285,8 @@ Two python_compress_step(at::Tensor& kv_state, at::Tensor& score_state, const at
 
 // mhcrun::compress_step_cpu in one kernel call: a compressor's decode step, one token a row (kv, raw [b, 1, c] fp32,
 // raw before its bias ape [ratio, c]) at positions start [b] >= 1 into the state rows rows [b] of kv_state,
-// score_state [n_rows, lead + ratio, c] (written in place): mhc_close_group where some row's token closes its group,
-// else mhc_open_group -> (pooled [b, c / (overlap ? 2 : 1)], zeros where no group closed; closed [b] bool).
+// score_state [n_rows, lead + ratio, c] (written in place), by qgemv.cpp's mhc_compress_step -> (pooled [b, c / (overlap
+// ? 2 : 1)], zeros where no group closed; closed [b] bool); the Python op where it declines (a start below 1 among them).
 Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at::Tensor& rows, const at::Tensor& kv,
                          const at::Tensor& raw, const at::Tensor& ape, const at::Tensor& start, int64_t ratio,
                          bool overlap, c10::string_view library, int64_t isa) {
@@ -305,24 +303,12 @@ Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at
         return fallback();
     const at::Tensor kc = kv.contiguous(), gc = raw.contiguous(), ac = ape.contiguous();
     const at::Tensor rowc = rows.contiguous(), sc = start.contiguous();
-    const int64_t* p = sc.data_ptr<int64_t>();
-    bool closes = false;
-    for (int64_t i = 0; i < b; i++) {
-        if (p[i] < 1) return fallback();  // a sequence's first token: the reference empties its state first
-        closes |= p[i] % ratio == ratio - 1;
-    }
-    at::Tensor pooled = at::zeros({b, overlap ? c / 2 : c}, kv.options());
-    at::Tensor closed = at::zeros({b}, kv.options().dtype(at::kBool));
-    const std::string lib(library);
-    const int status = closes
-        ? reinterpret_cast<CloseGroupFn>(entry(lib, "mhc_close_group"))(
-              kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
-              gc.data_ptr<float>(), ac.data_ptr<float>(), p, pooled.data_ptr<float>(),
-              reinterpret_cast<uint8_t*>(closed.data_ptr<bool>()), b, c, kv_state.size(0), kv_state.size(1), ratio,
-              lead)
-        : reinterpret_cast<OpenGroupFn>(entry(lib, "mhc_open_group"))(
-              kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
-              gc.data_ptr<float>(), ac.data_ptr<float>(), p, b, 1, c, kv_state.size(0), kv_state.size(1), ratio, lead);
+    at::Tensor pooled = at::empty({b, overlap ? c / 2 : c}, kv.options());
+    at::Tensor closed = at::empty({b}, kv.options().dtype(at::kBool));
+    const int status = reinterpret_cast<CompressStepFn>(entry(std::string(library), "mhc_compress_step"))(
+        kv_state.data_ptr<float>(), score_state.data_ptr<float>(), rowc.data_ptr<int64_t>(), kc.data_ptr<float>(),
+        gc.data_ptr<float>(), ac.data_ptr<float>(), sc.data_ptr<int64_t>(), pooled.data_ptr<float>(),
+        reinterpret_cast<uint8_t*>(closed.data_ptr<bool>()), b, c, kv_state.size(0), kv_state.size(1), ratio, lead);
     if (status) return fallback();  // nothing was written
     return {pooled, closed};
 }
