@@ -220,7 +220,7 @@ def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: b
 
 
 # within rounding of their references (sums in another order)
-ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "close_group", "route", "moe_routed")
+ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "compress_step", "route", "moe_routed")
 KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined
 
 
@@ -263,9 +263,9 @@ def test_eager_decode_rounding_calls_are_within_rounding(tiny_fp8, monkeypatch, 
     """Each one-call step that is within rounding of its reference, inside the model's decode, the others on their
     references in both runs: the attention (`CpuKernel.attend`) against sparse_attn, a decode step's attention on
     the caches where they lie (`CpuKernel.attend_decode`) against the chunk path, the indexer's scores and top-k
-    (`CpuKernel.index_topk`) against index_scores + select_topk, a compressor's group close (`CpuKernel.close_group`)
-    against compress_chunk, the gate (`CpuKernel.route`) against gate_scores + route, the routed and shared experts
-    (`CpuKernel.moe_routed`) against their GEMVs and swiglu. Without the FP8 simulation
+    (`CpuKernel.index_topk`) against index_scores + select_topk, a compressor's step that closes a group
+    (`CpuKernel.compress_step`) against compress_chunk, the gate (`CpuKernel.route`) against gate_scores + route,
+    the routed and shared experts (`CpuKernel.moe_routed`) against their GEMVs and swiglu. Without the FP8 simulation
     (which can turn a last-bit difference into a flipped FP8 rounding, as any summation order can: docs/quantized.md)
     the logits stay within rounding over 30 steps of 2 rows across the window's and the groups' edges; with it, the
     first steps agree as closely (the steps that read the FP8 and FP4 caches where they lie run only with it)."""
