@@ -1,0 +1,221 @@
+"""A decode step's GEMVs against a plain read of the same bytes: where an eager step's time goes.
+
+    python benchmarks/bench_step_gemvs.py [--model DIR] [--steps 4] [--rounds 5]
+
+Loads the model (kept quantised, its weights placed as a run places them), prefills 128 tokens, then decodes
+`--steps` eager steps with every GEMV call of the CPU kernel recorded (`CpuKernel.linear`, `qgemv`, `moe_routed`:
+their arguments, results and wall time in the step) and `--steps` more unrecorded for the step's time. Then,
+alternating `--rounds` rounds, it replays the recorded calls back to back (each result checked against the step's)
+and reads the bytes each call reads (its weight and scales; a routed call's experts, those its routes chose) with
+benchmarks/read_stream.cpp's loop on the same threads, a call at a time. Prints, per call kind and weight format:
+calls and MB a step, ms a step in the step, replayed and read (medians over the rounds), the rates, and replayed /
+read; then the step's time and what is left of it outside the GEMV calls. BENCHMARKS.md (issue 20) has runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_quantized import _read_stream, read_bandwidth  # noqa: E402
+
+from mhcrun.generate import Stepper  # noqa: E402
+from mhcrun.ops.qgemv import CpuKernel, ExpertSet  # noqa: E402
+from mhcrun.ops.qweight import QWeight  # noqa: E402
+from mhcrun.runner import load_runner  # noqa: E402
+from mhcrun.synthetic import make_synthetic  # noqa: E402
+
+GEMV_CALLS = ("linear", "qgemv", "moe_routed")  # the CpuKernel methods by which an eager decode step reads its weights
+LINE = 64
+
+
+@dataclass
+class Call:
+    """One recorded kernel call: the method, its arguments, its result and its wall time in the step."""
+
+    method: str
+    args: tuple
+    result: torch.Tensor
+    seconds: float
+    regions: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of the weights it reads
+
+    @property
+    def group(self) -> str:
+        w = self.args[1] if self.method != "moe_routed" else self.args[3]
+        fmt = ("bf16" if w.fmt == "float" else w.fmt) if isinstance(w, QWeight) else {0: "fp8", 1: "fp4"}[w.fmt]
+        return f"{self.method} {fmt}"
+
+
+def weight_regions(w: QWeight) -> list[tuple[int, int]]:
+    """The (address, bytes) a GEMV of w reads: its data and its scales."""
+    ts = [w.data] + ([] if w.scale is None else [w.scale])
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
+
+
+def expert_regions(s: ExpertSet, experts: list[int]) -> list[tuple[int, int]]:
+    """The (address, bytes) of the experts `experts` of a set: each one's data and scales (fp4: a scale a group of
+    `block` inputs a row; fp8: a scale a `block` x `block` tile; e8m0 bytes (kind 0) or fp32)."""
+    n, k, b = s.out_features, s.in_features, s.block
+    data = n * k // 2 if s.fmt == 1 else n * k
+    scales = (n * math.ceil(k / b) if s.fmt == 1 else math.ceil(n / b) * math.ceil(k / b)) * (1 if s.kind == 0 else 4)
+    out = []
+    for e in experts:
+        d, sc = (int(v) for v in s.ptrs[e])
+        out += [(d, data), (sc, scales)]
+    return out
+
+
+def call_regions(c: Call) -> list[tuple[int, int]]:
+    if c.method == "moe_routed":
+        experts = sorted(set(c.args[2].flatten().tolist()))
+        return [r for s in c.args[3:6] for r in expert_regions(s, experts)]
+    return weight_regions(c.args[1])
+
+
+def record(kernel: CpuKernel, stepper: Stepper, tokens: list[int]) -> list[Call]:
+    """Decode `tokens` (one a step, row 0) with the kernel's GEMV methods recorded."""
+    calls: list[Call] = []
+    originals = {name: getattr(CpuKernel, name) for name in GEMV_CALLS}
+
+    def recorded(name: str):
+        def call(self, *args):
+            t0 = time.perf_counter()
+            y = originals[name](self, *args)
+            seconds = time.perf_counter() - t0
+            if y is not None:
+                kept = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+                calls.append(Call(name, kept, y.clone(), seconds))
+            return y
+        return call
+
+    try:
+        for name in GEMV_CALLS:
+            setattr(CpuKernel, name, recorded(name))
+        for t in tokens:
+            stepper.decode([0], [t])
+    finally:
+        for name, fn in originals.items():
+            setattr(CpuKernel, name, fn)
+    for c in calls:
+        c.regions = call_regions(c)
+    return calls
+
+
+def replay(kernel: CpuKernel, calls: list[Call]) -> list[float]:
+    """Each recorded call made again, back to back -> its seconds; a result unlike the step's stops the run."""
+    out = []
+    for c in calls:
+        t0 = time.perf_counter()
+        y = getattr(kernel, c.method)(*c.args)
+        out.append(time.perf_counter() - t0)
+        if y is None or not torch.equal(y, c.result):
+            raise SystemExit(f"replaying a {c.group} call did not give the step's result")
+    return out
+
+
+def read(stream, calls: list[Call], threads: int) -> list[float]:
+    """Each call's bytes read by the read stream's loop (whole 64-byte lines from the first aligned one) -> seconds."""
+    out = []
+    for c in calls:
+        t0 = time.perf_counter()
+        for addr, size in c.regions:
+            start = -(-addr // LINE) * LINE
+            stream(start, (addr + size - start) // LINE, threads)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def step_time(stepper: Stepper, tokens: list[int]) -> float:
+    """Seconds an eager decode step, unrecorded."""
+    t0 = time.perf_counter()
+    for t in tokens:
+        stepper.decode([0], [t])
+    return (time.perf_counter() - t0) / len(tokens)
+
+
+def report(calls: list[Call], replays: list[list[float]], reads: list[list[float]], steps: int, step_s: float,
+           bandwidth: float | None) -> list[str]:
+    """The table: per group (call kind, format) and in all, a step's share of the recorded steps."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(calls):
+        groups[c.group].append(i)
+    groups["all"] = list(range(len(calls)))
+
+    def ms(rounds: list[list[float]], idx: list[int]) -> float:
+        return statistics.median(sum(r[i] for i in idx) for r in rounds) / steps * 1e3
+
+    head = f"{'':20s}{'calls':>7s}{'MB':>9s}{'in step ms':>12s}{'replayed ms':>13s}{'read ms':>9s}" \
+           f"{'replayed GB/s':>15s}{'read GB/s':>11s}{'replayed/read':>15s}"
+    lines = [head]
+    for name, idx in groups.items():
+        mb = sum(size for i in idx for _, size in calls[i].regions) / steps / 1e6
+        in_step = sum(calls[i].seconds for i in idx) / steps * 1e3
+        rep, rd = ms(replays, idx), ms(reads, idx)
+        lines.append(f"{name:20s}{len(idx) / steps:7.1f}{mb:9.1f}{in_step:12.2f}{rep:13.2f}{rd:9.2f}"
+                     f"{mb / rep:15.1f}{mb / rd:11.1f}{rep / rd:15.2f}")
+    gemv_ms = sum(c.seconds for c in calls) / steps * 1e3
+    lines.append(f"eager decode step {step_s * 1e3:.2f} ms (unrecorded steps); its GEMV calls {gemv_ms:.2f} ms "
+                 f"(recorded steps); the rest {step_s * 1e3 - gemv_ms:.2f} ms")
+    if bandwidth:
+        mb = sum(size for c in calls for _, size in c.regions) / steps / 1e6
+        lines.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (bench_quantized.read_bandwidth): the GEMVs' "
+                     f"{mb:.1f} MB a step would take {mb * 1e9 / bandwidth:.2f} ms")
+    return lines
+
+
+def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool = True) -> list[str]:
+    runner = load_runner(str(model_dir))
+    model = runner.model
+    kernel = model.layers[0].attn.opts.cpu
+    stream = _read_stream()
+    if not kernel.on or stream is None:
+        raise SystemExit(f"needs the CPU kernel and a C++ compiler (kernel: {kernel.status()})")
+    vocab = runner.config.vocab_size
+    ids = [5 + (7919 * i) % (vocab - 5) for i in range(128)]
+    tokens = [5 + (104729 * i) % (vocab - 5) for i in range(3 * steps)]
+    model.setup_caches(1, len(ids) + len(tokens) + 1)
+    stepper = Stepper(model, 512)
+    with torch.inference_mode():
+        stepper.prefill(0, ids)
+        step_time(stepper, tokens[:steps])  # warm: first-touch costs paid
+        calls = record(kernel, stepper, tokens[steps:2 * steps])
+        step_s = step_time(stepper, tokens[2 * steps:])
+        threads = torch.get_num_threads()
+        replays, reads = [], []
+        for _ in range(rounds):
+            replays.append(replay(kernel, calls))
+            reads.append(read(stream, calls, threads))
+    return report(calls, replays, reads, steps, step_s, read_bandwidth() if bandwidth else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="mhcrun checkpoint (default: the mid-size config's 4 layers)")
+    ap.add_argument("--steps", type=int, default=4, help="decode steps recorded (and as many timed unrecorded)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = Path(tmp) / "mid4"
+            make_synthetic(ROOT / "configs" / "v4-mid.json", model_dir, 4)
+        print(f"model {model_dir}; {torch.get_num_threads()} threads; {args.steps} steps recorded, "
+              f"{args.rounds} rounds")
+        print("\n".join(run(model_dir, args.steps, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()

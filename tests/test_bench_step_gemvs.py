@@ -1,0 +1,84 @@
+"""benchmarks/bench_step_gemvs.py: a decode step's GEMV calls recorded, replayed and their bytes read."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_step_gemvs as bench  # noqa: E402
+from conftest import cpu_kernel  # noqa: E402
+
+from mhcrun.ops.qgemv import expert_set  # noqa: E402
+from mhcrun.ops.qweight import QWeight  # noqa: E402
+from mhcrun.tiny import make_tiny  # noqa: E402
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the read stream's x86-64 loop")
+
+
+def fp4_weight(n: int, k: int, g: torch.Generator) -> QWeight:
+    data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g).view(torch.int8)
+    scale = torch.randint(118, 124, (n, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    return QWeight(data, scale, 32).checked()
+
+
+def fp8_weight(n: int, k: int, g: torch.Generator, e8m0: bool) -> QWeight:
+    data = torch.randint(0, 0x7E, (n, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    tiles = (-(-n // 128), -(-k // 128))
+    scale = torch.full(tiles, 2.0**-8)
+    return QWeight(data, scale.to(torch.float8_e8m0fnu) if e8m0 else scale, 128).checked()
+
+
+@pytest.mark.parametrize("make", [fp4_weight, lambda n, k, g: fp8_weight(n, k, g, False),
+                                  lambda n, k, g: fp8_weight(n, k, g, True)], ids=["fp4", "fp8-fp32", "fp8-e8m0"])
+@pytest.mark.parametrize("n, k", [(256, 512), (200, 384)])  # the second: partial tiles
+def test_expert_regions_are_each_experts_bytes(make, n, k):
+    """The bytes the benchmark reads for a routed call's experts are each chosen expert's data and scales, where
+    they lie and no more: the set's layout (format, scale kind, block) gives their sizes."""
+    g = torch.Generator().manual_seed(n + k)
+    ws = [make(n, k, g) for _ in range(4)]
+    s = expert_set(ws)
+    if s is None:
+        pytest.skip("the kernel does not read these experts in place")
+    want = [(t.data_ptr(), t.numel() * t.element_size()) for e in (3, 1) for t in (ws[e].data, ws[e].scale)]
+    assert bench.expert_regions(s, [3, 1]) == want
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("bench") / "tiny-fp8", fp8=True)
+
+
+def test_a_step_is_recorded_replayed_and_read(tiny_fp8, monkeypatch, tmp_path):
+    """On the tiny FP8 model: the recorded steps make each kind of GEMV call, each reads its weight's bytes; the
+    report has a row a call kind and format and one for all; a replayed call that does not give the step's result
+    stops the run."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    monkeypatch.setenv("MHCRUN_KERNEL_CACHE", str(tmp_path))
+    lines = bench.run(tiny_fp8, steps=2, rounds=1, bandwidth=False)
+    rows = {line.split()[0] + " " + line.split()[1] for line in lines[1:-1]}
+    assert {"linear fp8", "moe_routed fp8"} <= rows, lines
+    assert lines[-2].startswith("all ") and float(lines[-2].split()[1]) > 0
+    assert lines[-1].startswith("eager decode step")
+
+    runner = bench.load_runner(str(tiny_fp8))
+    model = runner.model
+    kernel = model.layers[0].attn.opts.cpu
+    model.setup_caches(1, 16)
+    stepper = bench.Stepper(model, 8)
+    with torch.inference_mode():
+        stepper.prefill(0, [5, 6, 7])
+        calls = bench.record(kernel, stepper, [8, 9])
+        for c in calls:
+            if c.method != "moe_routed":
+                w = c.args[1]
+                assert sum(size for _, size in c.regions) == w.data.nbytes + (0 if w.scale is None else w.scale.nbytes)
+        bench.replay(kernel, calls)  # the same results
+        calls[-1].result = calls[-1].result + 1
+        with pytest.raises(SystemExit, match="did not give the step's result"):
+            bench.replay(kernel, calls)
