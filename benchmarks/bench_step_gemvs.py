@@ -61,8 +61,7 @@ class Call:
 
 def weight_regions(w: QWeight) -> list[tuple[int, int]]:
     """The (address, bytes) a GEMV of w reads: its data and its scales."""
-    ts = [w.data] + ([] if w.scale is None else [w.scale])
-    return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in w.parts]
 
 
 def expert_regions(s: ExpertSet, experts: list[int]) -> list[tuple[int, int]]:

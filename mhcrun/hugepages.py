@@ -51,9 +51,7 @@ def why_not(nbytes: int, enabled: bool, mode: str | None = None, available: int 
 
 def parts(value: torch.Tensor | QWeight) -> list[torch.Tensor]:
     """The tensors holding a loaded value's bytes: a tensor, or a QWeight's data and scale."""
-    if isinstance(value, QWeight):
-        return [value.data] + ([] if value.scale is None else [value.scale])
-    return [value]
+    return value.parts if isinstance(value, QWeight) else [value]
 
 
 def span(t: torch.Tensor) -> int:

@@ -66,6 +66,11 @@ class QWeight:
         return self.data.shape[-1] * (2 if self.fmt == "fp4" else 1)
 
     @property
+    def parts(self) -> list[Tensor]:
+        """The tensors holding its bytes: data, then the scale where it has one."""
+        return [self.data] + ([] if self.scale is None else [self.scale])
+
+    @property
     def grid(self) -> tuple[int, int]:
         """(rows, columns) of weight values that share one scale."""
         return (self.block, self.block) if self.fmt == "fp8" else (1, self.block)
