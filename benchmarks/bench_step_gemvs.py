@@ -15,7 +15,6 @@ read; then the step's time and what is left of it outside the GEMV calls. BENCHM
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -64,28 +63,28 @@ def weight_regions(w: QWeight) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in w.parts]
 
 
-def expert_regions(s: ExpertSet, experts: list[int]) -> list[tuple[int, int]]:
-    """The (address, bytes) of the experts `experts` of a set: each one's data and scales (fp4: a scale a group of
-    `block` inputs a row; fp8: a scale a `block` x `block` tile; e8m0 bytes (kind 0) or fp32)."""
-    n, k, b = s.out_features, s.in_features, s.block
-    data = n * k // 2 if s.fmt == 1 else n * k
-    scales = (n * math.ceil(k / b) if s.fmt == 1 else math.ceil(n / b) * math.ceil(k / b)) * (1 if s.kind == 0 else 4)
-    out = []
-    for e in experts:
-        d, sc = (int(v) for v in s.ptrs[e])
-        out += [(d, data), (sc, scales)]
-    return out
+def weights_by_address(model: torch.nn.Module) -> dict[int, QWeight]:
+    """Each of the model's weights (a module's `w`) by the address of its bytes: where a routed call's experts are
+    found from their set's addresses."""
+    return {m.w.data.data_ptr(): m.w for m in model.modules() if isinstance(getattr(m, "w", None), QWeight)}
 
 
-def call_regions(c: Call) -> list[tuple[int, int]]:
+def expert_regions(s: ExpertSet, experts: list[int], weights: dict[int, QWeight]) -> list[tuple[int, int]]:
+    """The (address, bytes) of the experts `experts` of a set: each one's data and scales, as its weight (found in
+    `weights` by its address) holds them."""
+    return [r for e in experts for r in weight_regions(weights[int(s.ptrs[e][0])])]
+
+
+def call_regions(c: Call, weights: dict[int, QWeight]) -> list[tuple[int, int]]:
     if c.method == "moe_routed":
         experts = sorted(set(c.args[2].flatten().tolist()))
-        return [r for s in c.args[3:6] for r in expert_regions(s, experts)]
+        return [r for s in c.args[3:6] for r in expert_regions(s, experts, weights)]
     return weight_regions(c.args[1])
 
 
 def record(kernel: CpuKernel, stepper: Stepper, tokens: list[int]) -> list[Call]:
     """Decode `tokens` (one a step, row 0) with the kernel's GEMV methods recorded."""
+    weights = weights_by_address(stepper.model)
     calls: list[Call] = []
     originals = {name: getattr(CpuKernel, name) for name in GEMV_CALLS}
 
@@ -109,7 +108,7 @@ def record(kernel: CpuKernel, stepper: Stepper, tokens: list[int]) -> list[Call]
         for name, fn in originals.items():
             setattr(CpuKernel, name, fn)
     for c in calls:
-        c.regions = call_regions(c)
+        c.regions = call_regions(c, weights)
     return calls
 
 

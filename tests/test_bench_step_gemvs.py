@@ -38,14 +38,14 @@ def fp8_weight(n: int, k: int, g: torch.Generator, e8m0: bool) -> QWeight:
 @pytest.mark.parametrize("n, k", [(256, 512), (200, 384)])  # the second: partial tiles
 def test_expert_regions_are_each_experts_bytes(make, n, k):
     """The bytes the benchmark reads for a routed call's experts are each chosen expert's data and scales, where
-    they lie and no more: the set's layout (format, scale kind, block) gives their sizes."""
+    they lie and no more: each expert's weight, found by the address its set holds."""
     g = torch.Generator().manual_seed(n + k)
     ws = [make(n, k, g) for _ in range(4)]
     s = expert_set(ws)
     if s is None:
         pytest.skip("the kernel does not read these experts in place")
     want = [(t.data_ptr(), t.numel() * t.element_size()) for e in (3, 1) for t in (ws[e].data, ws[e].scale)]
-    assert bench.expert_regions(s, [3, 1]) == want
+    assert bench.expert_regions(s, [3, 1], {w.data.data_ptr(): w for w in reversed(ws)}) == want
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,9 @@ def test_a_step_is_recorded_replayed_and_read(tiny_fp8, monkeypatch, tmp_path):
             if c.method != "moe_routed":
                 w = c.args[1]
                 assert sum(size for _, size in c.regions) == w.data.nbytes + (0 if w.scale is None else w.scale.nbytes)
+            else:  # each chosen expert's w1, w3 and w2: data and scales, each read once
+                chosen = set(c.args[2].flatten().tolist())
+                assert len(c.regions) == 3 * 2 * len(chosen) == len({a for a, _ in c.regions})
         bench.replay(kernel, calls)  # the same results
         calls[-1].result = calls[-1].result + 1
         with pytest.raises(SystemExit, match="did not give the step's result"):
