@@ -14,29 +14,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quantized import memcpy_bandwidth, read_bandwidth  # noqa: E402
+from bench_quantized import best_time, memcpy_bandwidth, read_bandwidth  # noqa: E402
 
 from mhcrun.checkpoint import stored_tensors  # noqa: E402
 from mhcrun.generate import generate, nonfinite_rows  # noqa: E402
 from mhcrun.runner import load_runner, open_runner  # noqa: E402
 from mhcrun.settings import Env  # noqa: E402
 from mhcrun.weightcheck import check_weights  # noqa: E402
-
-
-def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -57,8 +47,8 @@ def main() -> None:
                 t.reshape(-1).view(torch.uint8).max()
 
     plain_read()  # page the shards in
-    scan_s = best_of(lambda: check_weights(runner.plan, runner.scan), args.repeats)
-    read_s = best_of(plain_read, args.repeats)
+    scan_s = best_time(lambda: check_weights(runner.plan, runner.scan), args.repeats)
+    read_s = best_time(plain_read, args.repeats)
     memcpy = memcpy_bandwidth()
     read = read_bandwidth()
     print(f"checkpoint {runner.path}: {nbytes / 1e9:.2f} GB stored")
@@ -72,7 +62,7 @@ def main() -> None:
     res = generate(loaded.model, prompts, args.steps, eos_id=-1, ignore_eos=True)
     step_s = args.batch / res[0].stats["decode_tok_s"]  # one decode step of the whole batch
     logits = torch.randn(args.batch, loaded.config.vocab_size)
-    check_s = best_of(lambda: [nonfinite_rows(logits) for _ in range(100)], args.repeats) / 100
+    check_s = best_time(lambda: [nonfinite_rows(logits) for _ in range(100)], args.repeats) / 100
     print(f"logits check: {check_s * 1e6:.1f} us per step over [{args.batch}, {loaded.config.vocab_size}] | eager "
           f"decode step {step_s * 1e3:.1f} ms | share {check_s / step_s:.2%}")
 

@@ -47,7 +47,7 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes copied per second by torch's copy_ (all threads), best of `repeats`."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    return nbytes / _best_time(lambda: dst.copy_(src), repeats)
+    return nbytes / best_time(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -72,7 +72,7 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
         streams += [lambda src=src: src.view(torch.float32).sum(), lambda src=src: src.view(torch.int64).max()]
         if native is not None:
             streams.append(lambda src=src: native(src.data_ptr(), lines, threads))
-    return max(nbytes / _best_time(fn, repeats) for fn in streams)
+    return max(nbytes / best_time(fn, repeats) for fn in streams)
 
 
 def _read_stream():
@@ -90,7 +90,7 @@ def _read_stream():
     return fn
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
     """The shortest of `repeats` calls of fn, after one call that warms it up."""
     fn()
     best = float("inf")
