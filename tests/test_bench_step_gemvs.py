@@ -45,7 +45,7 @@ def test_expert_regions_are_each_experts_bytes(make, n, k):
     if s is None:
         pytest.skip("the kernel does not read these experts in place")
     want = [(t.data_ptr(), t.numel() * t.element_size()) for e in (3, 1) for t in (ws[e].data, ws[e].scale)]
-    assert bench.expert_regions(s, [3, 1], {w.data.data_ptr(): w for w in reversed(ws)}) == want
+    assert bench.expert_regions(s, [3, 1], {w.data.data_ptr(): w for w in ws}) == want
 
 
 @pytest.fixture(scope="module")
