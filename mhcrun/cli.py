@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mhcrun.errors import InputError, MhcrunError
+from mhcrun.heap import glibc_version, restart_env, thp_mode
 from mhcrun.settings import Env
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
@@ -426,6 +427,7 @@ def generate(
             kernel = runner.model.opts.cpu.status()  # the pages the weights are on (mhcrun.hugepages)
             for res in results:
                 res.stats["cpu_gemv_kernel"], res.stats["weight_pages"] = kernel, runner.weight_pages
+                res.stats["heap_pages"] = runner.heap_pages
         for name, text, res in zip(names, texts, results, strict=True):
             res.text = tok.decode(res.tokens, keep_special=messages is not None) if tok else ""
             if as_json:
@@ -934,6 +936,18 @@ def make_synthetic_cmd(
 
 
 def main() -> None:
+    """The `mhcrun` command. Where the heap would go on huge pages only if glibc's malloc were told so at the
+    process's start (`mhcrun.heap`), it first starts itself again, once, with that told."""
+    try:
+        env = Env.read()
+    except InputError:  # the command says what is wrong
+        env = None
+    again = env and restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
+    if again:
+        try:
+            os.execve(sys.executable, [sys.executable, "-m", "mhcrun.cli", *sys.argv[1:]], again)
+        except OSError:  # run as it is
+            pass
     app(prog_name="mhcrun")
 
 

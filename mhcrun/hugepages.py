@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
+from mhcrun.heap import thp_mode
 from mhcrun.memory import available_bytes, format_bytes
 from mhcrun.ops.qweight import QWeight
 
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor's first byte: a cache line
 FIT = 0.9  # the share of the available memory the weights may take
-
-
-def thp_mode(path: Path = THP_MODE) -> str:
-    """The kernel's transparent huge page mode ("always", "madvise" or "never"; "" where it has none)."""
-    try:
-        words = path.read_text().split()
-    except OSError:
-        return ""
-    return next((w[1:-1] for w in words if w.startswith("[")), "")
 
 
 def why_not(nbytes: int, enabled: bool, mode: str | None = None, available: int | None = -1) -> str | None:

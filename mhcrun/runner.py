@@ -20,6 +20,7 @@ from mhcrun.checkpoint import (
 )
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
+from mhcrun.heap import heap_pages, set_heap_policy, thp_mode
 from mhcrun.hugepages import place, why_not
 from mhcrun.memory import MemoryPlan, plan_memory, weight_bytes
 from mhcrun.model import Transformer, build_model
@@ -52,6 +53,7 @@ class Runner:
     warned_chat_tokens: bool = False  # said once: its tokenizer lacks the chat format's tokens
     mtp: bool = False  # load and build the first MTP layer too (speculative decoding, `mhcrun.speculate`)
     weight_pages: str = ""  # the pages the loaded weights are on: "2 MB pages" or "4 KB pages (why)" (`hugepages`)
+    heap_pages: str = ""  # and those the process's heap is on (`heap`)
     ckpt: LoadedCheckpoint | None = None
     model: Transformer | None = None
 
@@ -96,6 +98,8 @@ class Runner:
         why = why_not(self.tp.world * weight_bytes(self.plan, DTYPES[self.dtype], self.dequantize),
                       self.env.huge_pages) if self.device == "cpu" else "not a CPU run"
         self.weight_pages = "2 MB pages" if why is None else f"4 KB pages ({why})"
+        self.heap_pages = heap_pages(self.env.huge_pages, self.env.glibc_tunables, thp_mode()) \
+            if self.device == "cpu" else "not a CPU run"
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan,
                                     place if why is None else None)
         c = self.ckpt
@@ -112,25 +116,6 @@ class Runner:
         if self.device == "cpu":  # decode reuses the same buffers every step: keep them
             set_heap_policy(mmap_above=32 << 20, keep_free=256 << 20)
         return self.model
-
-
-def set_heap_policy(mmap_above: int, keep_free: int = 128 << 10) -> None:
-    """glibc: serve blocks of `mmap_above` bytes and more by mmap (returned to the OS when freed), smaller
-    ones from the heap, and keep up to `keep_free` bytes free at the heap's top. Setting the threshold also
-    stops glibc raising it by itself.
-
-    Loading keeps tensors and frees bigger transients between them: with glibc's own moving threshold those
-    land in the heap and leave holes that are never returned (the dequantised mid-size model peaked at 1.9x
-    its weights). A decode step allocates and frees the same megabyte-sized buffers every step: from fresh
-    mmaps each one costs a page fault per page (slow on virtual machines), from the heap nothing.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(-3, mmap_above)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, keep_free)  # M_TRIM_THRESHOLD
-    libc.mallopt(-2, min(keep_free, 16 << 20))  # M_TOP_PAD: grow the heap this much at a time
 
 
 def resolve_model_path(model: str | None) -> Path:

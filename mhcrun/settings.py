@@ -52,7 +52,9 @@ class Env:
     hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference
     nki_sim: str | None = None  # MHCRUN_NKI_SIM: 1|exact or device runs the NKI kernels in the simulator
     cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off; avx2|avx512|avx512bf16|amx caps the kernel; else its default
-    huge_pages: bool = True  # MHCRUN_HUGE_PAGES=0: a CPU run's weights stay on the shards' 4 KB pages (`hugepages`)
+    huge_pages: bool = True  # MHCRUN_HUGE_PAGES=0: a CPU run's weights stay on the shards' 4 KB pages (`hugepages`),
+    # and the heap on 4 KB pages (`heap`)
+    glibc_tunables: str = ""  # GLIBC_TUNABLES: whether malloc puts the heap on huge pages (`heap.heap_pages`)
     scaled_mm: bool = False  # MHCRUN_SCALED_MM=1: cuBLASLt's FP8 GEMM on cuda
     kernel_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "mhcrun" / "kernels")
     cxx: str = "g++"  # CXX: the compiler of the C++ kernels
@@ -75,7 +77,8 @@ class Env:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
         return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
                    nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
-                   huge_pages=huge == "1", scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
+                   huge_pages=huge == "1", glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
+                   scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
                    local_rank=launch["LOCAL_RANK"])
 

@@ -36,7 +36,7 @@ LINEAR = "layers.0.attn.wq_a.weight"  # a bf16 [64, 128] linear of the tiny mode
 IDS = "0,5,6"
 N = 4
 STATS_KEYS = {"prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb", "kernels", "cpu_gemv_kernel", "tp",
-              "peak_rss_mb_per_rank", "weight_pages"}
+              "peak_rss_mb_per_rank", "weight_pages", "heap_pages"}
 STATS_LINE = re.compile(r"^prompt tokens \d+ \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| compile [\d.]+ s "
                         r"\| peak RSS \d+ MB( \| CPU GEMV kernel ((avx512bf16|avx512|avx2)( \+ amx)?|off.*) "
                         r"\| weights on (2 MB pages|4 KB pages \(.+\)))?$")
@@ -241,7 +241,8 @@ def test_generate_prompt_ids_json(greedy_ref):
     assert isinstance(res["text"], str)
     assert set(res["stats"]) == STATS_KEYS
     assert all(isinstance(v, (int, float)) and v >= 0 for k, v in res["stats"].items()
-               if k not in ("kernels", "cpu_gemv_kernel", "peak_rss_mb_per_rank", "weight_pages"))
+               if k not in ("kernels", "cpu_gemv_kernel", "peak_rss_mb_per_rank", "weight_pages",
+                             "heap_pages"))
     assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
     assert res["stats"]["peak_rss_mb"] > 0
     kernels = res["stats"]["kernels"]  # without the simulator: the CPU kernel's C++ (decode rows), else torch
