@@ -7,8 +7,8 @@ buffers, torch's and the interpreter's small objects, all out of cache after the
 fewer page table entries: on a 2-core AMX VM a step of the mid-size config took 0.96-0.97x the time, eager and
 compiled regions alike (BENCHMARKS.md, issue 20). So the command line's entry point starts itself again, once, with
 the tunable added (`restart_env`); MHCRUN_HUGE_PAGES=0 leaves the heap, as the weights, on 4 KB pages, and a
-glibc.malloc.hugetlb the user sets is kept (=0: the heap on 4 KB pages alone). This module
-imports nothing heavy: the entry point asks it before torch is loaded.
+glibc.malloc.hugetlb the user sets is kept (=0: the heap alone on 4 KB pages). This module imports nothing heavy:
+the entry point asks it before torch is loaded.
 """
 
 from __future__ import annotations
