@@ -942,8 +942,8 @@ def main() -> None:
         env = Env.read()
     except InputError:  # the command says what is wrong
         env = None
-    again = env and restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
-    if again:
+    again = None if env is None else restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
+    if again is not None:
         try:
             os.execve(sys.executable, [sys.executable, "-m", "mhcrun.cli", *sys.argv[1:]], again)
         except OSError:  # run as it is
