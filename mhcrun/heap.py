@@ -49,19 +49,24 @@ def malloc_hugetlb(tunables: str) -> str | None:
     return values[-1] if values else None
 
 
+def pages(why: str | None) -> str:
+    """What a run reports memory to be on: "2 MB pages", or "4 KB pages (why)" where `why` says why not."""
+    return "2 MB pages" if why is None else f"4 KB pages ({why})"
+
+
 def heap_pages(huge_pages: bool, tunables: str, mode: str) -> str:
-    """The pages the heap is on ("2 MB pages", or "4 KB pages (why)") with MHCRUN_HUGE_PAGES's `huge_pages`,
-    GLIBC_TUNABLES's `tunables` and the kernel's mode (`thp_mode`)."""
+    """The pages the heap is on (`pages`) with MHCRUN_HUGE_PAGES's `huge_pages`, GLIBC_TUNABLES's `tunables` and the
+    kernel's mode (`thp_mode`)."""
     setting = malloc_hugetlb(tunables)
     if not huge_pages:
-        return "4 KB pages (MHCRUN_HUGE_PAGES=0)"
+        return pages("MHCRUN_HUGE_PAGES=0")
     if setting not in (None, "0", "1"):
         return f"as glibc.malloc.hugetlb={setting} has them"
     if mode == "always" or (mode == "madvise" and setting == "1"):
-        return "2 MB pages"
+        return pages(None)
     if mode != "madvise":
-        return f"4 KB pages (transparent huge pages: {mode or 'none'})"
-    return f"4 KB pages (glibc.malloc.hugetlb={setting or 'unset'})"
+        return pages(f"transparent huge pages: {mode or 'none'}")
+    return pages(f"glibc.malloc.hugetlb={setting or 'unset'}")
 
 
 def restart_env(environ: Mapping[str, str], huge_pages: bool, mode: str,

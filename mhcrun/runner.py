@@ -20,7 +20,7 @@ from mhcrun.checkpoint import (
 )
 from mhcrun.config import ModelConfig
 from mhcrun.errors import InputError
-from mhcrun.heap import heap_pages, set_heap_policy, thp_mode
+from mhcrun.heap import heap_pages, pages, set_heap_policy, thp_mode
 from mhcrun.hugepages import place, why_not
 from mhcrun.memory import MemoryPlan, plan_memory, weight_bytes
 from mhcrun.model import Transformer, build_model
@@ -97,7 +97,7 @@ class Runner:
         # (under --tp the ranks share the machine: each copies its share, and the check counts all of them)
         why = why_not(self.tp.world * weight_bytes(self.plan, DTYPES[self.dtype], self.dequantize),
                       self.env.huge_pages) if self.device == "cpu" else "not a CPU run"
-        self.weight_pages = "2 MB pages" if why is None else f"4 KB pages ({why})"
+        self.weight_pages = pages(why)
         self.heap_pages = heap_pages(self.env.huge_pages, self.env.glibc_tunables, thp_mode()) \
             if self.device == "cpu" else "not a CPU run"
         self.ckpt = load_checkpoint(self.path, self.layers, progress, self.dequantize, self.tp, self.mtp, self.scan,
