@@ -31,6 +31,7 @@ from mhcrun.ops.scan import open_scan
 from mhcrun.parallel import SINGLE, Shard
 from mhcrun.settings import DEVICES, Env, check_choice
 from mhcrun.tokenizer import Tokenizer
+from mhcrun.vml import settle_vector_math
 
 DEFAULT_MODEL = Path(__file__).parent / "data" / "tiny"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,6 +92,7 @@ class Runner:
 
     def load(self, progress: Callable[[int, int], None] | None = None) -> Transformer:
         """Map the shards (or dequantise them) and build the model."""
+        settle_vector_math()  # before any of torch's threads share a first call into MKL's vector math (`vml`)
         if self.device == "cpu":  # loading frees big transients between the tensors it keeps: return them
             set_heap_policy(mmap_above=1 << 20)
         # every decode step streams every weight: on a CPU, on 2 MB pages where the kernel has them (`hugepages`)
