@@ -171,13 +171,14 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     leave(code)
 
 
-def run_settings(device: str = "cpu", graph_mode: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, memory_limit: str | None = None, **fields):
-    """-> (the run's settings, every option checked once: `mhcrun.settings`; the environment, read once)."""
+def run_settings(ctx: typer.Context, device: str = "cpu", graph_mode: str | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, memory_limit: str | None = None, **fields):
+    """-> (the run's settings, every option checked once: `mhcrun.settings`; the environment, as `main` read it)."""
     from mhcrun.memory import parse_size
-    from mhcrun.settings import Env, RunSettings, SamplingOptions, default_graph_mode
+    from mhcrun.settings import RunSettings, SamplingOptions, default_graph_mode
 
-    env = Env.read()
+    # read here only where main did not hand it on: the app run without main (tests), or a bad value, said now
+    env = ctx.obj if isinstance(ctx.obj, Env) else Env.read()
     limit = None if memory_limit is None else parse_size(memory_limit)
     return RunSettings(sampling=SamplingOptions(temperature, top_p, seed), memory_limit=limit,
                        graph_mode=graph_mode or default_graph_mode(device, env), **fields), env
@@ -297,6 +298,7 @@ class LockstepConsole:
 
 @app.command(cls=PanelledCommand)
 def generate(
+    ctx: typer.Context,
     model: str = ModelOpt,
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (BOS is added).", rich_help_panel=INPUT),
     prompt_ids: str = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used as given.",
@@ -345,7 +347,7 @@ def generate(
         from mhcrun.memory import check_fits
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(device, graph_mode, temperature, top_p, seed, memory_limit,
+        st, env = run_settings(ctx, device, graph_mode, temperature, top_p, seed, memory_limit,
                              max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp,
                              draft_tokens=draft_tokens)
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
@@ -461,6 +463,7 @@ def generate(
 
 @app.command("golden-record", cls=PanelledCommand)
 def golden_record(
+    ctx: typer.Context,
     prompts_file: Path = typer.Option(..., "--prompts-file", help="JSON Lines prompts.", rich_help_panel=INPUT),
     out_path: Path = typer.Option(..., "--out", help="Golden JSON to write.", rich_help_panel=OUTPUT),
     model: str = ModelOpt,
@@ -486,7 +489,8 @@ def golden_record(
         from mhcrun.golden import golden_from_results, write_golden
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk, tp=tp)
+        st, env = run_settings(ctx, max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk,
+                               tp=tp)
         chunk = st.prefill_chunk
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
@@ -522,6 +526,7 @@ def golden_record(
 
 @app.command("golden-check", cls=PanelledCommand)
 def golden_check(
+    ctx: typer.Context,
     golden_path: Path = typer.Argument(..., metavar="GOLDEN", help="Golden JSON file."),
     model: str = ModelOpt,
     teacher_forced: bool = typer.Option(True, "--teacher-forced/--free-running", help="Feed the golden tokens and "
@@ -563,7 +568,7 @@ def golden_check(
         from mhcrun.runner import open_runner
 
         golden = load_golden(golden_path)
-        st, env = run_settings(device, graph_mode, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
+        st, env = run_settings(ctx, device, graph_mode, stages=stages, prefill_chunk=prefill_chunk, tp=tp)
         mode, plan, chunk = st.graph_mode, st.stages, st.prefill_chunk
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
@@ -673,6 +678,7 @@ def chat_prompt(
 
 @app.command(cls=PanelledCommand)
 def chat(
+    ctx: typer.Context,
     model: str = ModelOpt,
     mode: str = ModeOpt,
     reasoning_effort: str = EffortOpt,
@@ -704,7 +710,7 @@ def chat(
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
-        env = run_settings(device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
+        env = run_settings(ctx, device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
                            tp=tp)[1]
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
@@ -729,6 +735,7 @@ def chat(
 
 @app.command(cls=PanelledCommand)
 def info(
+    ctx: typer.Context,
     model: str = ModelOpt,
     layers: int = LayersOpt,
     context: int = typer.Option(None, "--context", help="Context (tokens per sequence) the memory plan is for "
@@ -760,7 +767,7 @@ def info(
         from mhcrun.parallel import Shard
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit,
+        st, env = run_settings(ctx, prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit,
                                draft_tokens=draft_tokens)
         chunk = st.prefill_chunk
         runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env,
@@ -837,6 +844,7 @@ def weights_verdict(bad: list | None, runner) -> int:
 
 @app.command("compile-regions", cls=PanelledCommand)
 def compile_regions(
+    ctx: typer.Context,
     model: str = ModelOpt,
     device: str = DeviceOpt,
     stages: str = StagesOpt,
@@ -856,7 +864,7 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(device, stages=stages, tp=tp)
+        st, env = run_settings(ctx, device, stages=stages, tp=tp)
         plan = st.stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
@@ -948,7 +956,7 @@ def main() -> None:
             os.execve(sys.executable, [sys.executable, "-m", "mhcrun.cli", *sys.argv[1:]], again)
         except OSError:  # run as it is
             pass
-    app(prog_name="mhcrun")
+    app(prog_name="mhcrun", obj=env)  # each command's run_settings takes this Env
 
 
 if __name__ == "__main__":

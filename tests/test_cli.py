@@ -382,6 +382,22 @@ def test_info_table():
         assert word in r.stdout
 
 
+def test_the_entry_point_reads_the_environment_once(monkeypatch, capsys):
+    """`main` reads the environment (for the heap's restart) and hands that Env to the command."""
+    import mhcrun.cli as cli_mod
+    from mhcrun.settings import Env
+
+    reads = []
+    real = Env.read
+    monkeypatch.setattr(Env, "read", staticmethod(lambda *a: reads.append(1) or real(*a)))
+    monkeypatch.setenv("MHCRUN_HUGE_PAGES", "0")  # no restart: this process runs the command
+    monkeypatch.setattr(sys, "argv", ["mhcrun", "info", "--json"])
+    with pytest.raises(SystemExit) as done:
+        cli_mod.main()
+    assert done.value.code == 0 and json.loads(capsys.readouterr().out)["config"]["n_layers"] == 4
+    assert len(reads) == 1
+
+
 # ---------------------------------------------------------------------------------------------- make-tiny
 
 
