@@ -10,8 +10,8 @@ It is known upstream (pytorch/pytorch#188792; oneMKL 2025.0 on no longer shows i
 In mhcrun that first call is a prefill's attention (`torch.exp` of the scores: the CPU kernel takes decode rows
 only), on two threads, right after an MKL GEMM. On a 2-core AMX VM, 9 of 120 fresh processes computing layer 0's
 first prefill attention from saved inputs differed from the rest; with the FP8 activation simulation on, a near-tied
-greedy token after a 1,024-token prompt of the mid-size config came out differently in 3 of 19 runs one day (none
-of 36 another). Calling each function once on one element, on one thread, before any model runs settles every
+greedy token after a 1,024-token prompt of the mid-size config came out differently in 4 of 19 runs one day (none
+of 36 the next). Calling each function once on one element, on one thread, before any model runs settles every
 choice: 0 of 120 processes differed.
 """
 
