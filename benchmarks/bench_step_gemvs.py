@@ -169,12 +169,14 @@ def report(calls: list[Call], replays: list[list[float]], reads: list[list[float
                  f"(recorded steps); the rest {step_s * 1e3 - gemv_ms:.2f} ms")
     if bandwidth:
         mb = sum(size for c in calls for _, size in c.regions) / steps / 1e6
-        lines.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (bench_quantized.read_bandwidth): the GEMVs' "
+        lines.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s: the GEMVs' "
                      f"{mb:.1f} MB a step would take {mb * 1e9 / bandwidth:.2f} ms")
     return lines
 
 
-def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool = True) -> list[str]:
+def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True) -> list[str]:
+    """The report's lines; `bandwidth` the read bandwidth in bytes/s to set the GEMVs' bytes against, True to
+    measure it (`read_bandwidth`), False for none."""
     runner = load_runner(str(model_dir))
     model = runner.model
     kernel = model.layers[0].attn.opts.cpu
@@ -196,7 +198,8 @@ def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool = True) -> lis
         for _ in range(rounds):
             replays.append(replay(kernel, calls))
             reads.append(read(stream, calls, threads))
-    return report(calls, replays, reads, steps, step_s, read_bandwidth() if bandwidth else None)
+    bytes_s = read_bandwidth() if bandwidth is True else float(bandwidth) or None
+    return report(calls, replays, reads, steps, step_s, bytes_s)
 
 
 def main() -> None:
@@ -204,6 +207,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="mhcrun checkpoint (default: the mid-size config's 4 layers)")
     ap.add_argument("--steps", type=int, default=4, help="decode steps recorded (and as many timed unrecorded)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bandwidth", type=float, help="the read bandwidth in GB/s to set the GEMVs' bytes against "
+                    "(default: measured, bench_quantized.read_bandwidth)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -212,7 +217,8 @@ def main() -> None:
             make_synthetic(ROOT / "configs" / "v4-mid.json", model_dir, 4)
         print(f"model {model_dir}; {torch.get_num_threads()} threads; {args.steps} steps recorded, "
               f"{args.rounds} rounds")
-        print("\n".join(run(model_dir, args.steps, args.rounds)))
+        bandwidth = True if args.bandwidth is None else args.bandwidth * 1e9
+        print("\n".join(run(model_dir, args.steps, args.rounds, bandwidth)))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def test_a_step_is_recorded_replayed_and_read(tiny_fp8, monkeypatch, tmp_path):
     assert {"linear fp8", "moe_routed fp8"} <= rows, lines
     assert lines[-2].startswith("all ") and float(lines[-2].split()[1]) > 0
     assert lines[-1].startswith("eager decode step")
+    # a bandwidth given (bench_cpu_peer passes its own): the GEMVs' bytes set against it, not one measured here
+    lines = bench.run(tiny_fp8, steps=2, rounds=1, bandwidth=2e10)
+    mb, ms = float(lines[-3].split()[2]), float(lines[-1].split()[-2])
+    assert lines[-1].startswith("read bandwidth 20.0 GB/s: the GEMVs' ") and ms == pytest.approx(mb / 20, abs=0.01)
 
     runner = bench.load_runner(str(tiny_fp8))
     model = runner.model
