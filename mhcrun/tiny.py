@@ -98,13 +98,17 @@ def fp8_variant(raw: dict) -> dict:
     return raw
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool = False, mtp: bool = False) -> Path:
+def make_tiny(out_dir: str | Path, seed: int = 0, fp8: bool = False, force: bool = False, mtp: bool = False,
+              max_positions: int | None = None) -> Path:
     """Write the tiny checkpoint (2 shards + index + tokenizer.json) to out_dir. `mtp`: with a random MTP layer
-    (`mtp.0.*`, a CSA layer: its compressor and indexer state are rolled back too), for speculative decoding."""
+    (`mtp.0.*`, a CSA layer: its compressor and indexer state are rolled back too), for speculative decoding.
+    `max_positions`: its config's max_position_embeddings instead of 512 (the same weights: for long prompts)."""
     from mhcrun.checkpoint import write_checkpoint
     from mhcrun.tokenizer import build_tiny_tokenizer
 
     raw = tiny_config_raw()
+    if max_positions is not None:
+        raw["max_position_embeddings"] = max_positions
     if mtp:
         raw["num_nextn_predict_layers"] = 1
         raw["compress_ratios"] = [*raw["compress_ratios"], 4]
