@@ -39,6 +39,15 @@ def random_tiny(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("random") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def long_fp8(tmp_path_factory) -> Path:
+    """The random tiny model with FP8 linears and FP4 experts, its positions raised to 2,048 (the same weights): the
+    model of tests/golden/tiny-fp8-long.json, whose long prompts were checked against DeepSeek's reference."""
+    from mhcrun.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("long") / "tiny-fp8-long", fp8=True, max_positions=2048)
+
+
 KERNEL_ISAS = ["avx512", "avx2"]
 
 

@@ -102,14 +102,6 @@ def test_greedy_tokens_equal_for_every_chunk_size_on_the_golden_file(chunk):
     assert report["ok"] and all(p["status"] == "match" for p in report["prompts"])
 
 
-@pytest.fixture(scope="module")
-def long_fp8(tmp_path_factory):
-    """The random tiny FP8/FP4 model with positions for 2,048 tokens (tests/golden/tiny-fp8-long.json's)."""
-    from mhcrun.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("long") / "tiny-fp8-long", fp8=True, max_positions=2048)
-
-
 @pytest.mark.parametrize("chunk", [None, 1, 17])
 def test_long_prompts_give_the_reference_golden_at_every_chunk_size(long_fp8, chunk):
     """tests/golden/tiny-fp8-long.json: prompts of 1,500, 1,536, 1,601 and 2,000 tokens, 32 greedy tokens each,

@@ -161,6 +161,16 @@ def test_generate_tp2_prints_the_single_rank_format_and_tokens(fp8_tiny):
     assert text.returncode == 0 and text.stdout == mhcrun("generate", "-n", "6").stdout
 
 
+def test_golden_check_tp2_passes_the_long_prompts(long_fp8):
+    """Two ranks give the long prompts' golden (1,500-2,000 tokens, checked against DeepSeek's reference) within the
+    fp32 tolerance, teacher-forced."""
+    r = mhcrun("golden-check", "tests/golden/tiny-fp8-long.json", "-m", str(long_fp8), "--tp", "2", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["ok"] and rep["counts"]["match"] == 4
+    assert max(p["max_logprob_diff"] for p in rep["prompts"]) < 1e-4
+
+
 def test_golden_check_tp2_passes(tmp_path):
     from mhcrun.golden import load_golden, write_golden
 
