@@ -29,10 +29,11 @@ Prints, in one run:
   rate;
 - regions' compile time, cold (its first process, with an empty inductor cache) and warm (the later ones);
 - the ratios mhcrun / ik and which of issue 20's goals are met;
-- where a goal of decode's share of the read bandwidth is missed, what an eager decode step's time goes to:
-  benchmarks/bench_step_gemvs.py run on the same checkpoint and threads (the step's GEMV calls per kind and format
-  against a plain read of their bytes, and the rest of the step), beside the step the goal would take
-  (`--no-breakdown` skips it).
+- where a goal of decode's share of the read bandwidth is missed, what a decode step's time goes to:
+  benchmarks/bench_step_gemvs.py run on the same checkpoint and threads (an eager step's GEMV calls per kind and
+  format against a plain read of their bytes, and the rest of the step; a compiled-regions step under torch's
+  profiler, its GEMV ops, the other kernels, the graphs' code, the wrappers and Python), beside the step the goal
+  would take (`--no-breakdown` skips it).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def main() -> None:
         missed = report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None,
                         compile_s, pages)
         if missed and not args.no_breakdown:
-            print_breakdown(model, args.threads, *missed)
+            print_breakdown(model, args.threads, *missed, Path(tmp) / "inductor" if "regions" in modes else None)
 
 
 def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None,
@@ -219,8 +220,10 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
         print(f"{f'prefill of {n}: matmul rate':28}"
               + "".join(f"{macs * rates[c][f'prefill@{n}'] / mm:17.0%} " for c in cols))
     if compile_s:
+        # warm: a later round's (each prompt length's context makes its own graphs: its first run compiles them)
+        warm = min(compile_s[len(PROMPTS):], default=None)
         print(f"{'regions compile s':28}{compile_s[0]:18.1f} cold (empty inductor cache), "
-              f"{min(compile_s[1:], default=float('nan')):.1f} warm")
+              + (f"{warm:.1f} warm" if warm is not None else "warm: needs a second round"))
     print("goals (issue 20):")
     missed = None
     for m in ours:
@@ -244,16 +247,21 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
     return missed
 
 
-def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: float) -> None:
-    """Where an eager decode step's time goes (benchmarks/bench_step_gemvs.py in its own process, on `threads`
-    threads), after the step time GOAL_SHARE of the read bandwidth would take."""
+def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: float,
+                    inductor_cache: Path | None) -> None:
+    """Where a decode step's time goes (benchmarks/bench_step_gemvs.py in its own process, on `threads` threads:
+    an eager step, and a compiled-regions one profiled where `inductor_cache`, the regions runs' warm cache, is
+    given), after the step time GOAL_SHARE of the read bandwidth would take."""
     goal_ms = read_bytes / (GOAL_SHARE * bandwidth) * 1e3
     print(f"where a decode step's time goes (the read-bandwidth goal missed: {GOAL_SHARE:.0%} would be a step of "
-          f"{goal_ms:.2f} ms; benchmarks/bench_step_gemvs.py, an eager step after 128 prompt tokens):", flush=True)
+          f"{goal_ms:.2f} ms; benchmarks/bench_step_gemvs.py, steps after 128 prompt tokens):", flush=True)
     cmd = [sys.executable, str(Path(__file__).with_name("bench_step_gemvs.py")), "--model", str(model),
            "--steps", "4", "--rounds", "3", "--bandwidth", str(bandwidth / 1e9)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                         env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    if inductor_cache is not None:
+        cmd.append("--regions")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         print(f"  (bench_step_gemvs.py failed: {(res.stderr.strip() or res.stdout.strip())[-300:]})")
         return

@@ -9,7 +9,10 @@ alternating `--rounds` rounds, it replays the recorded calls back to back (each 
 and reads the bytes each call reads (its weight and scales; a routed call's experts, those its routes chose) with
 benchmarks/read_stream.cpp's loop on the same threads, a call at a time. Prints, per call kind and weight format:
 calls and MB a step, ms a step in the step, replayed and read (medians over the rounds), the rates, and replayed /
-read; then the step's time and what is left of it outside the GEMV calls. BENCHMARKS.md (issue 20) has runs.
+read; then the step's time and what is left of it outside the GEMV calls. With `--regions`, also a compiled-regions
+step (the same prompt, inductor's cache as TORCHINDUCTOR_CACHE_DIR says: a cold one compiles first) under torch's
+profiler: its GEMV ops, the other mhcrun kernels, the graphs' own code, dynamo's and AOT's wrappers, torch's ops and
+the rest (Python), by the ops' self time on the calling thread. BENCHMARKS.md (issue 20) has runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from mhcrun.runner import load_runner  # noqa: E402
 from mhcrun.synthetic import make_synthetic  # noqa: E402
 
 GEMV_CALLS = ("linear", "qgemv", "moe_routed")  # the CpuKernel methods by which an eager decode step reads its weights
+GEMV_OPS = ("mhcrun::qgemv_native", "mhcrun::qgemv_expert_set_native")  # the ops by which a regions step reads them
+# a regions step's profiled ops by what they are (the first that matches a name's start; the rest is "torch ops")
+PROFILE_GROUPS = (("GEMV ops", GEMV_OPS), ("other mhcrun kernels", ("mhcrun::",)),
+                  ("the graphs' own code", ("## Call CompiledFxGraph", "Torch-Compiled Region")),
+                  ("dynamo and AOT wrappers", ("TorchDynamo", "Pregraph bytecode", "AOTDispatcher")))
 LINE = 64
 
 
@@ -174,9 +182,47 @@ def report(calls: list[Call], replays: list[list[float]], reads: list[list[float
     return lines
 
 
-def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True) -> list[str]:
+def group_profile(self_us: dict[str, float]) -> dict[str, float]:
+    """Profiled self times (op name -> us) summed by PROFILE_GROUPS, "torch ops" for the rest, in order."""
+    out = dict.fromkeys([g for g, _ in PROFILE_GROUPS] + ["torch ops"], 0.0)
+    for name, us in self_us.items():
+        out[next((g for g, starts in PROFILE_GROUPS if name.startswith(starts)), "torch ops")] += us
+    return out
+
+
+def profile_regions(model, ids: list[int], steps: int) -> list[str]:
+    """A compiled-regions decode step after the prompt `ids`: its time unprofiled, then `steps` steps under torch's
+    profiler by PROFILE_GROUPS (ms a step), the rest of the profiled step outside any op (Python) last."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mhcrun.generate import start_batch
+
+    _, stepper = start_batch(model, [ids], len(ids) + 4 * steps + 8, None, "regions", None, "whole")
+    token = int(stepper.prefill(0, ids).argmax())
+    for _ in range(3):  # the first compiles (or loads the compiled graphs), the next settle
+        token = int(stepper.decode([0], [token])[0].argmax())
+
+    def decode(n: int) -> float:
+        nonlocal token
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = int(stepper.decode([0], [token])[0].argmax())
+        return (time.perf_counter() - t0) / n * 1e3
+
+    plain = min(decode(steps) for _ in range(2))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = decode(steps)
+    groups = group_profile({e.key: e.self_cpu_time_total for e in prof.key_averages()})
+    parts = [f"{name} {us / steps / 1e3:.2f}" for name, us in groups.items()]
+    rest = profiled - sum(groups.values()) / steps / 1e3
+    return [f"regions decode step {plain:.2f} ms (unprofiled); profiled {profiled:.2f} ms a step: " + ", ".join(parts)
+            + f", the rest (Python) {rest:.2f} ms"]
+
+
+def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True, regions: bool = False) -> list[str]:
     """The report's lines; `bandwidth` the read bandwidth in bytes/s to set the GEMVs' bytes against, True to
-    measure it (`read_bandwidth`), False for none."""
+    measure it (`read_bandwidth`), False for none; `regions`: a compiled-regions step profiled too, last
+    (`profile_regions`)."""
     runner = load_runner(str(model_dir))
     model = runner.model
     kernel = model.layers[0].attn.opts.cpu
@@ -198,8 +244,9 @@ def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True
         for _ in range(rounds):
             replays.append(replay(kernel, calls))
             reads.append(read(stream, calls, threads))
+        lines = profile_regions(model, ids, 4 * steps) if regions else []
     bytes_s = read_bandwidth() if bandwidth is True else float(bandwidth) or None
-    return report(calls, replays, reads, steps, step_s, bytes_s)
+    return report(calls, replays, reads, steps, step_s, bytes_s) + lines
 
 
 def main() -> None:
@@ -207,6 +254,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="mhcrun checkpoint (default: the mid-size config's 4 layers)")
     ap.add_argument("--steps", type=int, default=4, help="decode steps recorded (and as many timed unrecorded)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--regions", action="store_true", help="also profile a compiled-regions step")
     ap.add_argument("--bandwidth", type=float, help="the read bandwidth in GB/s to set the GEMVs' bytes against "
                     "(default: measured, bench_quantized.read_bandwidth)")
     args = ap.parse_args()
@@ -218,7 +266,7 @@ def main() -> None:
         print(f"model {model_dir}; {torch.get_num_threads()} threads; {args.steps} steps recorded, "
               f"{args.rounds} rounds")
         bandwidth = True if args.bandwidth is None else args.bandwidth * 1e9
-        print("\n".join(run(model_dir, args.steps, args.rounds, bandwidth)))
+        print("\n".join(run(model_dir, args.steps, args.rounds, bandwidth, args.regions)))
 
 
 if __name__ == "__main__":

@@ -89,3 +89,13 @@ def test_a_step_is_recorded_replayed_and_read(tiny_fp8, monkeypatch, tmp_path):
         calls[-1].result = calls[-1].result + 1
         with pytest.raises(SystemExit, match="did not give the step's result"):
             bench.replay(kernel, calls)
+
+
+def test_a_regions_profile_is_grouped_by_what_the_ops_are():
+    """Each profiled op's self time goes to the first group its name starts with; the rest are torch's ops."""
+    groups = bench.group_profile({"mhcrun::qgemv_native": 10.0, "mhcrun::qgemv_expert_set_native": 5.0,
+                                  "mhcrun::hc_post_pre_native": 2.0, "## Call CompiledFxGraph fabc": 3.0,
+                                  "Torch-Compiled Region: 0/0": 1.0, "TorchDynamo Cache Lookup": 0.5,
+                                  "AOTDispatcher Runtime Wrapper Prologue": 0.25, "aten::empty": 0.125})
+    assert groups == {"GEMV ops": 15.0, "other mhcrun kernels": 2.0, "the graphs' own code": 4.0,
+                      "dynamo and AOT wrappers": 0.75, "torch ops": 0.125}
