@@ -58,7 +58,9 @@ from mhcrun.synthetic import make_synthetic  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PROMPTS = (128, 1024)
-GOAL_SHARE = 0.6  # issue 20: decode at >= 60% of the read bandwidth
+# issue 20's goals: decode at >= 60% of the read bandwidth, prefill of 1,024 at >= 50% of the matmul rate, compiled
+# regions compiled cold in <= 30 s
+GOAL_SHARE, GOAL_MATMUL, GOAL_COMPILE_S = 0.6, 0.5, 30.0
 MODES = ("eager", "regions")
 
 
@@ -233,7 +235,8 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
         mm_share = macs * ours[m][f"prefill@{PROMPTS[-1]}"] / mm
         line = (f"  {m}: decode >= {GOAL_SHARE:.0%} of the read bandwidth: {_met(share >= GOAL_SHARE)} "
                 f"({share:.0%} at worst); "
-                f"prefill of {PROMPTS[-1]} >= 50% of the matmul rate: {_met(mm_share >= 0.5)} ({mm_share:.0%})")
+                f"prefill of {PROMPTS[-1]} >= {GOAL_MATMUL:.0%} of the matmul rate: {_met(mm_share >= GOAL_MATMUL)} "
+                f"({mm_share:.0%})")
         if ik is not None:
             dec = min(ours[m][f"decode@{n}"] / ik[f"decode@{n}"] for n in PROMPTS)
             pre = min(ours[m][f"prefill@{n}"] / ik[f"prefill@{n}"] for n in PROMPTS)
@@ -241,8 +244,9 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
                      f"({pre:.2f}x at worst)")
         print(line)
     if compile_s:
-        print(f"  regions: compile <= 30 s cold: {_met(compile_s[0] <= 30)} ({compile_s[0]:.0f} s"
-              + ("; the README (compile-regions) says why and what a first run costs)" if compile_s[0] > 30
+        met = compile_s[0] <= GOAL_COMPILE_S
+        print(f"  regions: compile <= {GOAL_COMPILE_S:.0f} s cold: {_met(met)} ({compile_s[0]:.0f} s"
+              + ("; the README (compile-regions) says why and what a first run costs)" if not met
                  else ")"))
     return missed
 
