@@ -7,6 +7,7 @@ prints one line too unless `--debug` asks for the traceback.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -33,7 +34,14 @@ PANELS = (INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER)
 
 
 class PanelledCommand(typer.core.TyperCommand):
-    """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code."""
+    """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code, and
+    whose line in `mhcrun --help` is its docstring's first paragraph as one line (rich keeps the docstring's line
+    breaks there, ragged against the terminal's width)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.short_help is None and self.help:
+            self.short_help = " ".join(inspect.cleandoc(self.help).split("\n\n")[0].split())
 
     def get_params(self, ctx):
         def rank(param) -> int:

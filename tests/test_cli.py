@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer.main
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -917,6 +919,17 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
     greedy = RUNNER.invoke(app, ["chat", *map(str, opts[:4]), *map(str, opts[10:])], input="Hi\n")
     ok(greedy)
     assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
+
+
+def test_command_list_shows_each_command_on_one_line_when_wide_enough():
+    """`mhcrun --help` lists each command by its docstring's first paragraph as one line (rich would keep the
+    docstring's own line breaks there)."""
+    lines = cli("--help", env={"COLUMNS": "400"}).stdout.splitlines()
+    commands = typer.main.get_command(app).commands
+    assert len(commands) >= 9
+    for name, command in commands.items():
+        first = " ".join(inspect.cleandoc(command.help).split("\n\n")[0].split())
+        assert any(name in line and first in line for line in lines), (name, first)
 
 
 def test_help_groups_options_into_panels_with_developer_knobs_last():
