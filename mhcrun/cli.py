@@ -34,9 +34,9 @@ PANELS = (INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER)
 
 
 class PanelledCommand(typer.core.TyperCommand):
-    """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code, and
-    whose line in `mhcrun --help` is its docstring's first paragraph as one line (rich keeps the docstring's line
-    breaks there, ragged against the terminal's width)."""
+    """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code, its
+    flags without a type (they take no value), and whose line in `mhcrun --help` is its docstring's first paragraph
+    as one line (rich keeps the docstring's line breaks there, ragged against the terminal's width)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,9 +48,25 @@ class PanelledCommand(typer.core.TyperCommand):
             panel = getattr(param, "rich_help_panel", None)
             return PANELS.index(panel) if panel in PANELS else -1
 
-        return sorted(super().get_params(ctx), key=rank)
+        return untyped_flags(sorted(super().get_params(ctx), key=rank))
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class Group(typer.core.TyperGroup):
+    """mhcrun's command group: its --help flag without a type, as the commands' flags."""
+
+    def get_params(self, ctx):
+        return untyped_flags(super().get_params(ctx))
+
+
+def untyped_flags(params: list) -> list:
+    """params, each flag's help shown without a type ("<bool>" beside a flag reads as if it wanted a value)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)

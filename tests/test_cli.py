@@ -924,7 +924,9 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
 def test_command_list_shows_each_command_on_one_line_when_wide_enough():
     """`mhcrun --help` lists each command by its docstring's first paragraph as one line (rich would keep the
     docstring's own line breaks there)."""
-    lines = cli("--help", env={"COLUMNS": "400"}).stdout.splitlines()
+    text = cli("--help", env={"COLUMNS": "400"}).stdout
+    assert "<bool>" not in text  # --help takes no value
+    lines = text.splitlines()
     commands = typer.main.get_command(app).commands
     assert len(commands) >= 9
     for name, command in commands.items():
@@ -938,6 +940,7 @@ def test_help_groups_options_into_panels_with_developer_knobs_last():
               if f"─ {p} ─" in text]
     assert len(panels) == 6 and sorted(panels, key=text.index) == panels
     assert text.index("--debug") > text.index("─ Developer ─") > text.index("--json")
+    assert "<int>" in text and "<bool>" not in text  # flags take no value: no type beside them
     says = {"generate": "skips only that check", "golden-record": "Overwrite an existing --out file",
             "golden-check": "skips only that refusal", "make-tiny": "Write into a non-empty OUT directory",
             "make-synthetic": "Write into a non-empty OUT directory"}
