@@ -7,10 +7,12 @@ prints one line too unless `--debug` asks for the traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -68,7 +70,17 @@ def untyped_flags(params: list) -> list:
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
-out = Console(highlight=False)
+
+
+class Output(Console):
+    """stdout's console. A reader gone (`| head`) raises BrokenPipeError, for `run_guarded` to end the command by as
+    it ends one whose print() found the pipe closed; rich's own answer, exit 1, is golden-check's mismatch."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "stdout's reader left")
+
+
+out = Output(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 DEFAULT_PROMPT = "The river runs past the mill"
@@ -173,6 +185,7 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     """Run a command body; turn errors into one line and an exit code."""
     try:
         code = fn() or 0
+        sys.stdout.flush()  # what is left to write, written here: a reader gone is then seen below
     except MhcrunError as e:
         if debug:
             raise
@@ -180,7 +193,10 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
         leave(e.exit_code)
     except KeyboardInterrupt:
         say_error("error: interrupted")
-        leave(130)
+        leave(128 + signal.SIGINT)
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a process SIGPIPE ends does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        leave(128 + signal.SIGPIPE)
     except Exception as e:  # a bug: still one line unless --debug
         if debug:
             raise

@@ -921,6 +921,19 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
     assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
 
 
+@pytest.mark.parametrize("output", [(), ("--json",)], ids=["streamed", "json"])
+def test_a_reader_gone_from_stdout_ends_the_command_quietly(output):
+    """`mhcrun generate | head`: when stdout's reader has left, the command stops with the code a process SIGPIPE
+    ends has (141), nothing on stderr: not an internal error, and not exit 1 (golden-check's mismatch)."""
+    proc = subprocess.Popen([*console_script(), "generate", "-p", "hi", "-n", "8", "--temp", "0", *output],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc.stdout.close()  # the reader leaves before the first write
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 141, (proc.returncode, stderr.decode())
+    assert stderr.decode().strip() == ""
+
+
 def test_command_list_shows_each_command_on_one_line_when_wide_enough():
     """`mhcrun --help` lists each command by its docstring's first paragraph as one line (rich would keep the
     docstring's own line breaks there)."""
