@@ -445,11 +445,6 @@ def generate(
             session = Session(runner.model, chunk=1)  # generate gives it the prefill chunk
             if cache is not None:
                 session.keep(cache.tokens, cache.snapshot, cache.logits)
-            if max_new_tokens == 0:  # only the prompt, to cache it
-                from mhcrun.memory import default_prefill_chunk
-
-                session.chunk = chunk or default_prefill_chunk(cfg)
-                session.prefill(ids[0])
         try:
             results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
                                                    st.sampling, ignore_eos,

@@ -297,28 +297,27 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     """Generate up to max_new_tokens for each prompt (token id lists, checked by `check_prompts`).
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`), then
-    decode steps (`Stepper`: eager, or compiled regions with graph_mode "regions") advance every unfinished row by
-    a token sampled from its logits (`sample`); on_token(row, id) streams, `record_topk` keeps each step's top-k
-    log-probs and margin. A row whose logits turn non-finite ends before a token is taken from them; its steps run
-    again to find where the value first appeared, and its result's `nonfinite` says so (`raise_nonfinite`).
-    With `session` (one prompt; the session's caches already set up), the prompt is prefilled by the session,
-    which reuses the state it holds (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs.
-    `draft_tokens` K > 0: speculative decoding with the model's MTP layer (`mhcrun.speculate`; no session).
-    `warmup`: the first prompt is prefilled once, untimed, and its row cleared before the timed run (as llama-bench
-    warms up), so that the speeds leave out first-touch costs: the weights' pages mapped in, the kernels loaded,
-    the threads started (no session, no draft tokens)."""
+    decode steps (`Stepper`: eager, or compiled regions with graph_mode "regions") advance every unfinished row by a
+    token sampled from its logits (`sample`); on_token(row, id) streams, `record_topk` keeps each step's top-k
+    log-probs and margin. With max_new_tokens 0 the prompts are prefilled alone (timed, their logits checked). A row
+    whose logits turn non-finite ends before a token is taken from them; its steps run again to find where the value
+    first appeared, and its result's `nonfinite` says so (`raise_nonfinite`). With `session` (one prompt; the
+    session's caches already set up), the prompt is prefilled by the session, which reuses the state it holds
+    (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs. `draft_tokens` K > 0: speculative
+    decoding with the model's MTP layer (`mhcrun.speculate`; no session). `warmup`: the first prompt is prefilled
+    once, untimed, and its row cleared before the timed run (as llama-bench warms up), so that the speeds leave out
+    first-touch costs: the weights' pages mapped in, the kernels loaded, the threads started (no session, no draft
+    tokens)."""
     if warmup and (session is not None or draft_tokens):
         raise InputError("--warmup does not run with --prompt-cache or --draft-tokens")
-    if draft_tokens:
+    if draft_tokens and session is not None:
+        raise InputError("--draft-tokens does not run with a session or --prompt-cache")
+    if draft_tokens and max_new_tokens:  # with none to make, nothing is drafted: the prompts alone, below
         from mhcrun.speculate import speculate
 
-        if session is not None:
-            raise InputError("--draft-tokens does not run with a session or --prompt-cache")
         return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
                          on_token, graph_mode, backend, stages, prefill_chunk)
     sampling = sampling or SamplingOptions()
-    if max_new_tokens == 0:
-        return finish_stats(model, [GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts], [], [], 0)
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
                                backend, stages, session)
     results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
@@ -352,7 +351,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             logits = session.prefill(ids, marks)[0]
             steps.length[row], steps.last[row] = len(ids), ids[-1]
         prefill_s.append(time.perf_counter() - t0)
-        take([row], logits.unsqueeze(0))
+        if max_new_tokens:
+            take([row], logits.unsqueeze(0))
+        else:  # the prompt alone (max_new_tokens 0): its logits checked, no token taken
+            batch.take([row], logits.unsqueeze(0))
 
     step_s: list[float] = []
     decode_tokens, moved0 = 0, model.opts.tp.traffic.bytes

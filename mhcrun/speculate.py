@@ -193,7 +193,8 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
               prefill_chunk: int | None = None) -> list[GenerationResult]:
     """`generate` with K draft tokens per step from the model's MTP layer (see the module docstring); the same
     results, with stats["speculative"] (`DraftStats.as_dict`). graph_mode "regions": the verify runs the
-    compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly."""
+    compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly.
+    max_new_tokens >= 1 (`generate` runs prompts alone itself)."""
     sampling = sampling or SamplingOptions()
     dev = model.device
     check_draft_tokens(model, k)
@@ -235,9 +236,6 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     prefill_s = []
     for row, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        if max_new_tokens == 0:
-            prefill_s.append(0.0)
-            continue
         logits, p = prefill_row(model, ids, row, chunk)
         prefill_s.append(time.perf_counter() - t0)
         first = 0 if nonfinite_rows(logits) else sample_one(logits, sampling, gen)  # emit ends such a row

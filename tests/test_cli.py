@@ -343,9 +343,12 @@ def test_generate_graph_mode_env_and_flag(greedy_ref):
 
 
 def test_generate_zero_new_tokens():
-    (res,) = gen_json("--prompt-ids", IDS, "-n", 0)
-    assert res["tokens"] == [] and res["prompt_ids"] == [0, 5, 6]
-    assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
+    """-n 0 runs the prompt alone: prefilled and timed (with or without drafts), no token taken."""
+    for drafts in ((), ("--draft-tokens", 2)):
+        (res,) = gen_json("--prompt-ids", IDS, "-n", 0, *drafts)
+        assert res["tokens"] == [] and res["prompt_ids"] == [0, 5, 6]
+        assert res["stats"]["prefill_tok_s"] > 0 and res["stats"]["decode_tok_s"] == 0
+        assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
 
 
 def test_generate_ids_without_tokenizer(ckpt, greedy_ref):

@@ -75,11 +75,12 @@ def test_cli_generate_with_a_nan_weight_exits_3_with_one_line(tmp_path):
         if name in tensors:
             tensors[name][0, 0] = float("nan")
             save_file(tensors, shard, metadata={"format": "pt"})
-    r = CLI.invoke(app, ["generate", "-m", str(ckpt), "-n", "4", "--json"])
-    assert r.exit_code == 3, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: prompt 0: the logits of step 0") and "NaN" in lines[0]
-    assert r.stdout == ""  # no tokens were printed
+    for n in ("4", "0"):  # -n 0: the prompt alone, its logits checked all the same
+        r = CLI.invoke(app, ["generate", "-m", str(ckpt), "-n", n, "--json"])
+        assert r.exit_code == 3, r.stdout + r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: prompt 0: the logits of step 0") and "NaN" in lines[0]
+        assert r.stdout == ""  # no tokens were printed
 
 
 def test_golden_record_refuses_a_non_finite_run_and_writes_nothing(tmp_path):
