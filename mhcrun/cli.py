@@ -40,7 +40,7 @@ class PanelledCommand(typer.core.TyperCommand):
     flags without a type (they take no value), and whose line in `mhcrun --help` is its docstring's first paragraph
     as one line (rich keeps the docstring's line breaks there, ragged against the terminal's width)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.short_help is None and self.help:
             self.short_help = " ".join(inspect.cleandoc(self.help).split("\n\n")[0].split())
@@ -641,7 +641,7 @@ def golden_check(
             print(json.dumps({"golden": str(golden_path), "graph_mode": mode, **report_to_json(report)}))
         else:
             decode = runner.tokenizer.decode if runner.tokenizer else None
-            render_report(report, out if out.is_terminal else Console(highlight=False, width=160), decode)
+            render_report(report, out if out.is_terminal else Output(highlight=False, width=160), decode)
         return report.exit_code
 
     run_guarded(debug, body)

@@ -924,12 +924,17 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
     assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
 
 
-@pytest.mark.parametrize("output", [(), ("--json",)], ids=["streamed", "json"])
-def test_a_reader_gone_from_stdout_ends_the_command_quietly(output):
+@pytest.mark.parametrize("command", ["generate", "generate --json", "golden-check"])
+def test_a_reader_gone_from_stdout_ends_the_command_quietly(command, tmp_path):
     """`mhcrun generate | head`: when stdout's reader has left, the command stops with the code a process SIGPIPE
     ends has (141), nothing on stderr: not an internal error, and not exit 1 (golden-check's mismatch)."""
-    proc = subprocess.Popen([*console_script(), "generate", "-p", "hi", "-n", "8", "--temp", "0", *output],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+    args = ["generate", "-p", "hi", "-n", "8", "--temp", "0", *command.split()[1:]]
+    if command == "golden-check":
+        golden, prompts = tmp_path / "g.json", tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt": "hi"}\n')
+        ok(cli("golden-record", "--prompts-file", prompts, "--out", golden, "-n", 4))
+        args = ["golden-check", str(golden)]
+    proc = subprocess.Popen([*console_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     proc.stdout.close()  # the reader leaves before the first write
     _, stderr = proc.communicate(timeout=120)
