@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mhcrun.errors import InputError, MhcrunError
+from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError
 from mhcrun.heap import glibc_version, restart_env, thp_mode
 from mhcrun.settings import Env
 
@@ -181,6 +181,11 @@ def leave(code: int) -> NoReturn:
     raise typer.Exit(code)
 
 
+# an OSError of these kinds without a file name came from writing the output (stdout): the files the CLI writes
+# name themselves in theirs
+WRITE_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+
+
 def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     """Run a command body; turn errors into one line and an exit code."""
     try:
@@ -197,6 +202,12 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a process SIGPIPE ends does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         leave(128 + signal.SIGPIPE)
+    except OSError as e:  # a full disk, a device gone: the files mhcrun checks say so themselves (exit 2)
+        if debug:
+            raise
+        where = f": {e.filename}" if e.filename else " (writing the output)" if e.errno in WRITE_ERRNOS else ""
+        say_error(f"error: {e.strerror or e}{where}")
+        leave(OS_FAILED)
     except Exception as e:  # a bug: still one line unless --debug
         if debug:
             raise
@@ -207,7 +218,7 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
         if peer_lost(e, os.environ.get("MHCRUN_TP_LAUNCHED") == "1"):
             leave(ECHO)
         say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
-        leave(3)
+        leave(INTERNAL)
     leave(code)
 
 

@@ -1,5 +1,9 @@
 """User-facing errors: each one is printed as a single line by the CLI, with a non-zero exit."""
 
+# the CLI's exit codes beside the errors' own (MhcrunError 2, NonFiniteError 3; mhcrun.parallel.ECHO 4 between ranks)
+OS_FAILED = 74  # the operating system refused a read or write that no check of mhcrun's covers: sysexits' EX_IOERR
+INTERNAL = 70  # a bug: sysexits' EX_SOFTWARE
+
 
 class MhcrunError(Exception):
     """An error caused by the user's input (a file, a flag, a checkpoint), not by a bug."""

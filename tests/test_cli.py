@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -841,7 +842,7 @@ def test_script_golden_mismatch_exit_1(tmp_path, golden):
 
 
 # ---------------------------------------------------------------------------------------------- regressions
-# User errors that once surfaced as internal errors (exit 3).
+# User errors that once surfaced as internal errors.
 
 
 def test_generate_nan_temperature():
@@ -940,6 +941,26 @@ def test_a_reader_gone_from_stdout_ends_the_command_quietly(command, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 141, (proc.returncode, stderr.decode())
     assert stderr.decode().strip() == ""
+
+
+def test_exit_codes_tell_a_bug_and_a_refused_write_from_the_run_s_own_failures(monkeypatch, tmp_path):
+    """A bug is one line and exit 70, an operating system's refusal (a full disk) one line naming it and exit 74:
+    neither is golden-check's 1 (mismatch), 2 (bad input) or 3 (non-finite logits)."""
+    import mhcrun.runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(mhcrun.runner, "open_runner", boom)
+        r = cli("generate", "--prompt-ids", IDS, "-n", 1)
+    assert r.exit_code == 70 and r.stderr.strip().splitlines() == [
+        "error: internal error: RuntimeError: boom (rerun with --debug for the traceback)"], r.stderr
+    if Path("/dev/full").exists():
+        full = subprocess.run(f"{shlex.join(console_script())} generate -p hi -n 2 --json > /dev/full", shell=True,
+                              capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert full.returncode == 74, full.stderr
+        assert full.stderr.strip().splitlines() == ["error: No space left on device (writing the output)"]
 
 
 def test_command_list_shows_each_command_on_one_line_when_wide_enough():
