@@ -130,7 +130,7 @@ def start_tp(tp: int, model: str | None, device: str, env: Env):
     """--tp: in the user's process, check that N divides what it splits, start the N ranks and return
     (None, their exit code); in a rank (started so, or by torchrun) join the group and return (its shard, None).
     Only rank 0 prints."""
-    from mhcrun.parallel import SINGLE, check_divides, env_shard, init_workers, launch
+    from mhcrun.parallel import SINGLE, check_divides, env_shard, follow_launcher, init_workers, launch
 
     shard = env_shard(env)
     if shard is None:
@@ -153,6 +153,8 @@ def start_tp(tp: int, model: str | None, device: str, env: Env):
         return None, launch(tp, sys.argv[1:], os.environ)
     if tp not in (1, shard.world):
         raise InputError(f"--tp {tp} but this process is one of WORLD_SIZE={shard.world} ranks")
+    if env.launcher is not None:
+        follow_launcher(env.launcher)
     init_workers(shard, device, env.local_rank)
     if shard.rank:  # only rank 0 prints; an error line still goes out (say_error)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)

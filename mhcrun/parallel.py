@@ -185,6 +185,32 @@ def peer_lost(e: BaseException, launched: bool) -> bool:
                                                                  "gloo", "Timed out")))
 
 
+def follow_launcher(pid: int) -> None:
+    """In a rank that mhcrun's launcher (process `pid`) started: end when the launcher ends, however it ends (killed
+    too: Linux's PR_SET_PDEATHSIG; elsewhere the launcher's own `stop` is all there is), and at once where it has
+    ended already."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != pid:  # it ended before the line above
+        os._exit(128 + signal.SIGTERM)
+
+
+class Terminated(Exception):
+    """The launcher was sent SIGTERM or SIGHUP (`launch`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, frame) -> None:
+    raise Terminated(signum)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,12 +233,13 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
     or `error: rank K: ...`); the exit code is the failing rank's. The ranks get `environ` (the user's) and their
     place in the launch."""
     env = dict(environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               MHCRUN_TP_LAUNCHED="1")
+               MHCRUN_TP_LAUNCHED="1", MHCRUN_TP_PARENT=str(os.getpid()))
     # the ranks share this machine's cores (torchrun sets 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     logs = Path(tempfile.mkdtemp(prefix="mhcrun-tp-"))
     procs: list[subprocess.Popen] = []
     cmd = [sys.executable, "-m", "mhcrun.cli", *argv]
+    handlers = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank in range(world):
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
@@ -236,12 +263,15 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
                     if first not in (None, 0, ECHO):
                         rank, code = 0, first
                 stop(procs)
+                if code < 0:  # ended by a signal (the OOM killer's SIGKILL): as a shell reports it
+                    print(f"error: rank {rank}: killed by {signal.Signals(-code).name}", file=sys.stderr, flush=True)
+                    return 128 - code
                 if rank != 0 or code == ECHO:
                     line = last_error_line(logs / f"rank{rank}.err") if rank and code != ECHO else None
                     msg = line.removeprefix("error: ") if line else (
                         "a collective lost its peers" if code == ECHO else f"exited with code {code}")
                     print(f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
-                return code if code > 0 else 3
+                return code
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)
@@ -249,7 +279,13 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
         stop(procs)
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Terminated as t:  # a job's timeout or a closed terminal: the ranks end with it
+        stop(procs)
+        print(f"error: terminated ({t})", file=sys.stderr, flush=True)
+        return 128 + t.signum
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         stop(procs)
         for f in logs.glob("*"):
             f.unlink()

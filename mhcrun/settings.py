@@ -61,6 +61,7 @@ class Env:
     rank: int | None = None  # RANK and WORLD_SIZE: this process is one rank of a launch (torchrun's or --tp's)
     world: int | None = None
     local_rank: int | None = None  # LOCAL_RANK: the rank's CUDA device
+    launcher: int | None = None  # MHCRUN_TP_PARENT: the process id of the mhcrun that started this rank (--tp)
 
     @staticmethod
     def read(environ: Mapping[str, str] = os.environ) -> Env:
@@ -71,7 +72,7 @@ class Env:
         huge = environ.get("MHCRUN_HUGE_PAGES", "1")
         if huge not in ("0", "1"):
             raise InputError(f"MHCRUN_HUGE_PAGES must be 0 or 1, got {huge!r}")
-        launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MHCRUN_TP_PARENT")}
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
@@ -80,7 +81,7 @@ class Env:
                    huge_pages=huge == "1", glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
                    scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
-                   local_rank=launch["LOCAL_RANK"])
+                   local_rank=launch["LOCAL_RANK"], launcher=launch["MHCRUN_TP_PARENT"])
 
 
 def _read_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -263,8 +264,53 @@ def test_a_killed_rank_ends_the_others(tmp_path):
     time.sleep(3)  # let it load and join the group
     os.kill(rank1, 9)
     out, err = p.communicate(timeout=60)
-    assert p.returncode != 0 and err.strip().splitlines()[-1].startswith("error: rank 1: exited with code -9"), err
+    assert p.returncode == 128 + 9 and err.strip().splitlines()[-1] == "error: rank 1: killed by SIGKILL", err
     assert not _children(p.pid)
+
+
+def _start_two_ranks() -> tuple[subprocess.Popen, list[int]]:
+    """A --tp 2 run long enough to be ended from outside, once both ranks have loaded and joined."""
+    p = subprocess.Popen([sys.executable, "-m", "mhcrun.cli", "generate", "--tp", "2", "-n", "400", "--ignore-eos",
+                          "--no-quant-sim"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    ranks: list[int] = []
+    while len(ranks) < 2 and time.time() < deadline:
+        ranks = _children(p.pid)
+        time.sleep(0.2)
+    assert len(ranks) == 2
+    time.sleep(3)
+    return p, ranks
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ending_the_launcher_ends_its_ranks():
+    """SIGTERM to the process the user started (a job's timeout): its ranks end too, one line, exit 143. SIGKILL
+    to it, which it cannot answer: the ranks end all the same (they follow it: PR_SET_PDEATHSIG), none is left."""
+    p, ranks = _start_two_ranks()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "error: terminated (SIGTERM)", err
+    assert _gone(ranks, 10)
+    p, ranks = _start_two_ranks()
+    p.kill()
+    p.communicate(timeout=60)
+    assert _gone(ranks, 10), [_state(r) for r in ranks]
 
 
 def _children(pid: int) -> list[int]:
