@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError
+from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated
 from mhcrun.heap import glibc_version, restart_env, thp_mode
 from mhcrun.settings import Env
 
@@ -201,6 +201,9 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         say_error("error: interrupted")
         leave(128 + signal.SIGINT)
+    except Terminated as t:  # SIGTERM or SIGHUP (`main`): what was being written is removed by now
+        say_error(f"error: terminated ({t})")
+        leave(128 + t.signum)
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a process SIGPIPE ends does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         leave(128 + signal.SIGPIPE)
@@ -993,7 +996,8 @@ def make_synthetic_cmd(
 
 def main() -> None:
     """The `mhcrun` command. Where the heap would go on huge pages only if glibc's malloc were told so at the
-    process's start (`mhcrun.heap`), it first starts itself again, once, with that told."""
+    process's start (`mhcrun.heap`), it first starts itself again, once, with that told. SIGTERM and SIGHUP then
+    raise `Terminated` (outside a rank of a launch), for the command to end as Ctrl-C ends it."""
     try:
         env = Env.read()
     except InputError:  # the command says what is wrong
@@ -1004,6 +1008,9 @@ def main() -> None:
             os.execve(sys.executable, [sys.executable, "-m", "mhcrun.cli", *sys.argv[1:]], again)
         except OSError:  # run as it is
             pass
+    if env is None or env.rank is None:  # a rank keeps the default: it ends at once, a collective waiting or not
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, raise_terminated)
     app(prog_name="mhcrun", obj=env)  # each command's run_settings takes this Env
 
 

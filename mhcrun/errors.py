@@ -1,5 +1,7 @@
 """User-facing errors: each one is printed as a single line by the CLI, with a non-zero exit."""
 
+import signal
+
 # the CLI's exit codes beside the errors' own (MhcrunError 2, NonFiniteError 3; mhcrun.parallel.ECHO 4 between ranks)
 OS_FAILED = 74  # the operating system refused a read or write that no check of mhcrun's covers: sysexits' EX_IOERR
 INTERNAL = 70  # a bug: sysexits' EX_SOFTWARE
@@ -31,3 +33,19 @@ class NonFiniteError(MhcrunError):
     """A run whose logits turned NaN or Inf: a failed run (exit 3), never turned into tokens."""
 
     exit_code = 3
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (a job's timeout, a closed terminal), raised where the process is (`raise_terminated`), so
+    that a file being written is removed (`fileio.open_atomic`), a launcher's ranks are ended (`parallel.launch`) and
+    the command ends with one line and 128 + the signal. A BaseException, as KeyboardInterrupt: no `except
+    Exception` keeps the process going."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A signal handler: `Terminated`."""
+    raise Terminated(signum)

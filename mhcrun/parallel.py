@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mhcrun.errors import InputError
+from mhcrun.errors import InputError, Terminated
 from mhcrun.settings import Env
 
 
@@ -199,17 +199,6 @@ def follow_launcher(pid: int) -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-class Terminated(Exception):
-    """The launcher was sent SIGTERM or SIGHUP (`launch`)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def raise_terminated(signum: int, frame) -> None:
-    raise Terminated(signum)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -239,7 +228,6 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
     logs = Path(tempfile.mkdtemp(prefix="mhcrun-tp-"))
     procs: list[subprocess.Popen] = []
     cmd = [sys.executable, "-m", "mhcrun.cli", *argv]
-    handlers = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank in range(world):
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
@@ -279,13 +267,11 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
         stop(procs)
         print("error: interrupted", file=sys.stderr)
         return 130
-    except Terminated as t:  # a job's timeout or a closed terminal: the ranks end with it
+    except Terminated as t:  # a job's timeout or a closed terminal (`cli.main` raises it): the ranks end with it
         stop(procs)
         print(f"error: terminated ({t})", file=sys.stderr, flush=True)
         return 128 + t.signum
     finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
         stop(procs)
         for f in logs.glob("*"):
             f.unlink()

@@ -15,8 +15,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -941,6 +943,21 @@ def test_a_reader_gone_from_stdout_ends_the_command_quietly(command, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 141, (proc.returncode, stderr.decode())
     assert stderr.decode().strip() == ""
+
+
+def test_sigterm_removes_the_file_being_written_and_ends_with_one_line(tmp_path):
+    """SIGTERM (a job's timeout) in the middle of a write: the half-written shard is removed, one line, exit 143."""
+    out = tmp_path / "synth"
+    p = subprocess.Popen([*console_script(), "make-synthetic", str(REPO / "configs" / "v4-mid.json"), str(out),
+                          "--layers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + 60
+    while not list(out.glob(".*.tmp")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert list(out.glob(".*.tmp")), "no shard was being written"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and err.strip().splitlines() == ["error: terminated (SIGTERM)"], err
+    assert not list(out.glob(".*.tmp")) and not list(out.glob("*.safetensors"))
 
 
 def test_exit_codes_tell_a_bug_and_a_refused_write_from_the_run_s_own_failures(monkeypatch, tmp_path):
