@@ -163,8 +163,10 @@ def start_tp(tp: int, model: str | None, device: str, env: Env):
 
 
 def say_error(line: str) -> None:
-    """The one error line, on stderr, whatever the rank (`err` is quiet on ranks other than 0)."""
-    print(line, file=sys.stderr, flush=True)
+    """The one error line, on stderr, whatever the rank (`err` is quiet on ranks other than 0); where stderr is gone
+    too (a closed terminal's SIGHUP), none."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def leave(code: int) -> NoReturn:
