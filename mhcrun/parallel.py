@@ -199,7 +199,6 @@ def follow_launcher(pid: int) -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -219,8 +218,9 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
     """Run `mhcrun argv` as `world` ranks on this machine and wait. Rank 0's stdout and stderr are this
     process's; the other ranks' stdout is dropped and their stderr kept in a file. When a rank fails, every
     other rank is ended at once (no hang, no orphan) and the failing rank's error line is shown (rank 0's own,
-    or `error: rank K: ...`); the exit code is the failing rank's. The ranks get `environ` (the user's) and their
-    place in the launch."""
+    or `error: rank K: ...`); the exit code is the failing rank's (128 + N where signal N ended it). SIGTERM or
+    SIGHUP to this process (`Terminated`) ends the ranks too, and a rank ends when this process does however it
+    ends (`follow_launcher`). The ranks get `environ` (the user's) and their place in the launch."""
     env = dict(environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                MHCRUN_TP_LAUNCHED="1", MHCRUN_TP_PARENT=str(os.getpid()))
     # the ranks share this machine's cores (torchrun sets 1)
