@@ -81,16 +81,26 @@ def write_atomic(path: str | Path, data: bytes | str, force: bool = False) -> Pa
     return Path(path)
 
 
+def read_text(path: str | Path, error: type[MhcrunError], what: str = "file") -> str:
+    """A UTF-8 text input (a file, or a pipe: /dev/stdin, <(...)); a missing, unreadable or undecodable one raises
+    `error` naming the path and `what` it should have been."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{p}: {what} not found") from None
+    except IsADirectoryError:
+        raise error(f"{p}: is a directory, not a {what}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{p}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise error(f"{p}: cannot read ({e.strerror or e})") from None
+
+
 def read_json(path: str | Path, error: type[MhcrunError]) -> Any:
     """Parse a JSON file; a missing, unreadable or malformed one raises `error` naming the file."""
     p = Path(path)
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(read_text(p, error))
     except json.JSONDecodeError as e:
         raise error(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except FileNotFoundError:
-        raise error(f"{p}: file not found") from None
-    except IsADirectoryError:
-        raise error(f"{p}: is a directory, not a file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise error(f"{p}: cannot read ({e})") from None

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mhcrun.errors import GoldenError
-from mhcrun.fileio import write_atomic
+from mhcrun.fileio import read_text, write_atomic
 from mhcrun.prompts import Prompt
 
 if TYPE_CHECKING:  # generate.py pulls in the model; golden files do not need it
@@ -136,16 +136,7 @@ def _reject_constant(name: str) -> Any:
 def load_golden(path: str | Path) -> dict:
     """Read and fully validate a golden file; any problem raises a one-line GoldenError."""
     p = Path(path)
-    if p.is_dir():
-        raise GoldenError(f"{p}: is a directory, not a golden file")
-    if not p.is_file():
-        raise GoldenError(f"{p}: golden file not found")
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise GoldenError(f"{p}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise GoldenError(f"{p}: cannot read ({e.strerror or e})") from None
+    raw = read_text(p, GoldenError, "golden file")
     try:
         golden = json.loads(raw, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mhcrun.errors import InputError
+from mhcrun.fileio import read_text
 
 
 @dataclass
@@ -41,16 +42,7 @@ def _check_ids(value: Any, vocab_size: int | None) -> str | None:
 def read_prompts_file(path: str | Path, vocab_size: int | None = None) -> list[Prompt]:
     """Read a JSON Lines prompts file; any problem raises InputError naming the file and line."""
     p = Path(path)
-    if p.is_dir():
-        raise InputError(f"{p}: is a directory, not a prompts file")
-    if not p.is_file():
-        raise InputError(f"{p}: prompts file not found")
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise InputError(f"{p}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise InputError(f"{p}: cannot read ({e.strerror or e})") from None
+    lines = read_text(p, InputError, "prompts file").splitlines()
 
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}

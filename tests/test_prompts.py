@@ -1,4 +1,6 @@
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,16 @@ def test_parse_prompt_ids_errors(s):
 def test_parse_prompt_ids_vocab():
     with pytest.raises(InputError, match="outside the vocabulary"):
         parse_prompt_ids("1,512", vocab_size=512)
+
+
+@pytest.mark.skipif(not Path("/dev/fd").is_dir(), reason="needs /dev/fd")
+def test_a_prompts_file_may_be_a_pipe():
+    """`--prompts-file /dev/stdin` or `<(...)`: a pipe is read as a file is (it used to be "not found")."""
+    r, w = os.pipe()
+    os.write(w, b'{"prompt": "hi"}\n{"prompt_ids": [0, 5]}\n')
+    os.close(w)
+    try:
+        prompts = read_prompts_file(f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+    assert [(p.text, p.ids) for p in prompts] == [("hi", None), (None, [0, 5])]
