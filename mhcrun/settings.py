@@ -20,6 +20,7 @@ GRAPH_MODES = ("eager", "regions")
 STAGE_PLANS = ("whole", "split")
 DEVICES = ("cpu", "cuda", "neuron")
 NKI_SIM_MODES = {"0": None, "1": "exact", "device": "device"}  # MHCRUN_NKI_SIM -> the simulator's numerics
+CPU_KERNEL_CAPS = ("amx", "avx512bf16", "avx512", "avx2")  # MHCRUN_CPU_KERNEL's caps, best first (qgemv.CAPS)
 MAX_DRAFT_TOKENS = 8  # --draft-tokens' limit (a model's sliding window may lower it: `speculate.draft_limit`)
 
 
@@ -51,7 +52,7 @@ class Env:
     graph_mode: str | None = None  # MHCRUN_GRAPH_MODE: --graph-mode's default
     hc_torch: bool = False  # MHCRUN_NKI_HC=0: the hc steps take the torch reference
     nki_sim: str | None = None  # MHCRUN_NKI_SIM: 1|exact or device runs the NKI kernels in the simulator
-    cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off; avx2|avx512|avx512bf16|amx caps the kernel; else its default
+    cpu_kernel: str = "1"  # MHCRUN_CPU_KERNEL: 0 off, 1 its default, a name of CPU_KERNEL_CAPS caps the kernel
     huge_pages: bool = True  # MHCRUN_HUGE_PAGES=0: a CPU run's weights stay on the shards' 4 KB pages (`hugepages`),
     # and the heap on 4 KB pages (`heap`)
     glibc_tunables: str = ""  # GLIBC_TUNABLES: whether malloc puts the heap on huge pages (`heap.heap_pages`)
@@ -72,12 +73,16 @@ class Env:
         huge = environ.get("MHCRUN_HUGE_PAGES", "1")
         if huge not in ("0", "1"):
             raise InputError(f"MHCRUN_HUGE_PAGES must be 0 or 1, got {huge!r}")
+        kernel = environ.get("MHCRUN_CPU_KERNEL", "1")
+        if kernel not in ("0", "1", *CPU_KERNEL_CAPS):
+            raise InputError(f"MHCRUN_CPU_KERNEL must be 0 (off), 1 (this CPU's default) or a cap "
+                             f"({', '.join(CPU_KERNEL_CAPS)}), got {kernel!r}")
         launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MHCRUN_TP_PARENT")}
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
         return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
-                   nki_sim=NKI_SIM_MODES[sim], cpu_kernel=environ.get("MHCRUN_CPU_KERNEL", "1"),
+                   nki_sim=NKI_SIM_MODES[sim], cpu_kernel=kernel,
                    huge_pages=huge == "1", glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
                    scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],

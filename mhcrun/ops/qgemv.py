@@ -53,7 +53,7 @@ from torch import Tensor
 
 from mhcrun.ops import native
 from mhcrun.ops.qweight import QWeight
-from mhcrun.settings import Env
+from mhcrun.settings import CPU_KERNEL_CAPS, Env
 
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 TORCH_OPS = Path(__file__).with_name("torch_ops.cpp")
@@ -68,7 +68,7 @@ FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
 ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
 # what multiplies a prefill chunk by FP8/FP4 weights (`qgemm`): AMX tiles, or the BF16 dot products of avx512bf16
 GEMMS = {"amx": 4, "avx512bf16": 3}
-CAPS = {"amx": GEMMS["amx"], **ISAS}  # MHCRUN_CPU_KERNEL's names, best first
+CAPS = {name: {**ISAS, "amx": GEMMS["amx"]}[name] for name in CPU_KERNEL_CAPS}  # MHCRUN_CPU_KERNEL's caps
 
 
 @dataclass(frozen=True)
