@@ -70,9 +70,6 @@ class Env:
         sim = environ.get("MHCRUN_NKI_SIM", "0")
         if sim not in NKI_SIM_MODES:
             raise InputError(f"MHCRUN_NKI_SIM must be one of {', '.join(NKI_SIM_MODES)}, got {sim!r}")
-        huge = environ.get("MHCRUN_HUGE_PAGES", "1")
-        if huge not in ("0", "1"):
-            raise InputError(f"MHCRUN_HUGE_PAGES must be 0 or 1, got {huge!r}")
         kernel = environ.get("MHCRUN_CPU_KERNEL", "1")
         if kernel not in ("0", "1", *CPU_KERNEL_CAPS):
             raise InputError(f"MHCRUN_CPU_KERNEL must be 0 (off), 1 (this CPU's default) or a cap "
@@ -81,12 +78,21 @@ class Env:
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
-        return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None, hc_torch=environ.get("MHCRUN_NKI_HC") == "0",
-                   nki_sim=NKI_SIM_MODES[sim], cpu_kernel=kernel,
-                   huge_pages=huge == "1", glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
-                   scaled_mm=environ.get("MHCRUN_SCALED_MM") == "1", kernel_cache=Path(cache),
+        return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None,
+                   hc_torch=not _read_flag(environ, "MHCRUN_NKI_HC", True), nki_sim=NKI_SIM_MODES[sim],
+                   cpu_kernel=kernel, huge_pages=_read_flag(environ, "MHCRUN_HUGE_PAGES", True),
+                   glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
+                   scaled_mm=_read_flag(environ, "MHCRUN_SCALED_MM", False), kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
                    local_rank=launch["LOCAL_RANK"], launcher=launch["MHCRUN_TP_PARENT"])
+
+
+def _read_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """A variable that is 0 or 1 (unset or empty: `default`)."""
+    value = environ.get(name) or ("1" if default else "0")
+    if value not in ("0", "1"):
+        raise InputError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _read_int(environ: Mapping[str, str], name: str) -> int | None:
