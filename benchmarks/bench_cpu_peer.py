@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -255,7 +256,8 @@ def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: flo
                     inductor_cache: Path | None) -> None:
     """Where a decode step's time goes (benchmarks/bench_step_gemvs.py in its own process, on `threads` threads:
     an eager step, and a compiled-regions one profiled where `inductor_cache`, the regions runs' warm cache, is
-    given), after the step time GOAL_SHARE of the read bandwidth would take."""
+    given; the last of them sampled per thread where Linux's perf is here), after the step time GOAL_SHARE of the
+    read bandwidth would take."""
     goal_ms = read_bytes / (GOAL_SHARE * bandwidth) * 1e3
     print(f"where a decode step's time goes (the read-bandwidth goal missed: {GOAL_SHARE:.0%} would be a step of "
           f"{goal_ms:.2f} ms; benchmarks/bench_step_gemvs.py, steps after 128 prompt tokens):", flush=True)
@@ -265,6 +267,8 @@ def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: flo
     if inductor_cache is not None:
         cmd.append("--regions")
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+    if shutil.which("perf"):  # the step per thread: the runtime between kernels apart from the kernels
+        cmd.append("--perf")
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         print(f"  (bench_step_gemvs.py failed: {(res.stderr.strip() or res.stdout.strip())[-300:]})")

@@ -1,6 +1,6 @@
 """A decode step's GEMVs against a plain read of the same bytes: where an eager step's time goes.
 
-    python benchmarks/bench_step_gemvs.py [--model DIR] [--steps 4] [--rounds 5]
+    python benchmarks/bench_step_gemvs.py [--model DIR] [--steps 4] [--rounds 5] [--regions] [--perf]
 
 Loads the model (kept quantised, its weights placed as a run places them), prefills 128 tokens, then decodes
 `--steps` eager steps with every GEMV call of the CPU kernel recorded (`CpuKernel.linear`, `qgemv`, `moe_routed`:
@@ -12,17 +12,27 @@ calls and MB a step, ms a step in the step, replayed and read (medians over the 
 read; then the step's time and what is left of it outside the GEMV calls. With `--regions`, also a compiled-regions
 step (the same prompt, inductor's cache as TORCHINDUCTOR_CACHE_DIR says: a cold one compiles first) under torch's
 profiler: its GEMV ops, the other mhcrun kernels, the graphs' own code, dynamo's and AOT's wrappers, torch's ops and
-the rest (Python), by the ops' self time on the calling thread. BENCHMARKS.md (issue 20) has runs.
+the rest (Python), by the ops' self time on the calling thread. With `--perf`, the last step measured (regions, or
+eager) is also sampled per thread by Linux's `perf` (`perf record -F 1000` on this process): each thread's samples by
+library (mhcrun's kernels, inductor's graphs, Python, torch, the C libraries, OpenMP's waits), the main thread beside
+the OpenMP workers, so that the runtime between kernels shows apart from the kernels. BENCHMARKS.md (issue 20) has
+runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +57,16 @@ PROFILE_GROUPS = (("GEMV ops", GEMV_OPS), ("other mhcrun kernels", ("mhcrun::",)
                   ("the graphs' own code", ("## Call CompiledFxGraph", "Torch-Compiled Region")),
                   ("dynamo and AOT wrappers", ("TorchDynamo", "Pregraph bytecode", "AOTDispatcher")))
 LINE = 64
+PERF_STEPS = 100  # decode steps sampled by perf (--perf): some 4,000 samples at 1 kHz on two threads
+# a perf sample's library by what it is (the first whose file name starts with one of the names, or whose path holds
+# one of the folders; the rest is "other"): where a thread's time goes, kernels apart from the runtime between them
+PERF_GROUPS = (("mhcrun's kernels", ("qgemv-", "torch_ops-", "scan-"), ()),
+               ("inductor's graphs", (), ("torchinductor",)),
+               ("Python", ("libpython", "_ctypes"), ()),
+               ("torch (dispatch, wrappers, its own ops)", ("libtorch", "libc10"), ()),
+               ("the C and C++ libraries (malloc, copies)", ("libc.so", "libc-", "libm.so", "libstdc++"), ()),
+               ("OpenMP (waiting for work or at a join)", ("libgomp", "libiomp"), ()),
+               ("the operating system", ("[kernel",), ()))
 
 
 @dataclass
@@ -190,14 +210,16 @@ def group_profile(self_us: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def profile_regions(model, ids: list[int], steps: int) -> list[str]:
+def profile_regions(model, ids: list[int], steps: int, perf: bool = False) -> list[str]:
     """A compiled-regions decode step after the prompt `ids`: its time unprofiled, then `steps` steps under torch's
-    profiler by PROFILE_GROUPS (ms a step), the rest of the profiled step outside any op (Python) last."""
+    profiler by PROFILE_GROUPS (ms a step), the rest of the profiled step outside any op (Python) last; with `perf`,
+    PERF_STEPS more sampled per thread (`perf_threads`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from mhcrun.generate import start_batch
 
-    _, stepper = start_batch(model, [ids], len(ids) + 4 * steps + 8, None, "regions", None, "whole")
+    _, stepper = start_batch(model, [ids], len(ids) + 4 * steps + 8 + PERF_STEPS * perf, None, "regions", None,
+                             "whole")
     token = int(stepper.prefill(0, ids).argmax())
     for _ in range(3):  # the first compiles (or loads the compiled graphs), the next settle
         token = int(stepper.decode([0], [token])[0].argmax())
@@ -216,13 +238,66 @@ def profile_regions(model, ids: list[int], steps: int) -> list[str]:
     parts = [f"{name} {us / steps / 1e3:.2f}" for name, us in groups.items()]
     rest = profiled - sum(groups.values()) / steps / 1e3
     return [f"regions decode step {plain:.2f} ms (unprofiled); profiled {profiled:.2f} ms a step: " + ", ".join(parts)
-            + f", the rest (Python) {rest:.2f} ms"]
+            + f", the rest (Python) {rest:.2f} ms"] + (perf_threads(decode, PERF_STEPS) if perf else [])
 
 
-def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True, regions: bool = False) -> list[str]:
+def perf_group(dso: str) -> str:
+    """PERF_GROUPS' name for a sample's library (its path, as `perf script` prints it)."""
+    name = Path(dso.strip("()")).name
+    for group, starts, folders in PERF_GROUPS:
+        if name.startswith(starts) if starts else any(f in dso for f in folders):
+            return group
+    return "other"
+
+
+def group_perf_samples(lines: Iterable[str], main_tid: int) -> dict[str, dict[str, float]]:
+    """`perf script -F tid,ip,dso` lines -> {"main thread": {group: share}, "other threads": {...}}: each side's
+    samples by `perf_group`, as shares of that side's samples (a side without samples is left out)."""
+    counts: dict[str, dict[str, int]] = {"main thread": defaultdict(int), "other threads": defaultdict(int)}
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3 or not parts[0].isdigit():
+            continue
+        side = "main thread" if int(parts[0]) == main_tid else "other threads"
+        counts[side][perf_group(" ".join(parts[2:]))] += 1
+    return {side: {g: n / sum(c.values()) for g, n in c.items()} for side, c in counts.items() if c}
+
+
+def perf_threads(decode: Callable[[int], float], steps: int) -> list[str]:
+    """`steps` decode steps (`decode(n)` -> ms a step) sampled by `perf record` on this process: the report's lines,
+    each group's share of the main thread's samples and of the other threads' (`group_perf_samples`); one line
+    saying why not where perf cannot run here."""
+    if shutil.which("perf") is None:
+        return ["per thread: perf not found (Linux's perf, for --perf)"]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "perf.data"
+        rec = subprocess.Popen(["perf", "record", "-F", "1000", "-p", str(os.getpid()), "-o", str(data)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # attached
+        if rec.poll() is not None:
+            return [f"per thread: perf record failed ({rec.stderr.read().strip().splitlines()[-1:]})"]
+        step_ms = decode(steps)
+        rec.send_signal(signal.SIGINT)
+        rec.communicate(timeout=60)
+        script = subprocess.run(["perf", "script", "-F", "tid,ip,dso", "-i", str(data)], capture_output=True,
+                                text=True, check=False)
+    shares = group_perf_samples(script.stdout.splitlines(), threading.get_native_id())
+    if "main thread" not in shares:
+        return [f"per thread: perf recorded no samples of this process ({script.stderr.strip()[-200:]})"]
+    sides = list(shares)
+    lines = [f"per thread, sampled by perf ({step_ms:.2f} ms a step while sampled; share of each side's samples):",
+             f"  {'':42}" + "".join(f"{side:>15}" for side in sides)]
+    for group in [g for g, _, _ in PERF_GROUPS] + ["other"]:
+        if any(group in shares[side] for side in sides):
+            lines.append(f"  {group:42}" + "".join(f"{shares[side].get(group, 0.0):15.1%}" for side in sides))
+    return lines
+
+
+def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True, regions: bool = False,
+        perf: bool = False) -> list[str]:
     """The report's lines; `bandwidth` the read bandwidth in bytes/s to set the GEMVs' bytes against, True to
     measure it (`read_bandwidth`), False for none; `regions`: a compiled-regions step profiled too, last
-    (`profile_regions`)."""
+    (`profile_regions`); `perf`: the last step measured (regions, or eager) sampled per thread (`perf_threads`)."""
     runner = load_runner(str(model_dir))
     model = runner.model
     kernel = model.layers[0].attn.opts.cpu
@@ -231,20 +306,25 @@ def run(model_dir: Path, steps: int, rounds: int, bandwidth: bool | float = True
         raise SystemExit(f"needs the CPU kernel and a C++ compiler (kernel: {kernel.status()})")
     vocab = runner.config.vocab_size
     ids = [5 + (7919 * i) % (vocab - 5) for i in range(128)]
-    tokens = [5 + (104729 * i) % (vocab - 5) for i in range(3 * steps)]
+    tokens = [5 + (104729 * i) % (vocab - 5) for i in range(3 * steps + PERF_STEPS * (perf and not regions))]
     model.setup_caches(1, len(ids) + len(tokens) + 1)
     stepper = Stepper(model, 512)
     with torch.inference_mode():
         stepper.prefill(0, ids)
         step_time(stepper, tokens[:steps])  # warm: first-touch costs paid
         calls = record(kernel, stepper, tokens[steps:2 * steps])
-        step_s = step_time(stepper, tokens[2 * steps:])
+        step_s = step_time(stepper, tokens[2 * steps:3 * steps])
         threads = torch.get_num_threads()
         replays, reads = [], []
         for _ in range(rounds):
             replays.append(replay(kernel, calls))
             reads.append(read(stream, calls, threads))
-        lines = profile_regions(model, ids, 4 * steps) if regions else []
+        if regions:
+            lines = profile_regions(model, ids, 4 * steps, perf)
+        elif perf:
+            lines = perf_threads(lambda n: step_time(stepper, tokens[3 * steps:3 * steps + n]) * 1e3, PERF_STEPS)
+        else:
+            lines = []
     bytes_s = read_bandwidth() if bandwidth is True else float(bandwidth) or None
     return report(calls, replays, reads, steps, step_s, bytes_s) + lines
 
@@ -255,6 +335,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="decode steps recorded (and as many timed unrecorded)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--regions", action="store_true", help="also profile a compiled-regions step")
+    ap.add_argument("--perf", action="store_true", help="sample the last step measured per thread by Linux's perf")
     ap.add_argument("--bandwidth", type=float, help="the read bandwidth in GB/s to set the GEMVs' bytes against "
                     "(default: measured, bench_quantized.read_bandwidth)")
     args = ap.parse_args()
@@ -266,7 +347,7 @@ def main() -> None:
         print(f"model {model_dir}; {torch.get_num_threads()} threads; {args.steps} steps recorded, "
               f"{args.rounds} rounds")
         bandwidth = True if args.bandwidth is None else args.bandwidth * 1e9
-        print("\n".join(run(model_dir, args.steps, args.rounds, bandwidth, args.regions)))
+        print("\n".join(run(model_dir, args.steps, args.rounds, bandwidth, args.regions, args.perf)))
 
 
 if __name__ == "__main__":

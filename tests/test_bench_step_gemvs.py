@@ -99,3 +99,26 @@ def test_a_regions_profile_is_grouped_by_what_the_ops_are():
                                   "AOTDispatcher Runtime Wrapper Prologue": 0.25, "aten::empty": 0.125})
     assert groups == {"GEMV ops": 15.0, "other mhcrun kernels": 2.0, "the graphs' own code": 4.0,
                       "dynamo and AOT wrappers": 0.75, "torch ops": 0.125}
+
+
+def test_perf_samples_are_grouped_by_library_per_side_of_the_main_thread():
+    """`perf script -F tid,ip,dso` lines: each library in its group (mhcrun's kernels by their file names, inductor's
+    graphs by their cache folder, Python, torch, the C libraries, OpenMP), the main thread's samples apart from the
+    other threads', as shares of each side's; lines that are no sample are passed over."""
+    lines = ["  100  7ff8 (/root/.cache/mhcrun/kernels/qgemv-3c106f9fc3fa655e.so)",
+             "  100  7ff8 (/root/.cache/mhcrun/kernels/qgemv-3c106f9fc3fa655e.so)",
+             "  100  7ff9 (/usr/lib/libpython3.11.so.1.0)",
+             "  100  7ffa (/tmp/torchinductor_root/7h/c7hacf53q.main.so)",
+             "  101  7ffb (/venv/torch/lib/libgomp.so.1)",
+             "  101  7ffc (/root/.cache/mhcrun/kernels/torch_ops-741268d63f239e4e.so)",
+             "  101  7ffd (/venv/torch/lib/libtorch_cpu.so)",
+             "  101  7ffe (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+             "  101  7fff (/somewhere/libunknown.so)",
+             "", "not a sample line"]
+    shares = bench.group_perf_samples(lines, main_tid=100)
+    assert shares["main thread"] == {"mhcrun's kernels": 0.5, "Python": 0.25, "inductor's graphs": 0.25}
+    other = shares["other threads"]
+    assert other["OpenMP (waiting for work or at a join)"] == other["mhcrun's kernels"] == 0.2
+    assert other["torch (dispatch, wrappers, its own ops)"] == other["other"] == 0.2
+    assert other["the C and C++ libraries (malloc, copies)"] == 0.2
+    assert bench.group_perf_samples(lines[:4], main_tid=100).keys() == {"main thread"}
