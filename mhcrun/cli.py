@@ -209,13 +209,7 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a process SIGPIPE ends does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         leave(128 + signal.SIGPIPE)
-    except OSError as e:  # a full disk, a device gone: the files mhcrun checks say so themselves (exit 2)
-        if debug:
-            raise
-        where = f": {e.filename}" if e.filename else " (writing the output)" if e.errno in WRITE_ERRNOS else ""
-        say_error(f"error: {e.strerror or e}{where}")
-        leave(OS_FAILED)
-    except Exception as e:  # a bug: still one line unless --debug
+    except Exception as e:  # a bug, or the OS refusing a read or write: still one line unless --debug
         if debug:
             raise
         from mhcrun.parallel import ECHO, peer_lost
@@ -224,6 +218,10 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
         # read here, where the error arrives: the command's Env may not exist yet, or may be what failed)
         if peer_lost(e, os.environ.get("MHCRUN_TP_LAUNCHED") == "1"):
             leave(ECHO)
+        if isinstance(e, OSError):  # a full disk, a device gone (the files mhcrun checks say so themselves: exit 2)
+            where = f": {e.filename}" if e.filename else " (writing the output)" if e.errno in WRITE_ERRNOS else ""
+            say_error(f"error: {e.strerror or e}{where}")
+            leave(OS_FAILED)
         say_error(f"error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         leave(INTERNAL)
     leave(code)
