@@ -1002,7 +1002,8 @@ def main() -> None:
         env = Env.read()
     except InputError:  # the command says what is wrong
         env = None
-    again = None if env is None else restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
+    helps = len(sys.argv) < 2 or "--help" in sys.argv[1:]  # help allocates nothing worth starting again for
+    again = None if env is None or helps else restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
     if again is not None:
         try:
             os.execve(sys.executable, [sys.executable, "-m", "mhcrun.cli", *sys.argv[1:]], again)

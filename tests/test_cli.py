@@ -390,7 +390,16 @@ def test_info_table():
         assert word in r.stdout
 
 
-def test_the_entry_point_reads_the_environment_once(monkeypatch, capsys):
+@pytest.fixture
+def entry_point_signals():
+    """`main` answers SIGTERM and SIGHUP: the test process gets its own handlers back after a test that calls it."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_the_entry_point_reads_the_environment_once(monkeypatch, capsys, entry_point_signals):
     """`main` reads the environment (for the heap's restart) and hands that Env to the command."""
     import mhcrun.cli as cli_mod
     from mhcrun.settings import Env
@@ -404,6 +413,28 @@ def test_the_entry_point_reads_the_environment_once(monkeypatch, capsys):
         cli_mod.main()
     assert done.value.code == 0 and json.loads(capsys.readouterr().out)["config"]["n_layers"] == 4
     assert len(reads) == 1
+
+
+def test_the_heap_restart_is_for_commands_not_for_help(monkeypatch, capsys, entry_point_signals):
+    """`main` starts itself again (the heap on huge pages) for a command, not for --help or no arguments."""
+    import mhcrun.cli as cli_mod
+
+    started = []
+
+    def execve(path, argv, env):
+        started.append(argv)
+        raise OSError("not here")  # main then runs as it is
+
+    monkeypatch.setattr(cli_mod, "restart_env", lambda *a: {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    monkeypatch.setattr(cli_mod.os, "execve", execve)
+    for argv, restarts in ((["mhcrun"], False), (["mhcrun", "--help"], False), (["mhcrun", "info", "--help"], False),
+                           (["mhcrun", "info", "--json"], True)):
+        started.clear()
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit):
+            cli_mod.main()
+        assert bool(started) == restarts, argv
+    capsys.readouterr()
 
 
 # ---------------------------------------------------------------------------------------------- make-tiny
