@@ -126,16 +126,21 @@ TpOpt = typer.Option(1, "--tp", help="Run across N ranks of torch.distributed (g
                      rich_help_panel=PATH)
 
 
-def start_tp(tp: int, model: str | None, device: str, env: Env):
-    """--tp: in the user's process, check that N divides what it splits, start the N ranks and return
-    (None, their exit code); in a rank (started so, or by torchrun) join the group and return (its shard, None).
-    Only rank 0 prints."""
+def start_tp(tp: int, model: str | None, device: str, env: Env, inputs: dict[str, Path | None] | None = None):
+    """--tp: in the user's process, check that N divides what it splits and that every rank can read the `inputs`
+    (flag -> path) again, start the N ranks and return (None, their exit code); in a rank (started so, or by
+    torchrun) join the group and return (its shard, None). Only rank 0 prints."""
     from mhcrun.parallel import SINGLE, check_divides, env_shard, follow_launcher, init_workers, launch
 
     shard = env_shard(env)
     if shard is None:
         if tp == 1:
             return SINGLE, None
+        from mhcrun.fileio import check_rereadable
+
+        for flag, path in (inputs or {}).items():
+            if path is not None:
+                check_rereadable(path, flag)
         from mhcrun.config import load_config
         from mhcrun.runner import DEVICES, check_choice, resolve_model_path
 
@@ -409,7 +414,7 @@ def generate(
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
         if draft_tokens is not None and prompt_cache is not None:
             raise InputError("--draft-tokens does not run with --prompt-cache")
-        shard, code = start_tp(tp, model, device, env)
+        shard, code = start_tp(tp, model, device, env, {"--prompts-file": prompts_file, "--messages": messages})
         if code is not None:
             return code
         runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env,
@@ -546,7 +551,7 @@ def golden_record(
         if top_k < 2:
             raise InputError(f"--logprobs must be >= 2, got {top_k}")
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
-        shard, code = start_tp(tp, model, "cpu", env)
+        shard, code = start_tp(tp, model, "cpu", env, {"--prompts-file": prompts_file})
         if code is not None:
             return code
         runner = open_runner(model, dtype, quant_sim, tp=shard, env=env)
@@ -624,7 +629,7 @@ def golden_check(
         if logprob_tol is not None and not (math.isfinite(logprob_tol) and logprob_tol >= 0):
             raise InputError(f"--logprob-tol must be a finite number >= 0, got {logprob_tol}")
         s = golden["settings"]
-        shard, code = start_tp(tp, model, device, env)
+        shard, code = start_tp(tp, model, device, env, {"GOLDEN": golden_path})
         if code is not None:
             return code
         runner = open_runner(model, dtype or s["dtype"], s["quant_sim"], device, dequantize=dequantize, tp=shard,

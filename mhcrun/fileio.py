@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,17 @@ def read_text(path: str | Path, error: type[MhcrunError], what: str = "file") ->
         raise error(f"{p}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise error(f"{p}: cannot read ({e.strerror or e})") from None
+
+
+def check_rereadable(path: Path, flag: str) -> None:
+    """An input that each rank of --tp reads: a pipe (/dev/stdin, <(...)) gives its text to one reader only, so it
+    is refused by name (a path that is not there, or not readable, is left to the reader to say so)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode):
+        raise InputError(f"{flag} {path}: a pipe is read once, and each rank of --tp reads it: give a file")
 
 
 def read_json(path: str | Path, error: type[MhcrunError]) -> Any:

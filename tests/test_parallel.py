@@ -233,6 +233,17 @@ def test_a_launch_environment_that_is_not_a_number_is_one_line():
         assert r.exit_code == 2 and r.stderr.strip() == line, (env, r.stderr)
 
 
+def test_an_input_from_a_pipe_is_refused_by_name_before_any_rank_starts(tmp_path):
+    """A pipe (`--prompts-file /dev/stdin`) gives its text to one reader; every rank of --tp reads its inputs, so
+    it is one line naming the flag, before a rank starts (it was rank 1's "no prompts"); a file still runs."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [0, 5, 6]}\n')
+    r = mhcrun("generate", "--prompts-file", "/dev/stdin", "-n", "1", "--tp", "2", stdin=prompts.read_text())
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --prompts-file /dev/stdin: a pipe is read once, and "
+                                                      "each rank of --tp reads it: give a file"), r.stderr
+    assert mhcrun("generate", "--prompts-file", "/dev/stdin", "-n", "1", stdin=prompts.read_text()).returncode == 0
+
+
 def checkpoint_missing_an_expert_of_rank_1(tmp_path: Path) -> Path:
     ckpt = tmp_path / "half"
     shutil.copytree(DEFAULT_MODEL, ckpt)
