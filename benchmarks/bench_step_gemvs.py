@@ -275,7 +275,8 @@ def perf_threads(decode: Callable[[int], float], steps: int) -> list[str]:
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)  # attached
         if rec.poll() is not None:
-            return [f"per thread: perf record failed ({rec.stderr.read().strip().splitlines()[-1:]})"]
+            said = rec.stderr.read().strip().splitlines()
+            return [f"per thread: perf record failed ({said[-1] if said else f'exit {rec.returncode}'})"]
         step_ms = decode(steps)
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=60)
