@@ -32,8 +32,8 @@ Prints, in one run:
 - where a goal of decode's share of the read bandwidth is missed, what a decode step's time goes to:
   benchmarks/bench_step_gemvs.py run on the same checkpoint and threads (an eager step's GEMV calls per kind and
   format against a plain read of their bytes, and the rest of the step; a compiled-regions step under torch's
-  profiler, its GEMV ops, the other kernels, the graphs' code, the wrappers and Python), beside the step the goal
-  would take (`--no-breakdown` skips it).
+  profiler, its GEMV ops, the other kernels, the graphs' code, the wrappers and Python; the last step sampled per
+  thread by Linux's perf where it is installed), beside the step the goal would take (`--no-breakdown` skips it).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,7 +255,7 @@ def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: flo
                     inductor_cache: Path | None) -> None:
     """Where a decode step's time goes (benchmarks/bench_step_gemvs.py in its own process, on `threads` threads:
     an eager step, and a compiled-regions one profiled where `inductor_cache`, the regions runs' warm cache, is
-    given; the last of them sampled per thread where Linux's perf is here), after the step time GOAL_SHARE of the
+    given; the last of them sampled per thread by Linux's perf, where it is here), after the step time GOAL_SHARE of the
     read bandwidth would take."""
     goal_ms = read_bytes / (GOAL_SHARE * bandwidth) * 1e3
     print(f"where a decode step's time goes (the read-bandwidth goal missed: {GOAL_SHARE:.0%} would be a step of "
@@ -267,8 +266,7 @@ def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: flo
     if inductor_cache is not None:
         cmd.append("--regions")
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
-    if shutil.which("perf"):  # the step per thread: the runtime between kernels apart from the kernels
-        cmd.append("--perf")
+    cmd.append("--perf")  # the step per thread (or a line saying why not): the runtime between kernels apart
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         print(f"  (bench_step_gemvs.py failed: {(res.stderr.strip() or res.stdout.strip())[-300:]})")

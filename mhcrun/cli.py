@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated
+from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated, signal_exit
 from mhcrun.heap import glibc_version, restart_env, thp_mode
 from mhcrun.settings import Env
 
@@ -205,12 +205,10 @@ def run_guarded(debug: bool, fn: Callable[[], int | None]) -> None:
             raise
         say_error(f"error: {e}")
         leave(e.exit_code)
-    except KeyboardInterrupt:
-        say_error("error: interrupted")
-        leave(128 + signal.SIGINT)
-    except Terminated as t:  # SIGTERM or SIGHUP (`main`): what was being written is removed by now
-        say_error(f"error: terminated ({t})")
-        leave(128 + t.signum)
+    except (KeyboardInterrupt, Terminated) as e:  # Ctrl-C, SIGTERM, SIGHUP: what was being written is removed by now
+        line, code = signal_exit(e)
+        say_error(line)
+        leave(code)
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a process SIGPIPE ends does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         leave(128 + signal.SIGPIPE)

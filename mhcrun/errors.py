@@ -49,3 +49,10 @@ class Terminated(BaseException):
 def raise_terminated(signum: int, frame: object) -> None:
     """A signal handler: `Terminated`."""
     raise Terminated(signum)
+
+
+def signal_exit(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
+    """The one line and the exit code of a command a signal ended: Ctrl-C, or SIGTERM / SIGHUP (`Terminated`)."""
+    if isinstance(e, Terminated):
+        return f"error: terminated ({e})", 128 + e.signum
+    return "error: interrupted", 128 + signal.SIGINT

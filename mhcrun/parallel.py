@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mhcrun.errors import InputError, Terminated
+from mhcrun.errors import InputError, Terminated, signal_exit
 from mhcrun.settings import Env
 
 
@@ -263,14 +263,11 @@ def launch(world: int, argv: list[str], environ: Mapping[str, str]) -> int:
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:  # Ctrl-C, a job's timeout, a closed terminal: the ranks end too
         stop(procs)
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Terminated as t:  # a job's timeout or a closed terminal (`cli.main` raises it): the ranks end with it
-        stop(procs)
-        print(f"error: terminated ({t})", file=sys.stderr, flush=True)
-        return 128 + t.signum
+        line, code = signal_exit(e)
+        print(line, file=sys.stderr, flush=True)
+        return code
     finally:
         stop(procs)
         for f in logs.glob("*"):
