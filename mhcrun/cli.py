@@ -847,7 +847,7 @@ def info(
         out.print(f"[bold]{desc['path']}[/]")
         out.print(f"dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads x {c['head_dim']}, "
                   f"vocab {c['vocab_size']}, {c['n_routed_experts']} experts ({c['n_activated_experts']} active), "
-                  f"window {c['window_size']}, hc_mult {c['hc_mult']}", markup=False)
+                  f"window {c['window_size']}, hc_mult {c['hc_mult']}", markup=False, soft_wrap=True)
         kinds = Table("layer", "attention", "ratio", "moe")
         for k in desc["layer_kinds"]:
             kinds.add_row(str(k["layer"]), k["attention"], str(k["ratio"]), k["moe"])
@@ -859,7 +859,7 @@ def info(
                      f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}, KV cache "
                      f"{'FP8 (kv) / FP4 (indexer keys)' if mp.quant_sim else mp.dtype}")
         for name, n in mp.disk_by_dtype.items():
-            plan.add_row(f"on disk: {name}", f"{n:,}", format_bytes(n))
+            plan.add_row(f"read from disk: {name}", f"{n:,}", format_bytes(n))
         rows = [("weights in memory", mp.weights)] + [(k.replace("_", " "), v) for k, v in mp.state.items()]
         rows += [(f"activations (a prefill chunk of {mp.prefill_chunk} tokens)", mp.activations),
                  ("runtime", mp.runtime), ("total", mp.total), ("available", mp.available)]
@@ -870,12 +870,12 @@ def info(
                                 (f"all {runner.config.n_layers} layers", mp.kv_bytes_per_token_model)):
             total = format_bytes(int(per_token * mp.context * mp.batch))
             out.print(f"KV bytes per token, {what}: {per_token:,.1f} ({total} for {mp.context:,} tokens x batch "
-                      f"{mp.batch}, plus the windows' rings)", markup=False)
+                      f"{mp.batch}, plus the windows' rings)", markup=False, soft_wrap=True)
             if mp.layers == runner.config.n_layers:
                 break
         out.print(f"a snapshot of one sequence's state after {mp.context:,} tokens (a prompt cache, a chat turn): "
                   f"{format_bytes(mp.snapshot_bytes)} ({mp.kv_bytes_per_token:,.1f} bytes per token plus the rings and "
-                  f"the compressors' open groups)", markup=False)
+                  f"the compressors' open groups)", markup=False, soft_wrap=True)
         verdict = "fits" if mp.fits else "does NOT fit"
         out.print(f"{verdict}: needs {format_bytes(mp.total)} of {format_bytes(mp.available)}")
         if bad is not None:
