@@ -45,6 +45,10 @@ class PanelledCommand(typer.core.TyperCommand):
         if self.short_help is None and self.help:
             self.short_help = " ".join(inspect.cleandoc(self.help).split("\n\n")[0].split())
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        with one_line_usage_errors(f"{parent.command_path} {info_name}" if parent else info_name):
+            return super().make_context(info_name, args, parent, **extra)
+
     def get_params(self, ctx):
         def rank(param) -> int:
             panel = getattr(param, "rich_help_panel", None)
@@ -54,10 +58,39 @@ class PanelledCommand(typer.core.TyperCommand):
 
 
 class Group(typer.core.TyperGroup):
-    """mhcrun's command group: its --help flag without a type, as the commands' flags."""
+    """mhcrun's command group: its --help flag without a type, as the commands' flags, and a command line click
+    refuses (an unknown command or option, a value of the wrong type, a missing argument) said in one line."""
 
     def get_params(self, ctx):
         return untyped_flags(super().get_params(ctx))
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with one_line_usage_errors(f"{parent.command_path} {info_name}" if parent else info_name):
+            return super().make_context(info_name, args, parent, **extra)
+
+    def resolve_command(self, ctx, args):
+        with one_line_usage_errors():
+            return super().resolve_command(ctx, args)
+
+
+# click's UsageError, whichever click typer runs on (typer 0.2x carries its own copy, earlier ones click's)
+UsageError = typer.BadParameter.__bases__[0]
+
+
+@contextlib.contextmanager
+def one_line_usage_errors(command: str | None = None):
+    """click's usage error as the one line `error: ...` and exit 2 that bad input gets everywhere else (click
+    shows usage, a hint and a framed message), naming the command's --help (`command`, where click's error has no
+    context yet); `mhcrun` alone still shows the help."""
+    try:
+        yield
+    except UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # no command given: the help, as click shows it
+            raise
+        path = e.ctx.command_path if e.ctx is not None else command
+        where = f" (see {path} --help)" if path else ""
+        say_error(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}")
+        sys.exit(e.exit_code)
 
 
 def untyped_flags(params: list) -> list:

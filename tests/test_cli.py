@@ -1042,3 +1042,19 @@ def test_help_groups_options_into_panels_with_developer_knobs_last():
             "make-synthetic": "Write into a non-empty OUT directory"}
     for command, what in says.items():  # each --force says what it overrides
         assert what in " ".join(cli(command, "--help", env={"COLUMNS": "400"}).stdout.split()), command
+
+
+def test_a_command_line_click_refuses_is_one_line():
+    """An unknown command or option, a value of the wrong type, a missing value or argument: one `error:` line naming
+    it and the --help to read, exit 2 (click's own answer was usage, a hint and a framed message); no command at
+    all still shows the help."""
+    cases = {("generat",): ("No such command 'generat'", " --help)"),
+             ("generate", "--context", "4"): ("No such option: --context", " generate --help)"),
+             ("generate", "-n", "x"): ("'-n'", "valid integer"),
+             ("generate", "--prompt"): ("'--prompt' requires an argument", " generate --help)"),
+             ("golden-check",): ("Missing argument 'GOLDEN'", " golden-check --help)"),
+             ("info", "--quant-sim=1"): ("'--quant-sim' does not take a value",)}
+    for args, needles in cases.items():
+        user_error(cli(*args), *needles)
+    r = cli()
+    assert r.exit_code == 2 and "Usage: " in r.stdout + r.stderr and "generate" in r.stdout + r.stderr
