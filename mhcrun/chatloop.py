@@ -126,10 +126,14 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
                 if cached is not None:  # the prompt cache file stays usable
                     session.keep(cached.tokens, cached.snapshot, cached.logits)
                 out.print("[dim](conversation reset)[/]")
-            elif cmd == "/mode" and arg.strip() in MODES:
+            elif cmd in ("/mode", "/effort") and arg.strip() not in (MODES if cmd == "/mode" else efforts):
+                *first, last = MODES if cmd == "/mode" else efforts
+                takes = f"{', '.join(first)} or {last}"
+                out.print(f"[dim]{cmd} takes {takes}, got {arg.strip()!r}[/]", highlight=False)
+            elif cmd == "/mode":
                 mode = arg.strip()
                 out.print(f"[dim](mode {mode})[/]")
-            elif cmd == "/effort" and arg.strip() in efforts:
+            elif cmd == "/effort":
                 effort = arg.strip()
                 out.print(f"[dim](reasoning effort {effort})[/]")
             else:

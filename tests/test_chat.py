@@ -433,3 +433,13 @@ def test_ctrl_c_stops_a_reply_and_the_session_goes_on(monkeypatch, v4_checkpoint
 
     second = Tokenizer.from_file(v4_checkpoint).decode(calls[1], keep_special=True)
     assert second.endswith(f"{U}Hi{A}</think>Hello!{EOS}{U}More{A}</think>")  # the stopped reply is history
+
+
+def test_chat_names_what_mode_and_effort_take():
+    """A /mode or /effort value it does not know says what they take and changes nothing; an unknown command lists
+    the commands."""
+    c = CLI.invoke(app, ["chat", "-n", "2", "--mode", "chat"], input="/mode fast\n/effort x\n/bogus\n/mode thinking\n")
+    assert c.exit_code == 0, c.stdout + c.stderr
+    text = " ".join(c.stdout.split())
+    assert "/mode takes chat or thinking, got 'fast'" in text and "/effort takes none, high or max, got 'x'" in text
+    assert "unknown command '/bogus'; commands:" in text and "(mode thinking)" in text
