@@ -887,10 +887,10 @@ def info(
         out.print(kinds)
         out.print(f"parameters: {desc['params']:,}")
         per_rank = f"one rank of --tp {tp}, " if tp > 1 else ""
-        plan = Table("memory plan", "bytes", "", title=f"{per_rank}{mp.layers} layers, batch {mp.batch}, context "
-                     f"{mp.context}, "
-                     f"{mp.dtype}, weights {'dequantised' if mp.dequantize else 'kept quantised'}, KV cache "
-                     f"{'FP8 (kv) / FP4 (indexer keys)' if mp.quant_sim else mp.dtype}")
+        out.print(f"memory plan: {per_rank}{mp.layers} layers, batch {mp.batch}, context {mp.context}, {mp.dtype}, "
+                  f"weights {'dequantised' if mp.dequantize else 'kept quantised'}, KV cache "
+                  f"{'FP8 (kv) / FP4 (indexer keys)' if mp.quant_sim else mp.dtype}", markup=False, soft_wrap=True)
+        plan = Table("memory plan", "bytes", "")
         for name, n in mp.disk_by_dtype.items():
             plan.add_row(f"read from disk: {name}", f"{n:,}", format_bytes(n))
         rows = [("weights in memory", mp.weights)] + [(k.replace("_", " "), v) for k, v in mp.state.items()]
