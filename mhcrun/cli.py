@@ -646,6 +646,7 @@ def golden_check(
         from mhcrun.generate import teacher_force
         from mhcrun.golden import (
             TOLERANCES,
+            check_fits_model,
             check_model_identity,
             compare,
             load_golden,
@@ -668,6 +669,7 @@ def golden_check(
                              env=env)
         for w in check_model_identity(golden, runner.identity, force, str(golden_path)):
             err.print(f"warning: {w}", markup=False, soft_wrap=True)
+        check_fits_model(golden, runner.config.vocab_size, runner.config.max_position_embeddings, str(golden_path))
         entries = golden["prompts"]
         ids = [p["prompt_ids"] for p in entries]
         load_weights(runner, quiet=as_json)

@@ -318,6 +318,23 @@ def check_model_identity(golden: dict, model: dict, force: bool, where: str = "g
     return warnings
 
 
+def check_fits_model(golden: dict, vocab_size: int, context: int, where: str = "golden file") -> None:
+    """Refuse (GoldenError naming the prompt) a golden file whose ids this model cannot take: a prompt id, golden
+    token or candidate outside its vocabulary, or a prompt and its tokens beyond its context (a file recorded for
+    another model, checked with --force)."""
+    for p in golden["prompts"]:
+        ids = {"prompt id": p["prompt_ids"], "token": p["tokens"],
+               "candidate": [t for s in p["steps"] for t, _ in s["top"]]}
+        for what, values in ids.items():
+            bad = next((t for t in values if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise GoldenError(f"{where}: prompt {p['id']!r}: {what} {bad} is outside this model's vocabulary "
+                                  f"[0, {vocab_size})")
+        if len(p["prompt_ids"]) + len(p["tokens"]) > context:
+            raise GoldenError(f"{where}: prompt {p['id']!r}: {len(p['prompt_ids'])} prompt tokens + "
+                              f"{len(p['tokens'])} golden tokens exceed this model's context of {context}")
+
+
 # ---------------------------------------------------------------------------------------------- comparing
 
 

@@ -578,6 +578,18 @@ def test_golden_check_other_model(tmp_path, golden):
     user_error(cli("golden-check", write_json(path, g)), "weights", "fedcba9876543210")
 
 
+def test_golden_check_forced_onto_a_smaller_vocabulary_is_one_line(tmp_path, golden):
+    """--force onto a model whose vocabulary (512, make-tiny's) lacks the golden's ids: the warnings, then one error
+    line naming the prompt and the id, exit 2 (it was an IndexError: exit 70)."""
+    ok(cli("make-tiny", tmp_path / "small"))
+    path = write_json(tmp_path / "g.json", golden)
+    r = cli("golden-check", path, "-m", tmp_path / "small", "--force")
+    assert r.exit_code == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    *warnings, line = r.stderr.splitlines()
+    assert all(w.startswith("warning: ") for w in warnings) and line.startswith(f"error: {path}: prompt ")
+    assert "outside this model's vocabulary [0, 512)" in line
+
+
 def test_golden_check_other_model_name_only_warns(tmp_path, golden):
     g = subset(golden, golden["prompts"][0]["id"])
     g["model"]["name"] = "renamed"

@@ -9,6 +9,7 @@ from mhcrun.errors import GoldenError, InputError
 from mhcrun.generate import GenerationResult
 from mhcrun.golden import (
     END,
+    check_fits_model,
     check_model_identity,
     compare,
     dumps_golden,
@@ -342,6 +343,19 @@ def test_model_identity(golden):
     with pytest.raises(GoldenError, match=r"another model \(weights beef000000000002 vs 2222"):
         check_model_identity(golden, other_w, force=False)
     assert len(check_model_identity(golden, {**other_cfg, "weights_hash": "2"}, force=True)) == 2
+
+
+def test_a_golden_that_does_not_fit_the_model_is_refused(golden):
+    check_fits_model(golden, VOCAB, 64)
+    with pytest.raises(GoldenError, match=r"prompt 'a': token 12 is outside this model's vocabulary \[0, 12\)"):
+        check_fits_model(golden, 12, 64)  # prompt a's ids are below 12, its sixth token is 12
+    other = copy.deepcopy(golden)
+    other["prompts"][1]["prompt_ids"] = [0, 99, 9]
+    with pytest.raises(GoldenError, match=r"prompt 'b': prompt id 99 is outside this model's vocabulary \[0, 16\)"):
+        check_fits_model(other, VOCAB, 64)
+    with pytest.raises(GoldenError, match=r"prompt 'a': 3 prompt tokens \+ 6 golden tokens exceed this model's "
+                                          r"context of 8"):
+        check_fits_model(golden, VOCAB, 8)
 
 
 def test_write_refuses_existing_file(tmp_path, golden):
