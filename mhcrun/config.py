@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from mhcrun.errors import ConfigError
+from mhcrun.errors import ConfigError, InputError
 from mhcrun.fileio import read_json
 
 
@@ -275,3 +275,9 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{file}: config file not found")
     raw = read_json(file, ConfigError)
     return config_from_hf(raw, str(file))
+
+
+def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
+    """--layers N (None: all of them): one line naming the flag and the file where N is not a layer count of cfg."""
+    if layers is not None and not 1 <= layers <= cfg.n_layers:
+        raise InputError(f"--layers {layers}: {path} has {cfg.n_layers} layers (give 1 to {cfg.n_layers})")

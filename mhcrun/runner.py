@@ -18,7 +18,7 @@ from mhcrun.checkpoint import (
     load_checkpoint,
     plan_checkpoint,
 )
-from mhcrun.config import ModelConfig
+from mhcrun.config import ModelConfig, check_layers
 from mhcrun.errors import InputError
 from mhcrun.heap import heap_pages, pages, set_heap_policy, thp_mode
 from mhcrun.hugepages import place, why_not
@@ -144,11 +144,6 @@ def check_device(device: str) -> None:
         except ImportError:
             raise InputError("--device neuron needs torch-neuronx from AWS's Neuron pip repository "
                              "(PyPI has placeholder packages only)") from None
-
-
-def check_layers(layers: int | None, cfg: ModelConfig, path: Path) -> None:
-    if layers is not None and not 1 <= layers <= cfg.n_layers:
-        raise InputError(f"--layers {layers}: {path} has {cfg.n_layers} layers (give 1 to {cfg.n_layers})")
 
 
 def open_runner(model: str | None, dtype: str = "fp32", quant_sim: bool = True, device: str = "cpu",

@@ -35,7 +35,7 @@ from typing import BinaryIO
 import torch
 
 from mhcrun.checkpoint import INDEX_FILE
-from mhcrun.config import ModelConfig, find_config_file, load_config
+from mhcrun.config import ModelConfig, check_layers, find_config_file, load_config
 from mhcrun.errors import ConfigError, InputError
 from mhcrun.fileio import check_out_dir, make_dirs, open_atomic, read_json, write_atomic
 from mhcrun.ops.quant import FP4_BLOCK, FP8_MAX, unpack_fp4
@@ -106,7 +106,7 @@ def make_synthetic(config: str | Path, out_dir: str | Path, n_layers: int, seed:
     cfg_file = find_config_file(config)
     cfg = load_config(cfg_file)
     raw = read_json(cfg_file, ConfigError)  # written back unchanged
-    check_arguments(cfg, n_layers, shard_bytes)
+    check_arguments(cfg, cfg_file, n_layers, shard_bytes)
     out = check_out_dir(out_dir, force)
 
     tensors = plan_tensors(cfg, n_layers, _Draw(cfg, seed))
@@ -132,10 +132,11 @@ def make_synthetic(config: str | Path, out_dir: str | Path, n_layers: int, seed:
     return out
 
 
-def check_arguments(cfg: ModelConfig, n_layers: int, shard_bytes: int) -> None:
+def check_arguments(cfg: ModelConfig, cfg_file: Path, n_layers: int, shard_bytes: int) -> None:
     """One-line InputErrors for a layer count outside [1, num_hidden_layers] or a non-positive shard size."""
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers <= cfg.n_layers:
-        raise InputError(f"n_layers {n_layers!r} must be between 1 and {cfg.n_layers} (num_hidden_layers)")
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int):
+        raise InputError(f"n_layers must be an integer, got {n_layers!r}")
+    check_layers(n_layers, cfg, cfg_file)
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise InputError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
 
