@@ -962,6 +962,9 @@ def compile_regions(
         if code is not None:
             return code
         runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
+        if context > runner.config.max_position_embeddings:
+            raise InputError(f"--context {context} is beyond the model's maximum of "
+                             f"{runner.config.max_position_embeddings} tokens")
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

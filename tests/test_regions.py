@@ -530,3 +530,14 @@ def test_unknown_stages_value_exits_2(command):
     assert result.exit_code == 2, f"exit {result.exit_code}\n{result.stdout}\n{result.stderr}"
     assert "bogus" in result.stderr and "--stages" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args,says", [(("--context", "513"), "--context 513 is beyond the model's maximum of 512"),
+                                       (("--context", "1"), "--context >= 2"), (("--batch", "0"), "--batch must be")])
+def test_compile_regions_refuses_a_context_the_model_cannot_take(args, says):
+    """Before anything compiles: a context beyond the model's max_position_embeddings (512 for the bundled model),
+    below 2, or no batch, one line, exit 2."""
+    result = cli("compile-regions", *args)
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.stdout}\n{result.stderr}"
+    assert result.stderr.splitlines() == [result.stderr.strip()] and says in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
