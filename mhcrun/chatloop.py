@@ -165,8 +165,9 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         view.finish()
         reply = parse_reply(tok.decode(view.tokens, keep_special=True), mode, fmt)
         history.append(history_message(reply))
+        # a rate only where there was something to time: none for a prompt the kept state held whole, or one token
+        prefill = f", prefill {view.prefill_rate(session.prefilled):.1f} tok/s" if session.prefilled else ""
+        decode = f", decode {view.decode_rate():.1f} tok/s" if len(view.tokens) > 1 else ""
         out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens ({session.reused} reused, "
-                  f"{session.prefilled} prefilled), prefill {view.prefill_rate(session.prefilled):.1f} tok/s | "
-                  f"{len(view.tokens)} tokens, decode "
-                  f"{view.decode_rate():.1f} tok/s[/]", highlight=False)
+                  f"{session.prefilled} prefilled){prefill} | {len(view.tokens)} tokens{decode}[/]", highlight=False)
 

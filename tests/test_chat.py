@@ -428,7 +428,7 @@ def test_ctrl_c_stops_a_reply_and_the_session_goes_on(monkeypatch, v4_checkpoint
     monkeypatch.setattr(chatloop, "generate", interrupted)
     c = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "-n", "3", "--mode", "chat"], input="Hi\nMore\n/exit\n")
     assert c.exit_code == 0, c.stdout + c.stderr
-    assert "Hello!" in c.stdout and "(stopped) " in c.stdout and c.stdout.count(" prefilled), prefill") == 2
+    assert "Hello!" in c.stdout and "(stopped) " in c.stdout and c.stdout.count(" prefilled)") == 2
     from mhcrun.tokenizer import Tokenizer
 
     second = Tokenizer.from_file(v4_checkpoint).decode(calls[1], keep_special=True)

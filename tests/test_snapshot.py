@@ -407,9 +407,10 @@ def test_chat_prompt_cache_is_written_once_then_reused(v4_checkpoint, tmp_path):
                           "--prompt-cache", str(cache))
     assert cache.exists() and turns[0][1] == 0
     data = cache.read_bytes()
-    turns, _ = chat_turns(v4_checkpoint, "chat", ["A long document about rivers. Summarise it."],
-                          "--prompt-cache", str(cache))
-    assert turns[0][1:] == (turns[0][0], 0)  # the whole prompt from the file: nothing prefilled
+    turns, out = chat_turns(v4_checkpoint, "chat", ["A long document about rivers. Summarise it."],
+                            "--prompt-cache", str(cache))
+    assert turns[0][1:] == (turns[0][0], 0)  # the whole prompt from the file: nothing prefilled, no prefill rate
+    assert "0 prefilled) | 4 tokens, decode " in " ".join(out.split()) and "prefill 0.0" not in out
     assert cache.read_bytes() == data
     res = CLI.invoke(app, ["chat", "-m", str(v4_checkpoint), "--prompt-cache", str(cache), "--layers", "2"],
                      input="/exit\n")
