@@ -535,10 +535,12 @@ def generate(
             from mhcrun.speculate import stats_note
 
             s = results[0].stats if results else {}
-            decoded = any(r.tokens for r in results)  # none with --max-tokens 0: no decode rate to give
-            err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | prefill {s.get('prefill_tok_s', 0):.1f} tok/s"
-                      + (f" | decode {s.get('decode_tok_s', 0):.1f} tok/s" if decoded else "")
-                      + f" | compile {s.get('compile_s', 0):.2f} s | peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
+            # a rate only where something was timed: no prefill for a prompt the cache held whole, no decode for
+            # --max-tokens 0 or 1 (the first token comes from the prefill)
+            rates = [f"{what} {s[key]:.1f} tok/s" for what, key in (("prefill", "prefill_tok_s"),
+                                                                    ("decode", "decode_tok_s")) if s.get(key)]
+            err.print(f"[dim]prompt tokens {sum(len(i) for i in ids)} | " + "".join(f"{r} | " for r in rates)
+                      + f"compile {s.get('compile_s', 0):.2f} s | peak RSS {s.get('peak_rss_mb', 0):.0f} MB"
                       + (f" | CPU GEMV kernel {escape(kernel)} | weights on {escape(runner.weight_pages)}"
                          if kernel else "")
                       + (f" | {stats_note(s['speculative'])}" if "speculative" in s else "")

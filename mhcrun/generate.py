@@ -341,7 +341,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         toks = results[row].tokens
         return row not in batch.bad and len(toks) < max_new_tokens and (ignore_eos or toks[-1] != eos_id)
 
-    prefill_s = []
+    prefill_s, prefilled = [], []  # per row: seconds, and tokens run (a session's reused state is not)
     for row, ids in enumerate(prompts):
         t0 = time.perf_counter()
         if session is None:
@@ -351,6 +351,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             logits = session.prefill(ids, marks)[0]
             steps.length[row], steps.last[row] = len(ids), ids[-1]
         prefill_s.append(time.perf_counter() - t0)
+        prefilled.append(len(ids) if session is None else session.prefilled)
         if max_new_tokens:
             take([row], logits.unsqueeze(0))
         else:  # the prompt alone (max_new_tokens 0): its logits checked, no token taken
@@ -370,7 +371,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     elif session is not None:  # the row holds the prompt and every token fed back (all but the last one taken)
         session.fed(results[0].tokens[:-1])
     batch.locate(steps)
-    finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None)
+    finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None, prefilled)
     if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
         for res in results:
             res.stats["collective_bytes_per_token"] = (model.opts.tp.traffic.bytes - moved0) / max(decode_tokens, 1)
@@ -414,9 +415,12 @@ def teacher_force(model: Transformer, prompts: list[list[int]], forced: list[lis
 
 
 def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s: list[float], step_s: list[float],
-                 decode_tokens: int, compiled: bool = False) -> list[GenerationResult]:
-    """Each result's stats: prefill and decode speed, the first compiled step's compile time reported apart, peak
-    memory (every rank's: a collective, so every rank gets here in step), the hc kernels' calls."""
+                 decode_tokens: int, compiled: bool = False,
+                 prefilled: list[int] | None = None) -> list[GenerationResult]:
+    """Each result's stats: prefill and decode speed (0.0 where nothing was run: a prompt whose state was reused
+    whole, no decode step), the first compiled step's compile time reported apart, peak memory (every rank's: a
+    collective, so every rank gets here in step), the hc kernels' calls. `prefilled`: the tokens each row's prefill
+    ran (default: its whole prompt)."""
     compile_s = 0.0
     if compiled and step_s:  # the first compiled step also compiles: report that apart
         typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
@@ -426,8 +430,9 @@ def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s:
     per_rank = gather_values([rss], model.opts.tp)
     for row, res in enumerate(results):
         took = prefill_s[row] if row < len(prefill_s) else 0.0
+        ran = prefilled[row] if prefilled is not None else len(res.prompt_ids)
         res.stats = {
-            "prefill_tok_s": len(res.prompt_ids) / took if took > 0 else 0.0,
+            "prefill_tok_s": ran / took if took > 0 else 0.0,
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,  # batch throughput
             "compile_s": compile_s,
             "peak_rss_mb": rss,

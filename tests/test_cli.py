@@ -352,12 +352,13 @@ def test_generate_zero_new_tokens():
         assert res["tokens"] == [] and res["prompt_ids"] == [0, 5, 6]
         assert res["stats"]["prefill_tok_s"] > 0 and res["stats"]["decode_tok_s"] == 0
         assert res["stats"]["tp"] == 1 and res["stats"]["peak_rss_mb_per_rank"] == [res["stats"]["peak_rss_mb"]]
-    r = cli("generate", "--prompt-ids", IDS, "-n", 0)  # the summary line gives no decode rate (there was none)
+    for n in (0, 1):  # the summary line gives no decode rate: no decode step ran (-n 1's token is the prefill's)
+        r = cli("generate", "--prompt-ids", IDS, "-n", n)
+        ok(r)
+        assert "prefill " in r.stderr and "decode" not in r.stderr
+    r = cli("generate", "--prompt-ids", IDS, "-n", 2)
     ok(r)
-    assert "prefill " in r.stderr and "decode" not in r.stderr
-    r = cli("generate", "--prompt-ids", IDS, "-n", 1)
-    ok(r)
-    assert re.search(r"decode \d+\.\d tok/s", r.stderr)
+    assert re.search(r"prefill \d+\.\d tok/s \| decode \d+\.\d tok/s \| compile", r.stderr)
 
 
 def test_generate_ids_without_tokenizer(ckpt, greedy_ref):

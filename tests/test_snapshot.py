@@ -425,4 +425,5 @@ def test_generate_zero_tokens_only_caches_the_prompt(tmp_path):
     assert row["tokens"] == [] and row["stats"]["prompt_cache"]["saved"] and path.exists()
     again = generate_json(tmp_path, "--prompt-cache", str(path))
     assert again["stats"]["prompt_cache"]["prefilled_tokens"] == 0
+    assert again["stats"]["prefill_tok_s"] == 0  # nothing prefilled: no rate (it was 13 tokens over a restore)
     assert again["tokens"] == generate_json(tmp_path)["tokens"]
