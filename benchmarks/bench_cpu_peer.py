@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quantized import read_bandwidth  # noqa: E402
 
 from mhcrun.checkpoint import plan_checkpoint  # noqa: E402
+from mhcrun.errors import run_script  # noqa: E402
 from mhcrun.memory import decode_bytes_per_token, decode_macs_per_token  # noqa: E402
 from mhcrun.synthetic import make_synthetic  # noqa: E402
 
@@ -279,4 +280,4 @@ def _met(ok: bool) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

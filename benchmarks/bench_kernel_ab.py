@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mhcrun.errors import run_script  # noqa: E402
 from mhcrun.generate import generate  # noqa: E402
 from mhcrun.ops.native import build  # noqa: E402
 from mhcrun.ops.qgemv import CpuKernel, ExpertSet, expert_set  # noqa: E402
@@ -152,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.config import ModelConfig
+from mhcrun.errors import run_script
 from mhcrun.memory import format_bytes
 from mhcrun.runner import open_runner
 
@@ -157,4 +158,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    main()
+    run_script(main)

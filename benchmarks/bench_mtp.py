@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mhcrun.errors import run_script
 from mhcrun.generate import generate
 from mhcrun.runner import load_runner
 from mhcrun.snapshot import restore_span, take_span
@@ -132,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mhcrun.errors import run_script
 from mhcrun.nki.ops import KERNEL_SOURCE, HcBackend
 from mhcrun.nki.sim import load_kernel_module
 from mhcrun.nki.sim.costmodel import FIGURES, SENSITIVITY, estimate, floor_us, with_figures
@@ -213,4 +214,4 @@ def kernel_level(tokens: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

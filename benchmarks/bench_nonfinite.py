@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quantized import best_time, memcpy_bandwidth, read_bandwidth  # noqa: E402
 
 from mhcrun.checkpoint import stored_tensors  # noqa: E402
+from mhcrun.errors import run_script  # noqa: E402
 from mhcrun.generate import generate, nonfinite_rows  # noqa: E402
 from mhcrun.runner import load_runner, open_runner  # noqa: E402
 from mhcrun.settings import Env  # noqa: E402
@@ -68,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

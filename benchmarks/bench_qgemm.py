@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mhcrun.errors import run_script
 from mhcrun.ops import qlinear as ql
 from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, open_cpu_kernel
 from mhcrun.ops.quant import dequantize_fp4, dequantize_fp8, fp8_simulate, quantize_weight_fp4, quantize_weight_fp8
@@ -249,4 +250,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.checkpoint import plan_checkpoint
+from mhcrun.errors import run_script
 from mhcrun.memory import decode_bytes_per_token
 from mhcrun.synthetic import make_synthetic
 from mhcrun.tiny import make_tiny
@@ -207,4 +208,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

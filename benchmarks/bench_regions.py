@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.config import config_from_hf
+from mhcrun.errors import run_script
 from mhcrun.model import build_model
 from mhcrun.regions.runner import RegionDecoder
 from mhcrun.runner import load_runner
@@ -163,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mhcrun.errors import run_script
 from mhcrun.memory import format_bytes, snapshot_bytes
 from mhcrun.promptcache import PromptCache, load_prompt_cache, save_prompt_cache
 from mhcrun.runner import load_runner
@@ -123,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_quantized import _read_stream, read_bandwidth  # noqa: E402
 
+from mhcrun.errors import run_script  # noqa: E402
 from mhcrun.generate import Stepper  # noqa: E402
 from mhcrun.ops.qgemv import CpuKernel, ExpertSet  # noqa: E402
 from mhcrun.ops.qweight import QWeight  # noqa: E402
@@ -352,4 +353,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mhcrun.config import load_config
-from mhcrun.errors import InputError
+from mhcrun.errors import InputError, run_script
 from mhcrun.memory import format_bytes, kv_bytes_per_token, stored_bytes_per_rank
 from mhcrun.parallel import check_divides
 
@@ -74,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 
 from mhcrun.checkpoint import load_checkpoint
 from mhcrun.config import ModelConfig
-from mhcrun.errors import InputError, MhcrunError
+from mhcrun.errors import InputError, run_script
 from mhcrun.fileio import check_writable
 from mhcrun.ops.quant import dequantize_fp8
 from mhcrun.ops.qweight import QWeight
@@ -287,15 +286,11 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="overwrite an existing OUT")
     ap.add_argument("--check", action="store_true", help="compare OUT's values with the checkpoint's; write nothing")
     args = ap.parse_args()
-    try:
-        if args.check:
-            print(f"{args.out}: all {check(args.checkpoint, args.out)} tensors equal the checkpoint's values")
-        else:
-            print(f"{args.out}: {export(args.checkpoint, args.out, args.force)} tensors written")
-    except MhcrunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    if args.check:
+        print(f"{args.out}: all {check(args.checkpoint, args.out)} tensors equal the checkpoint's values")
+    else:
+        print(f"{args.out}: {export(args.checkpoint, args.out, args.force)} tensors written")
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -37,7 +37,8 @@ import torch
 
 from mhcrun.checkpoint import LoadedCheckpoint
 from mhcrun.config import HF_KEYS, ModelConfig
-from mhcrun.errors import MhcrunError
+from mhcrun.errors import ConfigError, MhcrunError, run_script
+from mhcrun.fileio import read_json
 from mhcrun.generate import SamplingOptions, check_prompts
 from mhcrun.generate import generate as mhc_generate
 from mhcrun.model import build_model
@@ -69,8 +70,8 @@ IGNORED_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "quantiza
 LAYER_TYPE_BY_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention"}  # any other ratio: HCA
 
 
-class BaselineError(Exception):
-    """A checkpoint or config that this comparison cannot express faithfully."""
+class BaselineError(MhcrunError):
+    """A checkpoint or config that this comparison cannot express faithfully (one line and exit 2: run_script)."""
 
 
 def hf_config(raw: dict, cfg: ModelConfig, n_layers: int | None = None) -> DeepseekV4Config:
@@ -474,20 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model).resolve()  # absolute: mhcrun hashes shards relative to a relative root twice
-    if not (path / "config.json").is_file():
-        print(f"error: {path}: no config.json", file=sys.stderr)
-        return 2
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json(path / "config.json", ConfigError)
     prompts = args.prompt_ids or default_prompts(raw["vocab_size"], raw.get("bos_token_id", 0))
     yarn_in_config = raw.get("rope_scaling") is not None
     variants = [False, True] if args.both else [not args.no_yarn]
     variants = [y for y in variants if not y or yarn_in_config] or [False]
-    try:
-        check_prompts(prompts, args.max_new_tokens, raw["vocab_size"], raw.get("max_position_embeddings", 4096))
-        out = [run_variant(path, yarn, args, prompts) for yarn in variants]
-    except (BaselineError, MhcrunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_prompts(prompts, args.max_new_tokens, raw["vocab_size"], raw.get("max_position_embeddings", 4096))
+    out = [run_variant(path, yarn, args, prompts) for yarn in variants]
     meta = {"model": str(path), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "prompts": prompts}
@@ -502,4 +496,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

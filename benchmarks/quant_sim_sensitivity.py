@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mhcrun.checkpoint import load_checkpoint
+from mhcrun.errors import run_script
 from mhcrun.generate import generate
 from mhcrun.model import build_model
 from mhcrun.ops.qgemv import KERNEL_OFF, CpuKernel, open_cpu_kernel
@@ -90,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -1,6 +1,8 @@
 """User-facing errors: each one is printed as a single line by the CLI, with a non-zero exit."""
 
 import signal
+import sys
+from collections.abc import Callable
 
 # the CLI's exit codes beside the errors' own (MhcrunError 2, NonFiniteError 3; mhcrun.parallel.ECHO 4 between ranks)
 OS_FAILED = 74  # the operating system refused a read or write that no check of mhcrun's covers: sysexits' EX_IOERR
@@ -56,3 +58,14 @@ def signal_exit(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
     if isinstance(e, Terminated):
         return f"error: terminated ({e})", 128 + e.signum
     return "error: interrupted", 128 + signal.SIGINT
+
+
+def run_script(main: Callable[[], object]) -> None:
+    """A benchmark's or tool's `main`, its bad input (a checkpoint not found, a malformed config) ended as the CLI
+    ends it: one line `error: ...` and the error's exit code, not a traceback. Its return value is its exit code."""
+    try:
+        code = main()
+    except MhcrunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    sys.exit(code)

@@ -55,6 +55,8 @@ import torch.nn.functional as F
 
 from mhcrun.checkpoint import write_checkpoint
 from mhcrun.config import ModelConfig, config_from_hf
+from mhcrun.errors import ConfigError, InputError, run_script
+from mhcrun.fileio import read_json
 from mhcrun.ops.attention import closed_mask, sparse_attn, window_mask
 from mhcrun.ops.compress import compress_chunk
 from mhcrun.ops.hc import hc_mixes, hc_norm_mixes
@@ -449,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
           f"held out ({sum(map(len, held_docs)):,})", flush=True)
     if args.evaluate:
         out = Path(args.evaluate)
-        raw = json.loads((out / "config.json").read_text())
+        raw = read_json(out / "config.json", ConfigError)
+        if not (out / "tokenizer.json").is_file():
+            raise InputError(f"--evaluate {out}: no tokenizer.json (give a checkpoint this script wrote)")
         tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     else:
         raw = trained_config_raw()
@@ -483,4 +487,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)
