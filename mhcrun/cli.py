@@ -105,6 +105,28 @@ app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_
                   help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
 
 
+def show_version(asked: bool) -> None:
+    """--version: mhcrun's version and the torch and Python it runs on (what a bug report needs), then exit 0."""
+    if not asked:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        mine = version("mhcrun")
+    except PackageNotFoundError:  # run from a source tree that pip did not install
+        mine = "(not installed)"
+    print(f"mhcrun {mine}, torch {torch.__version__}, Python {sys.version.split()[0]}")
+    raise typer.Exit()
+
+
+@app.callback()
+def main_options(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                              help="Show mhcrun's version (and torch's, Python's) and exit.")) -> None:
+    """Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens."""
+
+
 class Output(Console):
     """stdout's console. A reader gone (`| head`) raises BrokenPipeError, for `run_guarded` to end the command by as
     it ends one whose print() found the pipe closed; rich's own answer, exit 1, is golden-check's mismatch."""
@@ -1046,7 +1068,7 @@ def main() -> None:
         env = Env.read()
     except InputError:  # the command says what is wrong
         env = None
-    helps = len(sys.argv) < 2 or "--help" in sys.argv[1:]  # help allocates nothing worth starting again for
+    helps = len(sys.argv) < 2 or {"--help", "--version"} & set(sys.argv[1:])  # nothing worth starting again for
     again = None if env is None or helps else restart_env(os.environ, env.huge_pages, thp_mode(), glibc_version())
     if again is not None:
         try:

@@ -423,7 +423,8 @@ def test_the_entry_point_reads_the_environment_once(monkeypatch, capsys, entry_p
 
 
 def test_the_heap_restart_is_for_commands_not_for_help(monkeypatch, capsys, entry_point_signals):
-    """`main` starts itself again (the heap on huge pages) for a command, not for --help or no arguments."""
+    """`main` starts itself again (the heap on huge pages) for a command, not for --help, --version or no
+    arguments."""
     import mhcrun.cli as cli_mod
 
     started = []
@@ -435,7 +436,7 @@ def test_the_heap_restart_is_for_commands_not_for_help(monkeypatch, capsys, entr
     monkeypatch.setattr(cli_mod, "restart_env", lambda *a: {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
     monkeypatch.setattr(cli_mod.os, "execve", execve)
     for argv, restarts in ((["mhcrun"], False), (["mhcrun", "--help"], False), (["mhcrun", "info", "--help"], False),
-                           (["mhcrun", "info", "--json"], True)):
+                           (["mhcrun", "--version"], False), (["mhcrun", "info", "--json"], True)):
         started.clear()
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit):
@@ -1071,3 +1072,12 @@ def test_a_command_line_click_refuses_is_one_line():
         user_error(cli(*args), *needles)
     r = cli()
     assert r.exit_code == 2 and "Usage: " in r.stdout + r.stderr and "generate" in r.stdout + r.stderr
+
+
+def test_version_names_mhcrun_torch_and_python():
+    r = cli("--version")
+    ok(r)
+    import torch
+
+    assert r.stdout.strip() == f"mhcrun 0.1.0, torch {torch.__version__}, Python {sys.version.split()[0]}"
+    assert "--version" in cli("--help", env={"COLUMNS": "200"}).stdout

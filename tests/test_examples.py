@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 CALLS_MHCRUN = re.compile(r"(^|[|&;(]\s*)mhcrun\s", re.M)
-INLINE = re.compile(r"`mhcrun ([a-z-]+)([^`]*)`")
+INLINE = re.compile(r"`mhcrun ([a-z][a-z-]*)([^`]*)`")  # a command (`mhcrun --version` is none)
 # what differs between runs and machines in shown output, each replaced by "#" on both sides before they are compared:
 # timings, margins and sizes (any number with a fraction), peak memory, the CPU kernel and the pages the weights are on
 VARIES = re.compile(r"\d+\.\d+|(?<=peak RSS )\d+|(?<=CPU GEMV kernel )[^|]*[^|\s]|(?<=weights on )[^|]*[^|\s]")
