@@ -101,8 +101,7 @@ def untyped_flags(params: list) -> list:
     return params
 
 
-app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens.")
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
 def show_version(asked: bool) -> None:
@@ -124,7 +123,7 @@ def show_version(asked: bool) -> None:
 @app.callback()
 def main_options(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                               help="Show mhcrun's version (and torch's, Python's) and exit.")) -> None:
-    """Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens."""
+    """Run DeepSeek V4-family (mHC) checkpoints token-exactly, and check them against goldens."""  # `mhcrun --help`
 
 
 class Output(Console):
