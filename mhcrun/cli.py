@@ -35,7 +35,15 @@ INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sa
 PANELS = (INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER)
 
 
-class PanelledCommand(typer.core.TyperCommand):
+class OneLineUsage:
+    """A command or group whose own command line, refused by click, is said in one line (`one_line_usage_errors`)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with one_line_usage_errors(f"{parent.command_path} {info_name}" if parent else info_name):
+            return super().make_context(info_name, args, parent, **extra)
+
+
+class PanelledCommand(OneLineUsage, typer.core.TyperCommand):
     """A command whose --help shows its options panel by panel in PANELS' order, whatever their order in code, its
     flags without a type (they take no value), and whose line in `mhcrun --help` is its docstring's first paragraph
     as one line (rich keeps the docstring's line breaks there, ragged against the terminal's width)."""
@@ -45,10 +53,6 @@ class PanelledCommand(typer.core.TyperCommand):
         if self.short_help is None and self.help:
             self.short_help = " ".join(inspect.cleandoc(self.help).split("\n\n")[0].split())
 
-    def make_context(self, info_name, args, parent=None, **extra):
-        with one_line_usage_errors(f"{parent.command_path} {info_name}" if parent else info_name):
-            return super().make_context(info_name, args, parent, **extra)
-
     def get_params(self, ctx):
         def rank(param) -> int:
             panel = getattr(param, "rich_help_panel", None)
@@ -57,16 +61,12 @@ class PanelledCommand(typer.core.TyperCommand):
         return untyped_flags(sorted(super().get_params(ctx), key=rank))
 
 
-class Group(typer.core.TyperGroup):
+class Group(OneLineUsage, typer.core.TyperGroup):
     """mhcrun's command group: its --help flag without a type, as the commands' flags, and a command line click
     refuses (an unknown command or option, a value of the wrong type, a missing argument) said in one line."""
 
     def get_params(self, ctx):
         return untyped_flags(super().get_params(ctx))
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        with one_line_usage_errors(f"{parent.command_path} {info_name}" if parent else info_name):
-            return super().make_context(info_name, args, parent, **extra)
 
     def resolve_command(self, ctx, args):
         with one_line_usage_errors():
