@@ -126,16 +126,17 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
                 if cached is not None:  # the prompt cache file stays usable
                     session.keep(cached.tokens, cached.snapshot, cached.logits)
                 out.print("[dim](conversation reset)[/]")
-            elif cmd in ("/mode", "/effort") and arg.strip() not in (MODES if cmd == "/mode" else efforts):
-                *first, last = MODES if cmd == "/mode" else efforts
-                takes = f"{', '.join(first)} or {last}"
-                out.print(f"[dim]{cmd} takes {takes}, got {arg.strip()!r}[/]", highlight=False)
-            elif cmd == "/mode":
-                mode = arg.strip()
-                out.print(f"[dim](mode {mode})[/]")
-            elif cmd == "/effort":
-                effort = arg.strip()
-                out.print(f"[dim](reasoning effort {effort})[/]")
+            elif cmd in ("/mode", "/effort"):
+                value, choices = arg.strip(), MODES if cmd == "/mode" else efforts
+                if value not in choices:
+                    out.print(f"[dim]{cmd} takes {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}[/]",
+                              highlight=False)
+                elif cmd == "/mode":
+                    mode = value
+                    out.print(f"[dim](mode {mode})[/]")
+                else:
+                    effort = value
+                    out.print(f"[dim](reasoning effort {effort})[/]")
             else:
                 out.print(f"[dim]unknown command {line!r}; {help_line}[/]", highlight=False)
             continue
