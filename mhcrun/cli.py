@@ -342,6 +342,16 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
                          "encoding/ folder says, else v4 (docs/chat-format.md).", rich_help_panel=INPUT)
 
 
+CHAT_OPTIONS = {"chat_mode": "--mode", "reasoning_effort": "--reasoning-effort", "chat_format": "--chat-format"}
+
+
+def given_option(ctx: typer.Context, name: str) -> bool:
+    """Whether the command line gave parameter `name` (not its default). By the source's name: typer carries its
+    own click, whose ParameterSource is not click's."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def chat_ids(runner, text: str, fmt: str) -> list[int]:
     """A chat prompt's token ids from the model's tokenizer (BOS is in the text). A tokenizer without the chat
     format's tokens (the bundled tiny one) encodes their spellings as plain text: said once on stderr."""
@@ -466,6 +476,11 @@ def generate(
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
         if draft_tokens is not None and prompt_cache is not None:
             raise InputError("--draft-tokens does not run with --prompt-cache")
+        if messages is None:
+            given = [flag for name, flag in CHAT_OPTIONS.items() if given_option(ctx, name)]
+            if given:
+                raise InputError(f"{given[0]} shapes a --messages conversation in the chat format; a prompt from "
+                                 "--prompt, --prompt-ids or --prompts-file is used as given")
         shard, code = start_tp(tp, model, device, env, {"--prompts-file": prompts_file, "--messages": messages})
         if code is not None:
             return code

@@ -350,6 +350,17 @@ def test_messages_with_another_prompt_source_is_refused(tmp_path):
         encode_chat(parse_chat([{"role": "user", "content": "q"}]), "fast")
 
 
+def test_chat_options_without_messages_are_refused_not_ignored():
+    # a prompt is used as given: --mode chat beside --prompt used to run as if it were not there
+    for args in (["--mode", "chat"], ["--mode", "regions"], ["--reasoning-effort", "max"], ["--chat-format", "v4"]):
+        for source in (["--prompt", "hi"], ["--prompt-ids", "1,2"]):
+            r = CLI.invoke(app, ["generate", *source, "-n", "1", *args])
+            assert r.exit_code == 2 and r.stdout == "", r.stdout + r.stderr
+            assert r.stderr.strip() == (f"error: {args[0]} shapes a --messages conversation in the chat format; a "
+                                        "prompt from --prompt, --prompt-ids or --prompts-file is used as given")
+    assert CLI.invoke(app, ["generate", "--prompt", "hi", "-n", "1"]).exit_code == 0  # the defaults are not "given"
+
+
 # ---------------------------------------------------------------------------------------------- V4's tokenizer
 
 def test_v4_special_tokens_are_single_ids_and_ids_equal_the_tokenizers_encoding(tmp_path, v4_checkpoint):
