@@ -992,7 +992,7 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(ctx, device, stages=stages, tp=tp)
+        st, env = run_settings(ctx, device, "regions", stages=stages, tp=tp)
         plan = st.stages
         if batch < 1 or context < 2:
             raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")

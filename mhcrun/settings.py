@@ -124,6 +124,9 @@ class RunSettings:
             raise InputError(f"--max-new-tokens must be >= {self.min_new_tokens}, got {self.max_new_tokens}")
         check_choice("--graph-mode", self.graph_mode, GRAPH_MODES)
         check_choice("--stages", self.stages, STAGE_PLANS)
+        if self.stages != "whole" and self.graph_mode != "regions":
+            raise InputError(f"--stages {self.stages} cuts compiled regions, and this run is {self.graph_mode} "
+                             "(--graph-mode regions compiles them)")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.tp < 1:

@@ -383,6 +383,18 @@ def test_unknown_stage_plan_is_an_input_error():
         RunSettings(stages="bogus")
 
 
+def test_split_stages_of_an_eager_run_are_refused_not_ignored():
+    from mhcrun.settings import RunSettings
+
+    with pytest.raises(InputError, match=r"--stages split cuts compiled regions, and this run is eager"):
+        RunSettings(stages="split")
+    RunSettings(stages="split", graph_mode="regions")
+    r = CLI.invoke(app, ["generate", "--prompt", "hi", "-n", "1", "--stages", "split"])
+    assert r.exit_code == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip() == ("error: --stages split cuts compiled regions, and this run is eager (--graph-mode "
+                                "regions compiles them)")
+
+
 # ---------------------------------------------------------------------------------------------- 3. fallback
 
 
