@@ -342,6 +342,8 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
                          "encoding/ folder says, else v4 (docs/chat-format.md).", rich_help_panel=INPUT)
 
 
+COMPILE_NOTE = ("compiling the regions' graphs at the first decode step: a minute or more the first time on a "
+                "machine, seconds once torch's compile cache holds them (`mhcrun compile-regions` compiles ahead)")
 CHAT_OPTIONS = {"chat_mode": "--mode", "reasoning_effort": "--reasoning-effort", "chat_format": "--chat-format"}
 
 
@@ -520,6 +522,8 @@ def generate(
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
+        if mode == "regions" and max_new_tokens > 1 and not as_json:  # else a streamed prompt waits, unexplained
+            err.print(f"[dim]{COMPILE_NOTE}[/]", soft_wrap=True)
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 

@@ -28,7 +28,7 @@ import typer.main
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mhcrun.cli import DEFAULT_PROMPT, app
+from mhcrun.cli import COMPILE_NOTE, DEFAULT_PROMPT, app
 from mhcrun.runner import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1081,3 +1081,19 @@ def test_version_names_mhcrun_torch_and_python():
 
     assert r.stdout.strip() == f"mhcrun 0.1.0, torch {torch.__version__}, Python {sys.version.split()[0]}"
     assert "--version" in cli("--help", env={"COLUMNS": "200"}).stdout
+
+
+def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch):
+    """A regions run compiles its graphs at the first decode step (a minute cold): the streamed prompt would wait
+    unexplained. The run itself goes eager here (the note is the CLI's; compiling is test_regions')."""
+    import mhcrun.generate as gen
+
+    real = gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: real(*a, **{**k, "graph_mode": "eager"}))
+    r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions")
+    ok(r)
+    assert r.stderr.splitlines()[0] == COMPILE_NOTE and r.stderr.count(COMPILE_NOTE) == 1
+    for quiet in (("-n", 1), ("-n", 2, "--json"), ("-n", 2, "--graph-mode", "eager")):  # no decode step, no prose
+        r = cli("generate", "--prompt", "The river", "--graph-mode", "regions", *quiet)
+        ok(r)
+        assert COMPILE_NOTE not in r.stderr
