@@ -229,6 +229,47 @@ def split3():
     return compiled_run([0, 4, 16], "split", 20)
 
 
+def test_a_cpu_graphs_wrapper_includes_only_what_its_precompiled_header_holds():
+    """A CPU graph's C++ wrapper calls the kernel's ops through the dispatcher, whose headers g++ parsed for every
+    graph (5.5-8 s of each) until the header inductor precompiles held them (`wrapper_header`): every header a
+    wrapper includes is in cpp_wrapper_headers.h, and its precompiled form is what the compile made."""
+    import re
+
+    from torch._inductor.codecache import _HEADER_DIR, CppWrapperCodeCache
+    from torch._inductor.utils import run_and_get_code
+
+    from mhcrun.ops.qlinear import matmul
+    from mhcrun.ops.qweight import QWeight
+    from mhcrun.regions.runner import WRAPPER_HEADERS, GraphStats, counting_backend, wrapper_header
+
+    torchs = CppWrapperCodeCache._get_uncompiled_header("cpu")
+    with wrapper_header():
+        assert CppWrapperCodeCache._get_uncompiled_header("cpu") == str(WRAPPER_HEADERS)
+        assert CppWrapperCodeCache._get_uncompiled_header("cuda") != str(WRAPPER_HEADERS)
+    assert CppWrapperCodeCache._get_uncompiled_header("cpu") == torchs  # torch's own outside a compile
+    kernel = cpu_kernel()
+    if not kernel.ops:
+        pytest.skip(f"CPU kernel {kernel.status()}: no ops, no C++ wrapper")
+    g = torch.Generator().manual_seed(0)
+    w = QWeight(torch.randn(64, 96, generator=g).bfloat16()).checked()
+    x = torch.randn(96, generator=g)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return matmul(x.sin().view(1, 1, 96), w, kernel) + 1
+
+    stats = GraphStats("test", "whole")
+    compiled = torch.compile(f, backend=counting_backend("inductor", stats, cpp_wrapper=True), fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # generate the code, not load it
+        y, codes = run_and_get_code(compiled, x)
+    assert stats.wrapper == "C++" and stats.fallback is None and (y - f(x)).abs().max().item() < 1e-5
+    included = set(re.findall(r"#include <([^>]+)>", "\n".join(codes)))
+    held = set(re.findall(r"#include <([^>]+)>", WRAPPER_HEADERS.read_text()))
+    assert "ATen/core/dispatch/Dispatcher.h" in included  # the op's call: what the time went to
+    assert included <= held, f"precompile these too: {sorted(included - held)}"
+    made = [h for h in Path(_HEADER_DIR).glob("*.h") if str(WRAPPER_HEADERS) in h.read_text()]
+    assert any(h.with_name(h.name + ext).exists() for h in made for ext in (".gch", ".pch")), made
+
+
 def assert_no_recompiles(run) -> None:
     dec, marks = run["dec"], run["marks"]
     assert not run["warnings"], run["warnings"]
