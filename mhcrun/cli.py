@@ -1029,13 +1029,17 @@ def compile_regions(
     run_guarded(debug, body)
 
 
+WeightSeedOpt = typer.Option(0, "--seed", help="Seed of the random weights: the same seed writes the same bytes.")
+WriteIntoOpt = typer.Option(False, "--force", help="Write into a non-empty OUT directory, replacing the files of the "
+                            "same names (atomically).", rich_help_panel=OUTPUT)
+
+
 @app.command("make-tiny", cls=PanelledCommand)
 def make_tiny_cmd(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to write."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = WeightSeedOpt,
     fp8: bool = typer.Option(False, "--fp8", help="FP8 e4m3 linears (e8m0 block scales) and FP4 experts."),
-    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT directory, replacing the files "
-                               "of the same names (atomically).", rich_help_panel=OUTPUT),
+    force: bool = WriteIntoOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Write the tiny model's checkpoint (or its FP8/FP4 variant)."""
@@ -1056,10 +1060,9 @@ def make_synthetic_cmd(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to write."),
     layers: int = typer.Option(..., "--layers", help="Layers to write (the first N; the config keeps its count, "
                                "so run the result with --layers N)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = WeightSeedOpt,
     shard_size: str = typer.Option("4GiB", "--shard-size", help="Largest shard (e.g. 4GiB, 512MB)."),
-    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT directory, replacing the files "
-                               "of the same names (atomically).", rich_help_panel=OUTPUT),
+    force: bool = WriteIntoOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Write a synthetic checkpoint at full width in the released layout (FP8 linears with e8m0 block scales,

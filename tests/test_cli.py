@@ -1097,3 +1097,13 @@ def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch)
         r = cli("generate", "--prompt", "The river", "--graph-mode", "regions", *quiet)
         ok(r)
         assert COMPILE_NOTE not in r.stderr
+
+
+def test_every_option_and_argument_says_what_it_does():
+    """`--help` of each command describes every parameter (make-tiny's and make-synthetic's --seed said nothing)."""
+    import typer
+
+    group = typer.main.get_command(app)
+    bare = [f"{name} {p.opts[0]}" for name, command in group.commands.items() for p in command.params
+            if not (getattr(p, "help", None) or "").strip()]
+    assert not bare, f"parameters without a help text: {bare}"
