@@ -27,7 +27,8 @@ Prints, in one run:
   quantised; ik: the GGUF's tensors, routed experts at their active share, one embedding row) and the share of
   the read bandwidth that makes at each decode rate; prefill's rate of weight multiply-adds against the matmul
   rate;
-- regions' compile time, cold (its first process, with an empty inductor cache) and warm (the later ones);
+- regions' compile time, cold (its first process, as a first run on a machine: torch's caches, its inductor cache and
+  the precompiled headers, in an empty folder) and warm (the later ones);
 - the ratios mhcrun / ik and which of issue 20's goals are met;
 - where a goal of decode's share of the read bandwidth is missed, what a decode step's time goes to:
   benchmarks/bench_step_gemvs.py run on the same checkpoint and threads (an eager step's GEMV calls per kind and
@@ -85,15 +86,23 @@ def prompt_ids(n: int, vocab: int) -> str:
 
 
 def run_mhcrun(model: Path, mode: str, n_prompt: int, n_gen: int, vocab: int, threads: int,
-               inductor_cache: Path) -> dict:
-    """One `mhcrun generate --json` in its own process, inductor's on-disk cache at `inductor_cache`: its stats."""
+               torch_caches: Path) -> dict:
+    """One `mhcrun generate --json` in its own process, torch's on-disk caches in `torch_caches`: its stats."""
     cmd = [sys.executable, "-m", "mhcrun.cli", "generate", "-m", str(model), "--prompt-ids",
            prompt_ids(n_prompt, vocab), "-n", str(n_gen), "--ignore-eos", "--json", "--graph-mode", mode, "--warmup"]
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)} | torch_caches_env(torch_caches)
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         raise SystemExit(f"mhcrun generate ({mode}, {n_prompt} prompt tokens) failed: {res.stderr.strip()[-500:]}")
     return json.loads(res.stdout.splitlines()[-1])["stats"]
+
+
+def torch_caches_env(folder: Path) -> dict[str, str]:
+    """The environment that puts torch's on-disk caches in `folder`: inductor's cache and, through the temporary
+    folder torch's default cache lies in, the headers it precompiles (outside the inductor cache), so that a first
+    compile there is a first run on a machine."""
+    folder.mkdir(exist_ok=True)
+    return {"TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
 
 
 def run_llama_bench(exe: Path, gguf: Path, n_gen: int, threads: int, huge_pages: bool = False) -> list[dict]:
@@ -175,8 +184,8 @@ def main() -> None:
         ours, theirs, compile_s, pages = {m: [] for m in modes}, [], [], set()
         for r in range(args.rounds):
             for m in modes:
-                # the first regions process compiles into an empty inductor cache (cold), the rest reuse it
-                stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads, Path(tmp) / "inductor")
+                # the first regions process compiles into empty caches (cold), the rest reuse them
+                stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads, Path(tmp) / "torch")
                          for n in PROMPTS}
                 pages.add(stats[PROMPTS[0]].get("weight_pages", "?"))
                 ours[m].append({f"{k}@{n}": stats[n][f"{k}_tok_s"] for n in PROMPTS for k in ("prefill", "decode")})
@@ -189,7 +198,7 @@ def main() -> None:
         missed = report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None,
                         compile_s, pages)
         if missed and not args.no_breakdown:
-            print_breakdown(model, args.threads, *missed, Path(tmp) / "inductor" if "regions" in modes else None)
+            print_breakdown(model, args.threads, *missed, Path(tmp) / "torch" if "regions" in modes else None)
 
 
 def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None,
@@ -225,7 +234,7 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
     if compile_s:
         # warm: a later round's (each prompt length's context makes its own graphs: its first run compiles them)
         warm = min(compile_s[len(PROMPTS):], default=None)
-        print(f"{'regions compile s':28}{compile_s[0]:18.1f} cold (empty inductor cache), "
+        print(f"{'regions compile s':28}{compile_s[0]:18.1f} cold (empty caches, a first run), "
               + (f"{warm:.1f} warm" if warm is not None else "warm: needs a second round"))
     print("goals (issue 20):")
     missed = None
@@ -253,9 +262,9 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
 
 
 def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: float,
-                    inductor_cache: Path | None) -> None:
+                    torch_caches: Path | None) -> None:
     """Where a decode step's time goes (benchmarks/bench_step_gemvs.py in its own process, on `threads` threads:
-    an eager step, and a compiled-regions one profiled where `inductor_cache`, the regions runs' warm cache, is
+    an eager step, and a compiled-regions one profiled where `torch_caches`, the regions runs' warm caches, is
     given; the last of them sampled per thread by Linux's perf, where it is here), after the step time GOAL_SHARE of the
     read bandwidth would take."""
     goal_ms = read_bytes / (GOAL_SHARE * bandwidth) * 1e3
@@ -264,9 +273,9 @@ def print_breakdown(model: Path, threads: int, read_bytes: float, bandwidth: flo
     cmd = [sys.executable, str(Path(__file__).with_name("bench_step_gemvs.py")), "--model", str(model),
            "--steps", "4", "--rounds", "3", "--bandwidth", str(bandwidth / 1e9)]
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
-    if inductor_cache is not None:
+    if torch_caches is not None:
         cmd.append("--regions")
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+        env |= torch_caches_env(torch_caches)
     cmd.append("--perf")  # the step per thread (or a line saying why not): the runtime between kernels apart
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
