@@ -2469,14 +2469,15 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     return true;
 }
 
-// Every job's rows, in one parallel region: units of contiguous rows (about UNIT_BYTES of weights, but at least four
-// units a thread a job; fp8 whole tiles when a job has enough of them) go to whichever thread is free, so that a
-// thread slowed by the machine (two vCPUs sharing a core, a neighbour) does not hold the other at the join. A row's
-// result does not depend on its unit or thread. 0, or 5 when a thread flushes subnormals. Each unit starts its
+// Every job's rows, in one parallel region: units of contiguous rows (about UNIT_BYTES of weights, but at least
+// UNITS_A_THREAD units a thread a job; fp8 whole tiles when a job has enough of them) go to whichever thread is free,
+// so that a thread slowed by the machine (two vCPUs sharing a core, a neighbour) does not hold the other at the join.
+// A row's result does not depend on its unit or thread. 0, or 5 when a thread flushes subnormals. Each unit starts its
 // stream of misses afresh: over 1 GB of bf16 rows on 2 MB pages, 2 threads read 26.7-27.4 GB/s in units of 128 KB and
-// 29.4-29.9 in units of 2 MB (AMX VM); a decode step's matrices but the head are small enough that the four units a
-// thread decide (BENCHMARKS.md).
-constexpr int64_t UNIT_BYTES = 2 << 20;
+// 29.4-29.9 in units of 2 MB (AMX VM); a decode step's matrices but the head are small enough that the units a thread
+// decide: two rather than four made an eager decode step of the mid-size config 0.97-0.98x the time, a regions step
+// ~0.97x, the routed call 0.97-0.98x; one, no faster than two (BENCHMARKS.md).
+constexpr int64_t UNIT_BYTES = 2 << 20, UNITS_A_THREAD = 2;
 
 int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     struct Unit {
@@ -2486,8 +2487,9 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
     std::vector<Unit> units;
     for (size_t i = 0; i < jobs.size(); i++) {
         const Job& j = jobs[i];
-        const int64_t most = std::max<int64_t>(1, j.n / (4 * threads)), rows = UNIT_BYTES / std::max<int64_t>(1, j.row_bytes);
-        const int64_t sized = std::clamp<int64_t>(rows, 1, most);  // ~UNIT_BYTES, but four units a thread
+        const int64_t most = std::max<int64_t>(1, j.n / (UNITS_A_THREAD * threads));
+        const int64_t rows = UNIT_BYTES / std::max<int64_t>(1, j.row_bytes);
+        const int64_t sized = std::clamp<int64_t>(rows, 1, most);  // ~UNIT_BYTES, but UNITS_A_THREAD units a thread
         const int64_t unit = j.fmt == FMT_FP8 && j.n >= j.block * threads ? std::max(j.block, sized / j.block * j.block)
                                                                            : sized;
         for (int64_t n0 = 0; n0 < j.n; n0 += unit) units.push_back({i, n0, n0 + unit < j.n ? n0 + unit : j.n});
