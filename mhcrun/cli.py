@@ -344,7 +344,7 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
 
 COMPILE_NOTE = ("compiling the regions' graphs at the first decode step: a minute or more the first time on a "
                 "machine, seconds once torch's compile cache holds them (`mhcrun compile-regions` compiles ahead)")
-CHAT_OPTIONS = {"chat_mode": "--mode", "reasoning_effort": "--reasoning-effort", "chat_format": "--chat-format"}
+CHAT_PARAMS = ("chat_mode", "reasoning_effort", "chat_format")  # generate's options that only --messages takes
 
 
 def given_option(ctx: typer.Context, name: str) -> bool:
@@ -479,7 +479,7 @@ def generate(
         if draft_tokens is not None and prompt_cache is not None:
             raise InputError("--draft-tokens does not run with --prompt-cache")
         if messages is None:
-            given = [flag for name, flag in CHAT_OPTIONS.items() if given_option(ctx, name)]
+            given = [p.opts[0] for p in ctx.command.params if p.name in CHAT_PARAMS and given_option(ctx, p.name)]
             if given:
                 raise InputError(f"{given[0]} shapes a --messages conversation in the chat format; a prompt from "
                                  "--prompt, --prompt-ids or --prompts-file is used as given")
