@@ -344,6 +344,15 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
 
 COMPILE_NOTE = ("compiling the regions' graphs at the first decode step: a minute or more the first time on a "
                 "machine, seconds once torch's compile cache holds them (`mhcrun compile-regions` compiles ahead)")
+
+
+def say_compiling(mode: str, decodes: bool, quiet: bool) -> None:
+    """A regions run compiles its graphs at its first decode step: say so on stderr first (else the prompt streamed,
+    or a golden check's table, waits a minute unexplained); not for a run without a decode step, nor for --json."""
+    if mode == "regions" and decodes and not quiet:
+        err.print(f"[dim]{COMPILE_NOTE}[/]", soft_wrap=True)
+
+
 CHAT_PARAMS = ("chat_mode", "reasoning_effort", "chat_format")  # generate's options that only --messages takes
 
 
@@ -522,8 +531,7 @@ def generate(
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
-        if mode == "regions" and max_new_tokens > 1 and not as_json:  # else a streamed prompt waits, unexplained
-            err.print(f"[dim]{COMPILE_NOTE}[/]", soft_wrap=True)
+        say_compiling(mode, max_new_tokens > 1, as_json)
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 
@@ -726,6 +734,7 @@ def golden_check(
             forced[row].append((logp[cands].tolist(), int(logits.argmax())))
 
         common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk)
+        say_compiling(mode, any(len(e["tokens"]) > 1 for e in entries), as_json)
         if teacher_forced:
             results = teacher_force(runner.model, ids, [e["tokens"] for e in entries], observe, **common)
         else:

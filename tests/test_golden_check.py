@@ -53,6 +53,20 @@ def test_regions_pass_teacher_forced_within_the_fp32_tolerance(tmp_path, fast_co
     assert all(p["max_logprob_diff"] <= TOLERANCES["fp32"][0] for p in rep["prompts"])
 
 
+def test_regions_say_on_stderr_that_they_compile_first(tmp_path, fast_compile):
+    """A regions check compiles its graphs at the first decode step (a minute cold) before its table: it says so
+    first, as generate does; not with --json (one object on stdout, nothing else) nor for an eager check."""
+    from mhcrun.cli import COMPILE_NOTE
+
+    golden = small_golden(tmp_path, 1, 4)
+    r = CLI.invoke(app, ["golden-check", golden, "--graph-mode", "regions"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert r.stderr.splitlines()[0] == COMPILE_NOTE and r.stderr.count(COMPILE_NOTE) == 1
+    for quiet in (["--graph-mode", "regions", "--json"], ["--graph-mode", "eager"]):
+        r = CLI.invoke(app, ["golden-check", golden, *quiet])
+        assert r.exit_code == 0 and COMPILE_NOTE not in r.stderr, r.stdout + r.stderr
+
+
 def test_locate_names_the_perturbed_layer_half_of_the_compiled_path(tmp_path, fast_compile, monkeypatch):
     """A test-only perturbation of layer 2's MoE half's output in the compiled regions alone: teacher forcing fails
     from the first decode step, and --locate names layer 2 moe:routed, the regions before it within rounding."""
