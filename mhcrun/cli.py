@@ -27,7 +27,7 @@ from rich.table import Table
 
 from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated, signal_exit
 from mhcrun.heap import glibc_version, restart_env, thp_mode
-from mhcrun.settings import Env
+from mhcrun.settings import Env, check_at_least
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
 INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
@@ -911,13 +911,12 @@ def info(
         st, env = run_settings(ctx, prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit,
                                draft_tokens=draft_tokens)
         chunk = st.prefill_chunk
+        check_at_least("--batch", batch, 1)
         runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env,
                              mtp=draft_tokens is not None)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
-        if batch < 1 or not 1 <= tokens <= longest:
-            raise InputError(f"--batch must be >= 1 and --context in [1, {longest}] (the model's maximum), "
-                             f"got {batch} and {tokens}")
+        check_at_least("--context", tokens, 1, longest, " (the model's maximum)")
         desc = inspect_checkpoint(runner.path, layers)
         mp = runner.memory_plan(batch, tokens + (draft_tokens or 0), tokens, st.memory_limit, chunk)
         desc["memory_plan"] = mp.to_dict()
@@ -1007,15 +1006,13 @@ def compile_regions(
 
         st, env = run_settings(ctx, device, "regions", stages=stages, tp=tp)
         plan = st.stages
-        if batch < 1 or context < 2:
-            raise InputError(f"--batch must be >= 1 and --context >= 2, got {batch} and {context}")
+        check_at_least("--batch", batch, 1)
+        check_at_least("--context", context, 2)  # here, before any rank starts; its maximum once the model is open
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
-        if context > runner.config.max_position_embeddings:
-            raise InputError(f"--context {context} is beyond the model's maximum of "
-                             f"{runner.config.max_position_embeddings} tokens")
+        check_at_least("--context", context, 2, runner.config.max_position_embeddings, " (the model's maximum)")
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

@@ -30,6 +30,15 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_at_least(what: str, value: int, least: int, most: int | None = None, why: str = "") -> int:
+    """`value` of option `what`, or InputError naming it unless least <= value (<= most; `why` says where most comes
+    from)."""
+    if value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]{why}"
+        raise InputError(f"{what} must be {bound}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = 0.0  # 0 = greedy
@@ -120,19 +129,17 @@ class RunSettings:
     draft_tokens: int | None = None  # speculative decoding: K drafts per step from the MTP layer (None: off)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < self.min_new_tokens:
-            raise InputError(f"--max-new-tokens must be >= {self.min_new_tokens}, got {self.max_new_tokens}")
+        check_at_least("--max-new-tokens", self.max_new_tokens, self.min_new_tokens)
         check_choice("--graph-mode", self.graph_mode, GRAPH_MODES)
         check_choice("--stages", self.stages, STAGE_PLANS)
         if self.stages != "whole" and self.graph_mode != "regions":
             raise InputError(f"--stages {self.stages} cuts compiled regions, and this run is {self.graph_mode} "
                              "(--graph-mode regions compiles them)")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
-        if self.tp < 1:
-            raise InputError(f"--tp must be >= 1, got {self.tp}")
-        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InputError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if self.prefill_chunk is not None:
+            check_at_least("--prefill-chunk", self.prefill_chunk, 1)
+        check_at_least("--tp", self.tp, 1)
+        if self.draft_tokens is not None:
+            check_at_least("--draft-tokens", self.draft_tokens, 1, MAX_DRAFT_TOKENS)
 
 
 def default_graph_mode(device: str, env: Env) -> str:

@@ -380,8 +380,11 @@ def test_info_context_defaults_to_the_models_maximum_and_is_checked():
     r = cli("info", "--json")  # the tiny model's maximum is 512 tokens
     ok(r)
     assert json.loads(r.stdout)["memory_plan"]["context"] == 512
-    user_error(cli("info", "--context", 513), "--context", "512")
-    user_error(cli("info", "--batch", 0), "--batch")
+    for args, says in ((("--context", 513), "error: --context must be in [1, 512] (the model's maximum), got 513"),
+                       (("--context", 0), "error: --context must be in [1, 512] (the model's maximum), got 0"),
+                       (("--batch", 0), "error: --batch must be >= 1, got 0")):  # the bad option alone
+        r = cli("info", *args)
+        assert r.exit_code == 2 and r.stderr.splitlines() == [says], r.stderr
 
 
 @pytest.mark.parametrize("text,want", [("24G", 24 * 10**9), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),

@@ -184,8 +184,22 @@ def test_cli_stats_report_drafts_in_line_and_json():
 @pytest.mark.parametrize("k", [-1, 0, 9])
 def test_cli_draft_tokens_out_of_range_is_one_line(k):
     r = run_cli("generate", "-n", "4", "--draft-tokens", str(k))
-    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [f"error: --draft-tokens must be between 1 and 8, "
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [f"error: --draft-tokens must be in [1, 8], "
                                                                    f"got {k}"]
+
+
+def test_draft_tokens_past_the_sliding_window_name_it():
+    """K + 1 tokens must fit the sliding window: a model of window 4 takes K up to 3, and says why not 4."""
+    from types import SimpleNamespace
+
+    from mhcrun.errors import InputError
+    from mhcrun.speculate import check_draft_tokens
+
+    model = SimpleNamespace(cfg=SimpleNamespace(window_size=4), mtp=[None])
+    check_draft_tokens(model, 3)
+    with pytest.raises(InputError, match=r"^--draft-tokens must be in \[1, 3\] \(K \+ 1 within the sliding window\), "
+                                         r"got 4$"):
+        check_draft_tokens(model, 4)
 
 
 def test_cli_draft_tokens_without_an_mtp_layer_is_one_line(random_tiny):
@@ -264,4 +278,4 @@ def test_memory_plan_counts_the_mtp_layer_and_k_more_tokens(random_mtp):
         weight_bytes(plan_checkpoint(random_mtp), torch.float32, False)
     assert drafted["weights_bytes"] - plain["weights_bytes"] == in_memory >= stored > 0  # bf16 stored, run in fp32
     r = CliRunner().invoke(app, ["info", "--draft-tokens", "0"])
-    assert r.exit_code == 2 and "--draft-tokens must be between 1 and 8" in r.stderr
+    assert r.exit_code == 2 and "--draft-tokens must be in [1, 8], got 0" in r.stderr
