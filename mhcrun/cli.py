@@ -630,8 +630,7 @@ def golden_record(
         st, env = run_settings(ctx, max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk,
                                tp=tp)
         chunk = st.prefill_chunk
-        if top_k < 2:
-            raise InputError(f"--logprobs must be >= 2, got {top_k}")
+        check_at_least("--logprobs", top_k, 2)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu", env, {"--prompts-file": prompts_file})
         if code is not None:
