@@ -83,11 +83,14 @@ class Env:
         if kernel not in ("0", "1", *CPU_KERNEL_CAPS):
             raise InputError(f"MHCRUN_CPU_KERNEL must be 0 (off), 1 (this CPU's default) or a cap "
                              f"({', '.join(CPU_KERNEL_CAPS)}), got {kernel!r}")
+        mode = environ.get("MHCRUN_GRAPH_MODE") or None
+        if mode is not None and mode not in GRAPH_MODES:
+            raise InputError(f"MHCRUN_GRAPH_MODE must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
         launch = {k: _read_int(environ, k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MHCRUN_TP_PARENT")}
         cache = environ.get("MHCRUN_KERNEL_CACHE")
         if not cache:
             cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhcrun" / "kernels"
-        return Env(graph_mode=environ.get("MHCRUN_GRAPH_MODE") or None,
+        return Env(graph_mode=mode,
                    hc_torch=not _read_flag(environ, "MHCRUN_NKI_HC", True), nki_sim=NKI_SIM_MODES[sim],
                    cpu_kernel=kernel, huge_pages=_read_flag(environ, "MHCRUN_HUGE_PAGES", True),
                    glibc_tunables=environ.get("GLIBC_TUNABLES", ""),

@@ -220,14 +220,17 @@ def test_tp_that_does_not_divide_is_one_line_before_any_worker():
 
 def test_a_launch_environment_that_is_not_a_number_is_one_line():
     """RANK / WORLD_SIZE / LOCAL_RANK are read once with the rest of the environment (`Env.read`): a value that is
-    not an integer is refused there, by name, before any process group is joined; so is a bad MHCRUN_NKI_SIM, and
-    a MHCRUN_CPU_KERNEL that names no cap or a flag that is not 0 or 1 (they used to take a default silently)."""
+    not an integer is refused there, by name, before any process group is joined; so is a bad MHCRUN_NKI_SIM or
+    MHCRUN_GRAPH_MODE, and a MHCRUN_CPU_KERNEL that names no cap or a flag that is not 0 or 1 (they used to take a
+    default silently)."""
     for env, line in (({"RANK": "x", "WORLD_SIZE": "2"}, "error: RANK must be an integer, got 'x'"),
                       ({"RANK": "0", "WORLD_SIZE": "two"}, "error: WORLD_SIZE must be an integer, got 'two'"),
                       ({"MHCRUN_NKI_SIM": "2"}, "error: MHCRUN_NKI_SIM must be one of 0, 1, device, got '2'"),
                       ({"MHCRUN_CPU_KERNEL": "avx51"}, "error: MHCRUN_CPU_KERNEL must be 0 (off), 1 (this CPU's "
                        "default) or a cap (amx, avx512bf16, avx512, avx2), got 'avx51'"),
                       ({"MHCRUN_NKI_HC": "false"}, "error: MHCRUN_NKI_HC must be 0 or 1, got 'false'"),
+                      ({"MHCRUN_GRAPH_MODE": "graphs"},  # named as the variable, not as --graph-mode
+                       "error: MHCRUN_GRAPH_MODE must be one of eager, regions, got 'graphs'"),
                       ({"MHCRUN_SCALED_MM": "yes"}, "error: MHCRUN_SCALED_MM must be 0 or 1, got 'yes'")):
         r = CLI.invoke(app, ["generate", "-n", "1"], env=env)
         assert r.exit_code == 2 and r.stderr.strip() == line, (env, r.stderr)
