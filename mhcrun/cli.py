@@ -844,7 +844,8 @@ def chat(
     debug: bool = DebugOpt,
 ) -> None:
     """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns,
-    each turn prefilling only its new tokens; /reset, /mode chat|thinking, /exit; Ctrl-C stops a reply."""
+    each turn prefilling only its new tokens; /reset, /mode chat|thinking, /effort LEVEL, /exit; Ctrl-C stops a
+    reply."""
 
     def body() -> int | None:
         from mhcrun.chatloop import run_chat
