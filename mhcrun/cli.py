@@ -27,7 +27,7 @@ from rich.table import Table
 
 from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated, signal_exit
 from mhcrun.heap import glibc_version, restart_env, thp_mode
-from mhcrun.settings import Env, check_at_least
+from mhcrun.settings import Env, check_range
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
 INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
@@ -630,7 +630,7 @@ def golden_record(
         st, env = run_settings(ctx, max_new_tokens=max_new_tokens, min_new_tokens=1, prefill_chunk=prefill_chunk,
                                tp=tp)
         chunk = st.prefill_chunk
-        check_at_least("--logprobs", top_k, 2)
+        check_range("--logprobs", top_k, 2)
         check_writable(out_path, force)  # fail before the work, and again atomically at the write
         shard, code = start_tp(tp, model, "cpu", env, {"--prompts-file": prompts_file})
         if code is not None:
@@ -911,12 +911,12 @@ def info(
         st, env = run_settings(ctx, prefill_chunk=prefill_chunk, tp=tp, memory_limit=memory_limit,
                                draft_tokens=draft_tokens)
         chunk = st.prefill_chunk
-        check_at_least("--batch", batch, 1)
+        check_range("--batch", batch, 1)
         runner = open_runner(model, dtype, quant_sim, layers=layers, dequantize=dequantize, tp=Shard(0, tp), env=env,
                              mtp=draft_tokens is not None)
         longest = runner.config.max_position_embeddings
         tokens = min(4096, longest) if context is None else context
-        check_at_least("--context", tokens, 1, longest, " (the model's maximum)")
+        check_range("--context", tokens, 1, longest, " (the model's maximum)")
         desc = inspect_checkpoint(runner.path, layers)
         mp = runner.memory_plan(batch, tokens + (draft_tokens or 0), tokens, st.memory_limit, chunk)
         desc["memory_plan"] = mp.to_dict()
@@ -1006,13 +1006,13 @@ def compile_regions(
 
         st, env = run_settings(ctx, device, "regions", stages=stages, tp=tp)
         plan = st.stages
-        check_at_least("--batch", batch, 1)
-        check_at_least("--context", context, 2)  # here, before any rank starts; its maximum once the model is open
+        check_range("--batch", batch, 1)
+        check_range("--context", context, 2)  # here, before any rank starts; its maximum once the model is open
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
         runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
-        check_at_least("--context", context, 2, runner.config.max_position_embeddings, " (the model's maximum)")
+        check_range("--context", context, 2, runner.config.max_position_embeddings, " (the model's maximum)")
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)

@@ -30,9 +30,9 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_at_least(what: str, value: int, least: int, most: int | None = None, why: str = "") -> int:
-    """`value` of option `what`, or InputError naming it unless least <= value (<= most; `why` says where most comes
-    from)."""
+def check_range(what: str, value: int, least: int, most: int | None = None, why: str = "") -> int:
+    """`value` of option `what`, or one line naming the option and its bounds: at least `least`, and at most `most`
+    where given (`why`: where that bound comes from)."""
     if value < least or (most is not None and value > most):
         bound = f">= {least}" if most is None else f"in [{least}, {most}]{why}"
         raise InputError(f"{what} must be {bound}, got {value}")
@@ -132,17 +132,17 @@ class RunSettings:
     draft_tokens: int | None = None  # speculative decoding: K drafts per step from the MTP layer (None: off)
 
     def __post_init__(self) -> None:
-        check_at_least("--max-new-tokens", self.max_new_tokens, self.min_new_tokens)
+        check_range("--max-new-tokens", self.max_new_tokens, self.min_new_tokens)
         check_choice("--graph-mode", self.graph_mode, GRAPH_MODES)
         check_choice("--stages", self.stages, STAGE_PLANS)
         if self.stages != "whole" and self.graph_mode != "regions":
             raise InputError(f"--stages {self.stages} cuts compiled regions, and this run is {self.graph_mode} "
                              "(--graph-mode regions compiles them)")
         if self.prefill_chunk is not None:
-            check_at_least("--prefill-chunk", self.prefill_chunk, 1)
-        check_at_least("--tp", self.tp, 1)
+            check_range("--prefill-chunk", self.prefill_chunk, 1)
+        check_range("--tp", self.tp, 1)
         if self.draft_tokens is not None:
-            check_at_least("--draft-tokens", self.draft_tokens, 1, MAX_DRAFT_TOKENS)
+            check_range("--draft-tokens", self.draft_tokens, 1, MAX_DRAFT_TOKENS)
 
 
 def default_graph_mode(device: str, env: Env) -> str:

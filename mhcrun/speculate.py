@@ -41,7 +41,7 @@ from mhcrun.generate import (
 )
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
-from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions, check_at_least
+from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions, check_range
 from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
 
 
@@ -54,7 +54,7 @@ def check_draft_tokens(model: Transformer, k: int) -> None:
     """A one-line InputError for a K out of range or a model built without its MTP layer."""
     limit = draft_limit(model)
     why = " (K + 1 within the sliding window)" if limit < MAX_DRAFT_TOKENS else ""
-    check_at_least("--draft-tokens", k, 1, limit, why)
+    check_range("--draft-tokens", k, 1, limit, why)
     if not len(model.mtp):
         raise InputError("--draft-tokens: the model was loaded without its MTP layer")
 
