@@ -31,6 +31,7 @@ from mhcrun.generate import SamplingOptions, generate, raise_nonfinite
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.promptcache import open_prompt_cache, save_new_prompt_cache, shared_prefix
 from mhcrun.session import Session
+from mhcrun.speculate import stats_note
 
 HELP = ("commands: /reset (forget the conversation), /mode chat|thinking, /effort {efforts}, /exit (or Ctrl-D); "
         "Ctrl-C stops a reply")
@@ -86,10 +87,12 @@ class ReplyView:
 
 def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
              hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]],
-             top_p: float = 1.0, seed: int = 0, prompt_cache: Path | None = None) -> None:
+             top_p: float = 1.0, seed: int = 0, prompt_cache: Path | None = None, draft_tokens: int = 0) -> None:
     """The conversation's state stays in one cache row across turns (`mhcrun.session`): each turn prefills only
     what the row does not hold. With `prompt_cache`, a saved state is reused when a prompt starts with its tokens,
-    and when the file does not exist the state after the first prompt is written to it."""
+    and when the file does not exist the state after the first prompt is written to it. `draft_tokens` K > 0:
+    each reply is decoded speculatively with the model's MTP layer (`mhcrun.speculate`), whose state the row
+    keeps too."""
     tok = runner.require_tokenizer()
     effort = check_effort(fmt, effort)
     encode_chat(Chat([Message("user", "")]), mode, effort, fmt)  # a bad --mode fails now
@@ -102,7 +105,7 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
     session = Session(runner.model, default_prefill_chunk(runner.config))
     cached = open_prompt_cache(runner, prompt_cache) if prompt_cache is not None else None
     if cached is not None:
-        session.keep(cached.tokens, cached.snapshot, cached.logits)
+        session.keep(cached)
     out.print(f"[bold]mhcrun chat[/] on {runner.path.name} ({fmt} format, {mode} mode). {help_line}", highlight=False)
     while True:
         try:
@@ -124,7 +127,7 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
                 history = list(start)
                 session.reset()
                 if cached is not None:  # the prompt cache file stays usable
-                    session.keep(cached.tokens, cached.snapshot, cached.logits)
+                    session.keep(cached)
                 out.print("[dim](conversation reset)[/]")
             elif cmd in ("/mode", "/effort"):
                 value, choices = arg.strip(), MODES if cmd == "/mode" else efforts
@@ -142,7 +145,7 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
             continue
         history.append(Message("user", line))
         ids = to_ids(encode_chat(Chat(history), mode, effort, fmt))
-        budget = min(max_new_tokens, context - len(ids))
+        budget = min(max_new_tokens, context - len(ids) - draft_tokens)  # a verify runs up to K past the reply
         if budget < 1:
             history.pop()
             err.print(f"error: the conversation ({len(ids)} tokens) no longer fits the context of {context}: /reset",
@@ -153,11 +156,12 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         following = encode_chat(Chat(history + [Message("assistant", "x"), Message("user", "x")]), mode, effort, fmt)
         mark = shared_prefix(ids, to_ids(following))
         view = ReplyView(out, mode == "thinking", hide_thinking, tok.stream(keep_special=True))
-        stopped = False
+        stopped, drafts = False, ""
         try:
-            raise_nonfinite(generate(runner.model, [ids], budget, tok.eos_id,
-                                     SamplingOptions(temperature, top_p, seed), on_token=view.push, session=session,
-                                     marks=(mark,)))
+            res = raise_nonfinite(generate(runner.model, [ids], budget, tok.eos_id,
+                                           SamplingOptions(temperature, top_p, seed), on_token=view.push,
+                                           session=session, marks=(mark,), draft_tokens=draft_tokens))
+            drafts = f" | {stats_note(res[0].stats['speculative'])}" if "speculative" in res[0].stats else ""
         except KeyboardInterrupt:
             stopped = True
             session.lose_live_state()  # a step may have stopped half way through the row's state
@@ -170,5 +174,6 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         prefill = f", prefill {view.prefill_rate(session.prefilled):.1f} tok/s" if session.prefilled else ""
         decode = f", decode {view.decode_rate():.1f} tok/s" if len(view.tokens) > 1 else ""
         out.print(f"[dim]{'(stopped) ' if stopped else ''}{len(ids)} prompt tokens ({session.reused} reused, "
-                  f"{session.prefilled} prefilled){prefill} | {len(view.tokens)} tokens{decode}[/]", highlight=False)
+                  f"{session.prefilled} prefilled){prefill} | {len(view.tokens)} tokens{decode}{drafts}[/]",
+                  highlight=False)
 

@@ -401,6 +401,9 @@ PromptCacheOpt = typer.Option(None, "--prompt-cache", help="A prompt cache file 
                               "and this prompt starts with its tokens (only the rest is prefilled); else written "
                               "with the state after this prompt. Never overwritten.", rich_help_panel=INPUT)
 
+DraftOpt = typer.Option(None, "--draft-tokens", help="Speculative decoding: draft K tokens per step (1 to 8) with the "
+                        "checkpoint's MTP layer, verified by the model in one step.", rich_help_panel=SAMPLING)
+
 
 class LockstepConsole:
     """`chat --tp`: the console every rank's chat loop reads from. Rank 0 reads each line from the terminal and
@@ -464,9 +467,7 @@ def generate(
     check_weights: bool = CheckWeightsOpt,
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
-    draft_tokens: int = typer.Option(None, "--draft-tokens", help="Speculative decoding: draft K tokens per step "
-                                     "(1 to 8) with the checkpoint's MTP layer, verified by the model in one step.",
-                                     rich_help_panel=SAMPLING),
+    draft_tokens: int = DraftOpt,
     warmup: bool = typer.Option(False, "--warmup", help="Prefill the first prompt once, untimed, before the timed "
                                 "run (as llama-bench warms up): the speeds then leave out first-touch costs (the "
                                 "weights' pages mapped in, kernels loaded, threads started).", rich_help_panel=OUTPUT),
@@ -485,8 +486,6 @@ def generate(
                              max_new_tokens=max_new_tokens, stages=stages, prefill_chunk=prefill_chunk, tp=tp,
                              draft_tokens=draft_tokens)
         mode, plan, limit, chunk = st.graph_mode, st.stages, st.memory_limit, st.prefill_chunk
-        if draft_tokens is not None and prompt_cache is not None:
-            raise InputError("--draft-tokens does not run with --prompt-cache")
         if messages is None:
             given = [p.opts[0] for p in ctx.command.params if p.name in CHAT_PARAMS and given_option(ctx, p.name)]
             if given:
@@ -541,10 +540,10 @@ def generate(
 
         session = cache_note = None
         if prompt_cache is not None:
-            runner.model.setup_caches(1, len(ids[0]) + max_new_tokens)
+            runner.model.setup_caches(1, len(ids[0]) + max_new_tokens + (draft_tokens or 0))
             session = Session(runner.model, chunk=1)  # generate gives it the prefill chunk
             if cache is not None:
-                session.keep(cache.tokens, cache.snapshot, cache.logits)
+                session.keep(cache)
         try:
             results = raise_nonfinite(run_generate(runner.model, ids, max_new_tokens, eos,
                                                    st.sampling, ignore_eos,
@@ -841,6 +840,7 @@ def chat(
                                       "reused when a prompt starts with its tokens; when it does not exist, the "
                                       "state after the first prompt is written to it. Never overwritten.",
                                       rich_help_panel=INPUT),
+    draft_tokens: int = DraftOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Talk to a checkpoint in DeepSeek V4's chat format: streamed replies (thinking dimmed), history across turns,
@@ -852,11 +852,12 @@ def chat(
         from mhcrun.runner import open_runner
 
         env = run_settings(ctx, device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
-                           tp=tp)[1]
+                           tp=tp, draft_tokens=draft_tokens)[1]
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, shard, env,
+                             mtp=draft_tokens is not None)
         runner.require_tokenizer()
         from mhcrun.chat import resolve_format
 
@@ -866,10 +867,14 @@ def chat(
 
             open_prompt_cache(runner, prompt_cache)
         load_weights(runner)
+        if draft_tokens is not None:  # K against the model's window, before a turn
+            from mhcrun.speculate import check_draft_tokens
+
+            check_draft_tokens(runner.model, draft_tokens)
         console = out if shard.world == 1 else LockstepConsole(out, shard)
         run_chat(runner, console, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens,
                  temperature, lambda text: chat_ids(runner, text, fmt), top_p=top_p, seed=seed,
-                 prompt_cache=prompt_cache)
+                 prompt_cache=prompt_cache, draft_tokens=draft_tokens or 0)
 
     run_guarded(debug, body)
 

@@ -304,19 +304,17 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     first appeared, and its result's `nonfinite` says so (`raise_nonfinite`). With `session` (one prompt; the
     session's caches already set up), the prompt is prefilled by the session, which reuses the state it holds
     (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs. `draft_tokens` K > 0: speculative
-    decoding with the model's MTP layer (`mhcrun.speculate`; no session). `warmup`: the first prompt is prefilled
-    once, untimed, and its row cleared before the timed run (as llama-bench warms up), so that the speeds leave out
-    first-touch costs: the weights' pages mapped in, the kernels loaded, the threads started (no session, no draft
-    tokens)."""
+    decoding with the model's MTP layer (`mhcrun.speculate`, with a session too). `warmup`: the first prompt is
+    prefilled once, untimed, and its row cleared before the timed run (as llama-bench warms up), so that the speeds
+    leave out first-touch costs: the weights' pages mapped in, the kernels loaded, the threads started (no session,
+    no draft tokens)."""
     if warmup and (session is not None or draft_tokens):
         raise InputError("--warmup does not run with --prompt-cache or --draft-tokens")
-    if draft_tokens and session is not None:
-        raise InputError("--draft-tokens does not run with a session or --prompt-cache")
     if draft_tokens and max_new_tokens:  # with none to make, nothing is drafted: the prompts alone, below
         from mhcrun.speculate import speculate
 
         return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
-                         on_token, graph_mode, backend, stages, prefill_chunk)
+                         on_token, graph_mode, backend, stages, prefill_chunk, session, marks)
     sampling = sampling or SamplingOptions()
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
                                backend, stages, session)

@@ -41,6 +41,7 @@ from mhcrun.generate import (
 )
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
+from mhcrun.session import Pending, Session, advance_mtp, no_pending
 from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions, check_range
 from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
 
@@ -122,31 +123,17 @@ def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]
     return a, int(best[a])
 
 
-@dataclass
-class Pending:
-    """A row's MTP inputs not yet run: the main model's streams [m, n, d] at positions start .. start + m - 1 and
-    the tokens one ahead of them [m]."""
-
-    start: int
-    streams: torch.Tensor
-    tokens: list[int]
-
-
 def prefill_row(model: Transformer, ids: list[int], row: int, chunk: int) -> tuple[torch.Tensor, Pending]:
     """Prefill one prompt into cache row `row` chunk by chunk, and the MTP layer over it as far as the next
     tokens are known (its position len(ids) - 1 waits for the first generated token) -> (logits [1, V] of the
     last token, the pending MTP input of the last position, its token still to be added)."""
-    dev, mtp = model.device, model.mtp[0]
+    dev = model.device
     rows = torch.tensor([row], device=dev)
-    n = len(ids)
-    for c0 in range(0, n, chunk):
-        c1 = min(c0 + chunk, n)
-        logits, streams = model(torch.tensor([ids[c0:c1]], device=dev), rows, c0, streams=True)
-        known = min(c1, n - 1) - c0  # positions whose next token is a prompt token
-        if known > 0:
-            mtp(model, streams[:, :known], torch.tensor([ids[c0 + 1:c0 + 1 + known]], device=dev), rows,
-                torch.tensor([c0], device=dev))
-    return logits, Pending(n - 1, streams[0, -1:], [])
+    pending = no_pending(model)
+    for c0 in range(0, len(ids), chunk):
+        logits, streams = model(torch.tensor([ids[c0:c0 + chunk]], device=dev), rows, c0, streams=True)
+        pending = advance_mtp(model, ids, pending.after(streams[0]), row, len(ids))
+    return logits, pending
 
 
 def group_by(values: list[int]) -> dict[int, list[int]]:
@@ -189,12 +176,14 @@ def draft(model: Transformer, pending: list[Pending], rows: torch.Tensor, k: int
 def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int, k: int,
               sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
               on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
-              backend: str | None = None, stages: str = "whole",
-              prefill_chunk: int | None = None) -> list[GenerationResult]:
+              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
+              session: Session | None = None, marks: tuple[int, ...] = ()) -> list[GenerationResult]:
     """`generate` with K draft tokens per step from the model's MTP layer (see the module docstring); the same
     results, with stats["speculative"] (`DraftStats.as_dict`). graph_mode "regions": the verify runs the
     compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly.
-    max_new_tokens >= 1 (`generate` runs prompts alone itself)."""
+    max_new_tokens >= 1 (`generate` runs prompts alone itself). With `session` (one prompt, its caches set up),
+    the prompt is prefilled by the session (`mhcrun.session`: reused state, snapshots at `marks`), and it learns
+    what the row holds after: the prompt and every token but the last, as after `generate`."""
     sampling = sampling or SamplingOptions()
     dev = model.device
     check_draft_tokens(model, k)
@@ -204,7 +193,11 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     gen = torch.Generator(device=dev).manual_seed(sampling.seed)
     model.opts.hc.reset()
     max_seq = max(len(p) for p in prompts) + max_new_tokens + k  # a verify runs up to K past the last token
-    model.setup_caches(len(prompts), max_seq)
+    if session is None:
+        model.setup_caches(len(prompts), max_seq)
+    elif len(prompts) != 1 or max_seq > model.max_seq:
+        raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply and "
+                         f"--draft-tokens {k}")
 
     def finished(row: int) -> bool:
         toks = results[row].tokens
@@ -236,7 +229,12 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     prefill_s = []
     for row, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        logits, p = prefill_row(model, ids, row, chunk)
+        if session is None:
+            logits, p = prefill_row(model, ids, row, chunk)
+        else:
+            session.chunk, session.row = chunk, row
+            logits = session.prefill(ids, marks)
+            p = Pending(session.pending.start, session.pending.streams)
         prefill_s.append(time.perf_counter() - t0)
         first = 0 if nonfinite_rows(logits) else sample_one(logits, sampling, gen)  # emit ends such a row
         emit(row, [first], logits, 0)
@@ -256,20 +254,21 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         chunk_ids = torch.cat([torch.tensor([[results[r].tokens[-1]] for r in active], device=dev), drafts], 1)
         main_snap = take_span(model.layers, rows, n, k + 1)
         keep_chunks(model.layers, True)
-        logits, streams = verify(model, decoder, chunk_ids, rows, n, max_seq)
-        accepted = []
+        logits, streams = verify(model, decoder, chunk_ids, rows, n, model.max_seq)
+        kept = []
         for i, r in enumerate(active):
             if sampling.temperature > 0 and not nonfinite_rows(logits[i]):
                 a, nxt = accept_drafts(normalised_probs(logits[i], sampling), q[i], drafts[i], gen)
             else:
                 a, nxt = accept_greedy(logits[i], drafts[i])
             stats.add(a)
-            accepted.append(a)
             emit(r, [*drafts[i, :a].tolist(), nxt], logits[i, :a + 1], before[i])
-            pending[r] = Pending(int(n[i]), streams[i, :a + 1], [*drafts[i, :a].tolist(), nxt])
-        redo = torch.tensor([a < k for a in accepted], device=dev)
-        # rejected drafts: the state after the accepted tokens, rebuilt from the span (no rerun)
-        rewind_span(model.layers, main_snap, n, torch.tensor(accepted, device=dev) + 1, redo)
+            # the row keeps what it emitted but the last (all a + 1 but where it finished first)
+            kept.append(max(1, len(results[r].tokens) - before[i]))
+            pending[r] = Pending(int(n[i]), streams[i, :kept[-1]], [*drafts[i, :a].tolist(), nxt][:kept[-1]])
+        redo = torch.tensor([e < k + 1 for e in kept], device=dev)
+        # rejected drafts: the state after the kept tokens, rebuilt from the span (no rerun)
+        rewind_span(model.layers, main_snap, n, torch.tensor(kept, device=dev), redo)
         keep_chunks(model.layers, False)
         if mtp_snap is not None:  # the MTP layer's draft positions ran on its own streams: put them back
             restore_span(model.mtp, mtp_snap)
@@ -277,7 +276,12 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         decode_tokens += sum(len(results[r].tokens) - before[i] for i, r in enumerate(active))
         active = [r for r in active if not finished(r)]
 
-    finish_stats(model, results, prefill_s, step_s, decode_tokens, decoder is not None)
+    if session is not None and results[0].nonfinite is not None:
+        session.lose_live_state()
+    elif session is not None:
+        session.fed(results[0].tokens[:-1], Pending(pending[0].start, pending[0].streams))
+    finish_stats(model, results, prefill_s, step_s, decode_tokens, decoder is not None,
+                 None if session is None else [session.prefilled])
     for res in results:
         res.stats["speculative"] = stats.as_dict()
         if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)

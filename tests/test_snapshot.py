@@ -18,9 +18,9 @@ from mhcrun.config import config_from_hf
 from mhcrun.errors import InputError
 from mhcrun.memory import kv_bytes_per_token, snapshot_bytes
 from mhcrun.model import build_model
-from mhcrun.promptcache import PromptCache, load_prompt_cache, save_prompt_cache
+from mhcrun.promptcache import load_prompt_cache, save_prompt_cache
 from mhcrun.regions.runner import RegionDecoder
-from mhcrun.session import Session
+from mhcrun.session import Kept, Pending, Session
 from mhcrun.snapshot import Snapshot, restore_snapshot, take_snapshot
 from mhcrun.tiny import init_tensors, tiny_config_raw
 
@@ -205,7 +205,7 @@ def saved_cache(tmp_path, n: int = 21):
     model.setup_caches(1, CONTEXT)
     ids = sequence(n, seed=8)
     logits = run(model, 0, ids, 0, 8)
-    cache = PromptCache(ids, take_snapshot(model, 0, n), logits)
+    cache = Kept(ids, take_snapshot(model, 0, n), logits)
     path = save_prompt_cache(tmp_path / "p.safetensors", cache, IDENTITY, SETTINGS)
     return model, cache, path
 
@@ -220,6 +220,29 @@ def test_prompt_cache_round_trips_bit_for_bit(tmp_path):
         assert back.snapshot.tensors[k].dtype == t.dtype
         assert torch.equal(back.snapshot.tensors[k].view(torch.uint8), t.view(torch.uint8)), k
     assert path.stat().st_size < cache.snapshot.nbytes + 4 * 512 + 8192  # the state, the logits, a header
+
+
+def test_prompt_cache_with_the_mtp_layer_round_trips_and_serves_runs_without_it(tmp_path):
+    """A cache saved from a model with its MTP layer holds that layer's state and pending input (bit for bit back);
+    a run without the layer gets the file without them; a run with it refuses a file without them, and a file
+    whose pending input does not end at its last token is corrupt."""
+    _, cache, _ = saved_cache(tmp_path)
+    n = len(cache.tokens)
+    mtp_state = {"mtp.0.attn.ring.fp8": torch.arange(24, dtype=torch.uint8).view(4, 6)}
+    pending = Pending(n - 2, torch.randn(2, 4, 8))
+    kept = Kept(cache.tokens, Snapshot(n, cache.snapshot.tensors | mtp_state), cache.logits, pending)
+    path = save_prompt_cache(tmp_path / "mtp.safetensors", kept, IDENTITY, SETTINGS)
+    back = load_prompt_cache(path, IDENTITY, SETTINGS, mtp=True)
+    assert back.pending.start == n - 2 and torch.equal(back.pending.streams, pending.streams)
+    assert torch.equal(back.snapshot.tensors["mtp.0.attn.ring.fp8"], mtp_state["mtp.0.attn.ring.fp8"])
+    plain = load_prompt_cache(path, IDENTITY, SETTINGS)
+    assert plain.pending is None and set(plain.snapshot.tensors) == set(cache.snapshot.tensors)
+    with pytest.raises(InputError, match="saved without the MTP layer's state, which --draft-tokens needs"):
+        load_prompt_cache(tmp_path / "p.safetensors", IDENTITY, SETTINGS, mtp=True)
+    bad = Kept(cache.tokens, kept.snapshot, cache.logits, Pending(n - 3, pending.streams))
+    path = save_prompt_cache(tmp_path / "bad.safetensors", bad, IDENTITY, SETTINGS)
+    with pytest.raises(InputError, match=f"corrupt \\(the MTP layer's input at {n - 3} does not end at token {n}\\)"):
+        load_prompt_cache(path, IDENTITY, SETTINGS, mtp=True)
 
 
 @pytest.mark.parametrize("change, what", [

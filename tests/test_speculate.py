@@ -279,3 +279,146 @@ def test_memory_plan_counts_the_mtp_layer_and_k_more_tokens(random_mtp):
     assert drafted["weights_bytes"] - plain["weights_bytes"] == in_memory >= stored > 0  # bf16 stored, run in fp32
     r = CliRunner().invoke(app, ["info", "--draft-tokens", "0"])
     assert r.exit_code == 2 and "--draft-tokens must be in [1, 8], got 0" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- with a session
+
+
+@torch.inference_mode()
+def test_session_with_drafts_keeps_the_mtp_state_across_turns(random_mtp):
+    """Speculative decoding in a session (chat, --prompt-cache): each turn's greedy tokens equal plain greedy
+    decoding's; a turn that extends the live state runs only its new tokens, one that parts from it at a mark
+    restores the mark's snapshot; and the MTP layer's state and pending input the row holds after two turns give
+    the same draft distribution as a fresh prefill of the same tokens (quantisation simulation off: exact state
+    up to the chunks' last bits). Zeroing that state changes the distribution: the comparison sees it."""
+    from mhcrun.session import Pending, Session
+    from mhcrun.speculate import draft, prefill_row
+
+    model = load_runner(str(random_mtp), mtp=True, quant_sim=False).model
+    a = list(range(3, 16))
+    first = generate(model, [a], 9, 1, ignore_eos=True)[0].tokens
+    b = a + first + [40, 41, 42]
+    second = generate(model, [b], 9, 1, ignore_eos=True)[0].tokens
+    parted = generate(model, [a[:8] + [50, 51]], 5, 1, ignore_eos=True)[0].tokens
+
+    model.setup_caches(2, 200)
+    s = Session(model, chunk=5)
+    got = generate(model, [a], 9, 1, ignore_eos=True, session=s, marks=(8,), draft_tokens=3)[0]
+    assert got.tokens == first and (s.reused, s.prefilled) == (0, len(a))
+    got = generate(model, [b], 9, 1, ignore_eos=True, session=s, draft_tokens=3)[0]
+    assert got.tokens == second and (s.reused, s.prefilled) == (len(a) + len(first) - 1, 4)
+    assert s.tokens == b + second[:-1] and s.pending.start + s.pending.streams.size(0) == len(s.tokens)
+
+    n, last = len(s.tokens), second[-1]
+    _, fresh = prefill_row(model, s.tokens, 1, 7)
+    before = {k: t.clone() for k, t in model.state().items()}
+    mine = Pending(s.pending.start, s.pending.streams, [*s.tokens[s.pending.start + 1:], last])
+    fresh.tokens.append(last)
+
+    def drafted() -> torch.Tensor:  # the draft distributions [2, V] of both rows, which are then put back
+        q = draft(model, [mine, fresh], torch.tensor([0, 1]), 1, SamplingOptions(1.0), torch.Generator())[1]
+        for k, t in model.state().items():
+            t.copy_(before[k])
+        return q[:, 0]
+
+    q = drafted().log()  # log-probabilities [2, V]
+    assert float((q[0] - q[1]).abs().max()) < 1e-4
+    for k, t in model.state().items():
+        if k.startswith("mtp."):
+            t[0].zero_()
+    q = drafted().log()
+    assert float((q[0] - q[1]).abs().max()) > 0.1
+    assert n == len(s.tokens)
+
+    got = generate(model, [a[:8] + [50, 51]], 5, 1, ignore_eos=True, session=s, draft_tokens=3)[0]
+    assert got.tokens == parted and (s.reused, s.prefilled) == (8, 2)
+
+
+def test_cli_prompt_cache_with_drafts(tmp_path):
+    """`generate --prompt-cache F --draft-tokens K`: the file holds the MTP layer's state too; a longer prompt
+    reuses it and decodes the plain greedy tokens; a run without drafts uses the same file (its MTP part left
+    out); a file saved without the MTP layer is refused by a run that drafts, in one line."""
+    path, plain_file = tmp_path / "c.safetensors", tmp_path / "plain.safetensors"
+    a, b = "3,4,5,6,7,8,9,10,11", "3,4,5,6,7,8,9,10,11,12,13,14"
+
+    def tokens(*args: str) -> dict:
+        r = run_cli("generate", "--prompt-ids", *args, "-n", "8", "--ignore-eos", "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        return json.loads(r.stdout)
+
+    first = tokens(a, "--prompt-cache", str(path), "--draft-tokens", "2")
+    assert first["stats"]["prompt_cache"]["saved"] and first["tokens"] == tokens(a)["tokens"]
+    assert "speculative" in first["stats"]
+    want = tokens(b)["tokens"]
+    again = tokens(b, "--prompt-cache", str(path), "--draft-tokens", "2")
+    assert again["tokens"] == want and again["stats"]["prompt_cache"]["reused_tokens"] == 9
+    assert again["stats"]["speculative"]["verify_steps"] > 0
+    undrafted = tokens(b, "--prompt-cache", str(path))
+    assert undrafted["tokens"] == want and undrafted["stats"]["prompt_cache"]["reused_tokens"] == 9
+    tokens(a, "--prompt-cache", str(plain_file))
+    r = run_cli("generate", "--prompt-ids", b, "-n", "4", "--prompt-cache", str(plain_file), "--draft-tokens", "2")
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        f"error: prompt cache {plain_file}: saved without the MTP layer's state, which --draft-tokens needs (give "
+        f"another file, or run without --draft-tokens)"]
+
+
+def test_chat_with_drafts_gives_the_replies_of_chat_without():
+    """`chat --draft-tokens 2`: the same replies turn after turn (the bundled model, greedy), each turn's line
+    reporting its drafts; the second turn reuses the first's state."""
+    turns = "Hi\nAnd then?\n/exit\n"
+    plain = CLI.invoke(app, ["chat", "-n", "12", "--mode", "chat"], input=turns)
+    drafted = CLI.invoke(app, ["chat", "-n", "12", "--mode", "chat", "--draft-tokens", "2"], input=turns)
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stdout + drafted.stderr
+
+    def replies(out: str) -> list[str]:  # the stats lines (wrapped at 80 columns here) left out
+        return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
+
+    assert replies(drafted.stdout) == replies(plain.stdout)
+    assert drafted.stdout.count("drafts 2: accepted") == 2 and "drafts" not in plain.stdout
+    second = [line for line in drafted.stdout.splitlines() if "prompt tokens (" in line][1]
+    assert " 0 reused" not in second
+
+
+def test_session_with_drafts_through_compiled_regions():
+    """A session's turns with drafts verified through the region graphs (aot_eager) give plain greedy tokens, the
+    second turn reusing the first's live state."""
+    from mhcrun.session import Session
+
+    runner = load_runner(None, mtp=True)
+    model, a = runner.model, runner.tokenizer.encode("The module defines")
+    first = generate(model, [a], 10, 1, ignore_eos=True)[0].tokens
+    b = a + first + [5, 6]
+    second = generate(model, [b], 10, 1, ignore_eos=True)[0].tokens
+    model.setup_caches(1, 200)
+    s = Session(model, 16)
+    kw = dict(ignore_eos=True, session=s, draft_tokens=2, graph_mode="regions", backend="aot_eager")
+    assert generate(model, [a], 10, 1, **kw)[0].tokens == first
+    got = generate(model, [b], 10, 1, **kw)[0]
+    assert got.tokens == second and (s.reused, s.prefilled) == (len(a) + 9, 3)
+    assert got.stats["speculative"]["mean_accepted_length"] > 1.0
+
+
+def test_a_reply_that_ends_inside_accepted_drafts_leaves_the_row_at_its_last_token():
+    """A reply that reaches its length part way through a verify step's accepted drafts: the row is rewound to
+    the tokens emitted (the prompt and the reply but its last token), so the next turn, which extends that, gives
+    plain greedy tokens. Every reply length 2..7 on the bundled model (drafts accepted ~2 a step: most lengths end
+    inside a step)."""
+    from mhcrun.session import Session
+
+    runner = load_runner(None, mtp=True)
+    model, a = runner.model, runner.tokenizer.encode("Return the number of items in the")
+    inside = 0
+    for n in range(2, 8):
+        first = generate(model, [a], n, 1, ignore_eos=True)[0].tokens
+        b = a + first + [5, 6]
+        second = generate(model, [b], 4, 1, ignore_eos=True)[0].tokens
+        model.setup_caches(1, 100)
+        s = Session(model, 16)
+        got = generate(model, [a], n, 1, ignore_eos=True, session=s, draft_tokens=3)[0]
+        spec = got.stats["speculative"]
+        inside += spec["verify_steps"] + sum(spec["drafts_accepted"]) > n - 1  # the steps made more than emitted
+        assert got.tokens == first and s.tokens == a + first[:-1]
+        assert s.pending.start + s.pending.streams.size(0) == len(s.tokens)
+        assert generate(model, [b], 4, 1, ignore_eos=True, session=s, draft_tokens=3)[0].tokens == second
+        assert s.reused == len(a) + n - 1
+    assert inside >= 2
