@@ -139,7 +139,7 @@ def state_bytes(cfg: ModelConfig, layers: int, batch: int, context: int, dtype: 
     buffers (with `mtp`, the MTP layer's too: layer id n_layers), made on the meta device."""
     out = {"kv_cache": 0, "compressor_state": 0, "indexer_cache": 0}
     formats = cache_formats(cfg, quant_sim)
-    for i in [*range(layers), *([cfg.n_layers] if mtp else [])]:
+    for i in state_layers(cfg, layers, mtp):
         attn = Attention(i, cfg, RunOptions())
         attn.allocate(batch, context, dtype, "meta", formats, (None, None))
         for name, t in attn.named_buffers():
@@ -249,13 +249,20 @@ def kv_bytes_per_token(cfg: ModelConfig, layers: int, dtype: torch.dtype, quant_
     return total
 
 
-def snapshot_bytes(cfg: ModelConfig, layers: int, n_tokens: int, dtype: torch.dtype, quant_sim: bool = True) -> int:
+def state_layers(cfg: ModelConfig, layers: int, mtp: bool) -> list[int]:
+    """The layer ids whose attention keeps state: the first `layers`, and with `mtp` the MTP layer (n_layers)."""
+    return [*range(layers), *([cfg.n_layers] if mtp else [])]
+
+
+def snapshot_bytes(cfg: ModelConfig, layers: int, n_tokens: int, dtype: torch.dtype, quant_sim: bool = True,
+                   mtp: bool = False) -> int:
     """Bytes of a state snapshot after `n_tokens` tokens (`mhcrun.snapshot`: the rings, the closed compressed
-    entries and indexer keys, the compressors' state), over the first `layers` layers, from the layers' state
-    buffers made on the meta device: no more than the state it copies."""
+    entries and indexer keys, the compressors' state), over the first `layers` layers (with `mtp`, the MTP layer's
+    too, and its pending input: the last position's streams, `mhcrun.session`), from the layers' state buffers
+    made on the meta device: no more than the state it copies."""
     formats = cache_formats(cfg, quant_sim)
-    total = 0
-    for i in range(layers):
+    total = cfg.hc_mult * cfg.dim * dtype.itemsize if mtp else 0
+    for i in state_layers(cfg, layers, mtp):
         attn = Attention(i, cfg, RunOptions())
         attn.allocate(1, max(n_tokens, 1), dtype, "meta", formats, (None, None))
         extents = state_extents(attn, n_tokens)
@@ -281,7 +288,7 @@ def plan_memory(plan: CheckpointPlan, layers: int, batch: int, context: int, pro
         state=state_bytes(cfg, layers, batch, context, dtype, quant_sim, mtp),
         kv_bytes_per_token=kv_bytes_per_token(cfg, layers, dtype, quant_sim),
         kv_bytes_per_token_model=kv_bytes_per_token(cfg, cfg.n_layers, dtype, quant_sim),
-        snapshot_bytes=snapshot_bytes(cfg, layers, context, dtype, quant_sim),
+        snapshot_bytes=snapshot_bytes(cfg, layers, context, dtype, quant_sim, mtp),
         activations=activation_bytes(cfg, chunk), available=available if available is not None else available_bytes())
 
 

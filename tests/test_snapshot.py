@@ -155,6 +155,24 @@ def test_restore_then_compiled_regions_decode_equals_running_on():
         assert decoder.graph_count() <= len(decoder.stats), "a graph compiled again for new caches"
 
 
+def test_snapshot_bytes_with_the_mtp_layer_count_its_state_and_pending_input(tmp_path):
+    """A session's snapshot of a model with its MTP layer: the main layers' state, the MTP layer's and the pending
+    input, as the memory plan (`snapshot_bytes(mtp=True)`) counts them."""
+    from mhcrun.runner import load_runner
+    from mhcrun.tiny import make_tiny
+
+    model = load_runner(str(make_tiny(tmp_path / "mtp", mtp=True)), mtp=True).model
+    model.setup_caches(1, 64)
+    session = Session(model, chunk=8)
+    for n in (1, 17, 40):
+        session.prefill(sequence(n, seed=n))
+        kept = session.kept[-1]
+        got = kept.snapshot.nbytes + kept.pending.streams.nbytes
+        assert got == snapshot_bytes(model.cfg, model.cfg.n_layers, n, model.dtype, True, mtp=True)
+        assert kept.snapshot.nbytes == snapshot_bytes(model.cfg, model.cfg.n_layers, n, model.dtype, True) + \
+            sum(t.nbytes for k, t in kept.snapshot.tensors.items() if k.startswith("mtp."))
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("quant_sim", [True, False], ids=["quant-sim", "no-quant-sim"])
 def test_snapshot_bytes_are_the_state_it_copies(quant_sim):
