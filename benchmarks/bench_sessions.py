@@ -24,7 +24,7 @@ import torch
 
 from mhcrun.errors import run_script
 from mhcrun.memory import format_bytes, snapshot_bytes
-from mhcrun.promptcache import PromptCache, load_prompt_cache, save_prompt_cache
+from mhcrun.promptcache import load_prompt_cache, run_settings, save_prompt_cache
 from mhcrun.runner import load_runner
 from mhcrun.session import Session
 from mhcrun.synthetic import make_synthetic
@@ -61,21 +61,20 @@ def next_turn(runner, chunk: int, history: list[int], reply: list[int], new: lis
 @torch.inference_mode()
 def document(runner, chunk: int, doc: list[int], question: list[int], path: Path) -> dict:
     model = runner.model
-    settings = {"dtype": runner.dtype, "quant_sim": runner.quant_sim, "layers": runner.n_layers, "tp": 1}
+    settings = run_settings(runner)
     model.setup_caches(1, len(doc) + len(question) + 1)
     fresh, _ = timed(lambda: Session(model, chunk).prefill(doc + question))
     session = Session(model, chunk)
     session.prefill(doc)
     kept = session.kept[-1]
     path.unlink(missing_ok=True)
-    save, _ = timed(lambda: save_prompt_cache(path, PromptCache(doc, kept.snapshot, kept.logits), runner.identity,
-                                              settings))
+    save, _ = timed(lambda: save_prompt_cache(path, kept, runner.identity, settings))
     model.setup_caches(1, len(doc) + len(question) + 1)
 
     def load_and_ask() -> None:
         cache = load_prompt_cache(path, runner.identity, settings)
         s = Session(model, chunk)
-        s.keep(cache.tokens, cache.snapshot, cache.logits)
+        s.keep(cache)
         s.prefill(doc + question)
         assert s.prefilled == len(question)
 

@@ -39,6 +39,7 @@ IDENTITY_KEYS = ("config_hash", "weights_hash")
 MTP_STREAMS = "mtp_streams"
 MTP_STATE = "mtp."  # the MTP layer's state buffers' paths (`Transformer.state`)
 
+
 def describe(identity: dict, settings: dict) -> dict[str, str]:
     """The metadata a cache is saved with and checked against: the model's identity and the run's settings."""
     return {"format": FORMAT, "model": str(identity.get("name")),

@@ -44,3 +44,25 @@ def test_a_benchmark_given_no_checkpoint_says_so_in_one_line():
                        capture_output=True, text=True, timeout=300)
     (line,) = r.stderr.splitlines()
     assert r.returncode == 2 and line.startswith("error: ") and "/nonexistent" in line, r.stderr
+
+
+def test_every_script_imports():
+    """Each script's module-level imports resolve (a name moved or renamed in mhcrun breaks a benchmark no test
+    runs otherwise); a script that needs an optional package says so in its exit, naming the pip install."""
+    code = ("import runpy, sys\n"
+            "for path in sys.argv[1:]:\n"
+            "    try:\n"
+            "        runpy.run_path(path, run_name='imported')\n"
+            "    except SystemExit as e:\n"
+            "        assert 'pip install' in str(e), (path, e)\n")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, SCRIPTS)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_sessions_runs_on_the_tiny_model():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sessions.py"), "--model",
+                        str(ROOT / "mhcrun" / "data" / "tiny"), "--turn-tokens", "16", "--reply-tokens", "4",
+                        "--new-tokens", "4", "--doc-tokens", "16", "--repeats", "1", "--chunk", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "reusing the state" in r.stdout and "loading the cache" in r.stdout
