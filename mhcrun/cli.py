@@ -27,7 +27,7 @@ from rich.table import Table
 
 from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated, signal_exit
 from mhcrun.heap import glibc_version, restart_env, thp_mode
-from mhcrun.settings import Env, check_range
+from mhcrun.settings import REGIONS_CONTEXT_STEP, REGIONS_MIN_CONTEXT, Env, cache_length, check_range
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
 INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
@@ -511,9 +511,9 @@ def generate(
         cfg = runner.config
         check_prompts(ids, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings, names)
         longest = max(len(i) for i in ids)
+        # a speculative step verifies up to K tokens past the last one (`speculate.speculate`)
+        context = cache_length(longest + max_new_tokens + (draft_tokens or 0), mode, cfg.max_position_embeddings)
         if not force:
-            # a speculative step verifies up to K tokens past the last one (`speculate.speculate`)
-            context = longest + max_new_tokens + (draft_tokens or 0)
             check_fits(runner.memory_plan(len(ids), context, longest, limit, chunk), str(runner.path))
         if prompt_cache is not None and len(ids) != 1:
             raise InputError("--prompt-cache takes one prompt (not a --prompts-file batch)")
@@ -540,7 +540,7 @@ def generate(
 
         session = cache_note = None
         if prompt_cache is not None:
-            runner.model.setup_caches(1, len(ids[0]) + max_new_tokens + (draft_tokens or 0))
+            runner.model.setup_caches(1, context)
             session = Session(runner.model, chunk=1)  # generate gives it the prefill chunk
             if cache is not None:
                 session.keep(cache)
@@ -994,8 +994,11 @@ def compile_regions(
     device: str = DeviceOpt,
     stages: str = StagesOpt,
     batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for.", rich_help_panel=PATH),
-    context: int = typer.Option(256, "--context", help="Context (cache length) the graphs are compiled for.",
-                                rich_help_panel=PATH),
+    context: int = typer.Option(REGIONS_MIN_CONTEXT, "--context", help="Context (cache length) the graphs are "
+                                "compiled for, rounded up as generate and golden-check round theirs: to a power of "
+                                f"two, at least {REGIONS_MIN_CONTEXT} (a multiple of {REGIONS_CONTEXT_STEP:,} beyond "
+                                "it). Runs of this batch whose prompt and new tokens round to the same length use "
+                                "the graphs.", rich_help_panel=PATH),
     tp: int = TpOpt,
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
@@ -1035,9 +1038,21 @@ def compile_regions(
                           str(r["graph_breaks"]), "yes" if r["cache_hit"] else "no")
         out.print(table)
         out.print(f"{report['graphs']} graphs for {report['layers']} layers in {report['total_s']:.1f} s "
-                  f"(backend {report['backend']})")
+                  f"(backend {report['backend']}) for batch {report['batch']} and a cache of {report['context']} "
+                  f"positions: {served(report['context'])} use them", highlight=False)
 
     run_guarded(debug, body)
+
+
+def served(context: int) -> str:
+    """Which runs a cache of `context` positions (`settings.regions_context`) serves, in words."""
+    from bisect import bisect_left
+
+    from mhcrun.settings import regions_context
+
+    least = 1 + bisect_left(range(1, context + 1), context, key=lambda n: regions_context(n, context))
+    return f"runs of {least:,} to {context:,} prompt and new tokens" if least > 1 else \
+        f"runs of up to {context:,} prompt and new tokens"
 
 
 WeightSeedOpt = typer.Option(0, "--seed", help="Seed of the random weights: the same seed writes the same bytes.")

@@ -20,7 +20,7 @@ from mhcrun.model import Probe, Transformer
 from mhcrun.parallel import Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 from mhcrun.session import Session
-from mhcrun.settings import SamplingOptions
+from mhcrun.settings import SamplingOptions, cache_length
 
 
 @dataclass
@@ -185,8 +185,9 @@ def capture_step(model: Transformer, ids: list[int], tokens: list[int], max_seq:
                  graph_mode: str = "eager", backend: str | None = None,
                  stages: str = "whole") -> dict[str, torch.Tensor]:
     """Every region's output (`Capture`) at the step after teacher-forcing `tokens` behind prompt `ids`, on a
-    fresh cache of one row and `max_seq` tokens: step 0 is the prefill, step t decodes tokens[t - 1]."""
-    model.setup_caches(1, max_seq)
+    fresh cache of one row and `max_seq` tokens (compiled regions: rounded up, `settings.cache_length`): step 0 is
+    the prefill, step t decodes tokens[t - 1]."""
+    model.setup_caches(1, cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" and tokens else None
     cap = Capture()
 
@@ -276,10 +277,10 @@ def raise_nonfinite(results: list[GenerationResult]) -> list[GenerationResult]:
 def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chunk: int | None, graph_mode: str,
                 backend: str | None, stages: str, session: Session | None = None) -> tuple[Batch, Stepper]:
     """Results and steps for a batch of prompts (already checked: `check_prompts`) on fresh caches of `max_seq`
-    tokens a row, or on a session's."""
+    tokens a row (compiled regions: rounded up, `settings.cache_length`), or on a session's."""
     model.opts.hc.reset()
     if session is None:
-        model.setup_caches(len(prompts), max_seq)
+        model.setup_caches(len(prompts), cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
     decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None

@@ -22,6 +22,24 @@ DEVICES = ("cpu", "cuda", "neuron")
 NKI_SIM_MODES = {"0": None, "1": "exact", "device": "device"}  # MHCRUN_NKI_SIM -> the simulator's numerics
 CPU_KERNEL_CAPS = ("amx", "avx512bf16", "avx512", "avx2")  # MHCRUN_CPU_KERNEL's caps, best first (qgemv.CAPS)
 MAX_DRAFT_TOKENS = 8  # --draft-tokens' limit (a model's sliding window may lower it: `speculate.draft_limit`)
+REGIONS_MIN_CONTEXT = 256  # the least cache length compiled regions run with (`regions_context`)
+REGIONS_CONTEXT_STEP = 8192  # beyond it, regions' cache lengths are multiples of it, not powers of two
+
+
+def regions_context(needed: int, most: int) -> int:
+    """The cache length a compiled-regions run sets up for `needed` positions: rounded up to a power of two (at
+    least REGIONS_MIN_CONTEXT) up to REGIONS_CONTEXT_STEP, to a multiple of it beyond (a cache at most that much
+    larger than needed), and at most `most` (the model's context). The graphs' shapes hold the cache length, so
+    each length compiles its own: rounded, one compile (`compile-regions --context N`) serves every run whose
+    prompt and new tokens round to the same length, from torch's compile cache."""
+    if needed > REGIONS_CONTEXT_STEP:
+        return min(most, -(-needed // REGIONS_CONTEXT_STEP) * REGIONS_CONTEXT_STEP)
+    return min(most, max(REGIONS_MIN_CONTEXT, 1 << max(needed - 1, 0).bit_length()))
+
+
+def cache_length(needed: int, graph_mode: str, most: int) -> int:
+    """The cache length a run of `needed` positions sets up: `needed` eager, `regions_context` compiled."""
+    return regions_context(needed, most) if graph_mode == "regions" else needed
 
 
 def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:

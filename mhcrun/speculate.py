@@ -42,7 +42,7 @@ from mhcrun.generate import (
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Transformer
 from mhcrun.session import Pending, Session, advance_mtp, no_pending
-from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions, check_range
+from mhcrun.settings import MAX_DRAFT_TOKENS, SamplingOptions, cache_length, check_range
 from mhcrun.snapshot import SpanSnapshot, keep_chunks, keep_rows, restore_span, rewind_span, take_span
 
 
@@ -194,7 +194,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     model.opts.hc.reset()
     max_seq = max(len(p) for p in prompts) + max_new_tokens + k  # a verify runs up to K past the last token
     if session is None:
-        model.setup_caches(len(prompts), max_seq)
+        model.setup_caches(len(prompts), cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply and "
                          f"--draft-tokens {k}")

@@ -489,8 +489,8 @@ def test_failed_region_compile_falls_back_to_eager_for_that_region_alone(monkeyp
 
 INDUCTOR_PROMPTS = [[0], [0, 17, 99, 3, 250, 41], [0] + list(range(5, 48))]  # 1, 6, 44 tokens
 INDUCTOR_NEW = 20
-# every inductor compile here sees these shapes (batch 3, a context of 64), as does the README's compile-regions
-# example (tests/test_examples.py): identical graphs, which torch's FX graph cache compiles once
+# every inductor compile here sees these shapes (batch 3, a context of 64, a cache of 256), as does the README's
+# compile-regions example (tests/test_examples.py): identical graphs, which torch's FX graph cache compiles once
 INDUCTOR_CONTEXT = max(map(len, INDUCTOR_PROMPTS)) + INDUCTOR_NEW
 assert INDUCTOR_CONTEXT == 64
 
@@ -517,6 +517,7 @@ def test_inductor_regions_equal_eager_in_generate_and_golden_check(tiny_runner, 
     for i, (e, r) in enumerate(zip(eager, regions, strict=True)):
         assert r.tokens == e.tokens, f"prompt {i}"
     assert regions[0].stats["compile_s"] > 0 and eager[0].stats["compile_s"] == 0
+    assert tiny_runner.model.max_seq == 256  # the context of 64 rounded up (regions_context), as compile-regions does
 
     golden = tmp_path / "golden.json"
     ok(cli("golden-record", "--prompts-file", prompts_file, "-n", INDUCTOR_NEW, "--out", golden))
@@ -531,7 +532,7 @@ def test_inductor_compile_regions_reports_one_graph_per_kind():
     result = cli("compile-regions", "--json", "--batch", len(INDUCTOR_PROMPTS), "--context", INDUCTOR_CONTEXT)
     ok(result)
     report = json.loads(result.stdout)
-    assert report["graphs"] == len(ALL_KINDS) == 6
+    assert report["graphs"] == len(ALL_KINDS) == 6 and report["context"] == 256  # rounded as a run rounds it
     assert report["layers"] == 4 and report["backend"] == "inductor" and report["stages"] == "whole"
     regions = report["regions"]
     assert {r["region"] for r in regions} == ALL_KINDS
@@ -596,3 +597,25 @@ def test_compile_regions_refuses_a_context_the_model_cannot_take(args, says):
     assert result.exit_code == 2, f"exit {result.exit_code}\n{result.stdout}\n{result.stderr}"
     assert result.stderr.splitlines() == [says]
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_regions_cache_lengths_round_so_that_runs_share_graphs():
+    """A regions run's cache length (its graphs' shapes) is the context it needs rounded up: powers of two from
+    256, multiples of 8,192 beyond, never past the model's context; eager runs take what they need. A generate in
+    regions sets up that length, and compile-regions says which runs its graphs serve."""
+    from mhcrun.cli import served
+    from mhcrun.settings import cache_length, regions_context
+
+    assert [regions_context(n, 65536) for n in (1, 45, 256, 257, 1000, 1024, 1025, 8192, 8193, 40000, 70000)] == \
+        [256, 256, 256, 512, 1024, 1024, 2048, 8192, 16384, 40960, 65536]
+    assert regions_context(45, 100) == 100 and cache_length(45, "eager", 65536) == 45
+    assert cache_length(45, "regions", 65536) == 256
+    assert served(256) == "runs of up to 256 prompt and new tokens"
+    assert served(1024) == "runs of 513 to 1,024 prompt and new tokens"
+    assert served(16384) == "runs of 8,193 to 16,384 prompt and new tokens"
+    model = make_model([0, 4, 128, 4])
+    for prompt in ([0, 5, 9], list(range(3, 40))):
+        generate(model, [prompt], 3, 1, ignore_eos=True, graph_mode="regions", backend="aot_eager")
+        assert model.max_seq == 256
+    generate(model, [list(range(3, 40))], 3, 1, ignore_eos=True)
+    assert model.max_seq == 40

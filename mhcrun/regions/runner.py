@@ -33,6 +33,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.qgemv import MAX_ROWS
+from mhcrun.settings import regions_context
 
 
 @dataclass
@@ -302,8 +303,10 @@ def step_key(tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None) -> tu
 
 def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str | None = None,
                 on_progress: Callable[[int, int, str], None] | None = None) -> dict:
-    """Compile every region kind of `model` for a decode batch and context, by running one decode step on
-    fresh caches; report each graph (its first call's wall time: trace, compile and run)."""
+    """Compile every region kind of `model` for a decode batch and context (rounded up as generate's runs round
+    theirs: `settings.regions_context`), by running one decode step on fresh caches; report each graph (its first
+    call's wall time: trace, compile and run) and the cache length compiled for."""
+    context = regions_context(context, model.cfg.max_position_embeddings)
     model.setup_caches(batch, context)
     backend = backend or default_backend(model.device.type)
     dec = RegionDecoder(model, "regions", backend, stages, cuda_graphs=model.device.type == "cuda")
