@@ -342,15 +342,21 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
                          "encoding/ folder says, else v4 (docs/chat-format.md).", rich_help_panel=INPUT)
 
 
-COMPILE_NOTE = ("compiling the regions' graphs at the first decode step: a minute or more the first time on a "
-                "machine, seconds once torch's compile cache holds them (`mhcrun compile-regions` compiles ahead)")
+def compile_note(batch: int, context: int, draft_tokens: int | None = None) -> str:
+    """What a regions run of `batch` rows and a cache of `context` positions says before it compiles."""
+    ahead = (f"`mhcrun compile-regions --batch {batch} --context {context}` compiles them ahead" if not draft_tokens
+             else f"compile-regions compiles a decode step's graphs, not a verify of {draft_tokens + 1} tokens")
+    return ("compiling the regions' graphs at the first decode step: a minute or more the first time on a machine, "
+            f"seconds once torch's compile cache holds them ({ahead})")
 
 
-def say_compiling(mode: str, decodes: bool, quiet: bool) -> None:
+def say_compiling(mode: str, decodes: bool, quiet: bool, batch: int, context: int,
+                  draft_tokens: int | None = None) -> None:
     """A regions run compiles its graphs at its first decode step: say so on stderr first (else the prompt streamed,
-    or a golden check's table, waits a minute unexplained); not for a run without a decode step, nor for --json."""
+    or a golden check's table, waits a minute unexplained), and how to compile them ahead; not for a run without a
+    decode step, nor for --json. `context`: the cache length the run sets up (`settings.cache_length`)."""
     if mode == "regions" and decodes and not quiet:
-        err.print(f"[dim]{COMPILE_NOTE}[/]", soft_wrap=True)
+        err.print(f"[dim]{escape(compile_note(batch, context, draft_tokens))}[/]", soft_wrap=True)
 
 
 CHAT_PARAMS = ("chat_mode", "reasoning_effort", "chat_format")  # generate's options that only --messages takes
@@ -530,7 +536,7 @@ def generate(
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
-        say_compiling(mode, max_new_tokens > 1, as_json)
+        say_compiling(mode, max_new_tokens > 1, as_json, len(ids), context, draft_tokens)
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 
@@ -732,7 +738,10 @@ def golden_check(
             forced[row].append((logp[cands].tolist(), int(logits.argmax())))
 
         common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk)
-        say_compiling(mode, any(len(e["tokens"]) > 1 for e in entries), as_json)
+        needed = max(len(e["prompt_ids"]) + (len(e["tokens"]) if teacher_forced else s["max_new_tokens"])
+                     for e in entries)  # the context teacher_force or generate sets up, below
+        say_compiling(mode, any(len(e["tokens"]) > 1 for e in entries), as_json, len(entries),
+                      cache_length(needed, mode, runner.config.max_position_embeddings))
         if teacher_forced:
             results = teacher_force(runner.model, ids, [e["tokens"] for e in entries], observe, **common)
         else:

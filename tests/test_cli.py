@@ -28,7 +28,7 @@ import typer.main
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mhcrun.cli import COMPILE_NOTE, DEFAULT_PROMPT, app
+from mhcrun.cli import DEFAULT_PROMPT, app, compile_note
 from mhcrun.runner import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1092,11 +1092,16 @@ def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch)
     monkeypatch.setattr(gen, "generate", lambda *a, **k: real(*a, **{**k, "graph_mode": "eager"}))
     r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions")
     ok(r)
-    assert r.stderr.splitlines()[0] == COMPILE_NOTE and r.stderr.count(COMPILE_NOTE) == 1
+    note = compile_note(1, 256)  # one row, its context rounded up (settings.regions_context)
+    assert r.stderr.splitlines()[0] == note and r.stderr.count(note) == 1
+    assert note.endswith("(`mhcrun compile-regions --batch 1 --context 256` compiles them ahead)")
     for quiet in (("-n", 1), ("-n", 2, "--json"), ("-n", 2, "--graph-mode", "eager")):  # no decode step, no prose
         r = cli("generate", "--prompt", "The river", "--graph-mode", "regions", *quiet)
         ok(r)
-        assert COMPILE_NOTE not in r.stderr
+        assert "compiling the regions' graphs" not in r.stderr
+    r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions", "--draft-tokens", 2)
+    ok(r)
+    assert r.stderr.splitlines()[0] == compile_note(1, 256, 2) and "not a verify of 3 tokens" in r.stderr
 
 
 def test_every_option_and_argument_says_what_it_does():
