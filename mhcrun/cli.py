@@ -342,21 +342,32 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
                          "encoding/ folder says, else v4 (docs/chat-format.md).", rich_help_panel=INPUT)
 
 
-def compile_note(batch: int, context: int, draft_tokens: int | None = None) -> str:
-    """What a regions run of `batch` rows and a cache of `context` positions says before it compiles."""
-    ahead = (f"`mhcrun compile-regions --batch {batch} --context {context}` compiles them ahead" if not draft_tokens
-             else f"compile-regions compiles a decode step's graphs, not a verify of {draft_tokens + 1} tokens")
+def compile_note(runner, model: str | None, stages: str, batch: int, context: int,
+                 draft_tokens: int | None = None) -> str:
+    """What a regions run of `batch` rows and a cache of `context` positions (`settings.cache_length`) says before
+    it compiles: the compile-regions command that compiles the same graphs ahead (the same checkpoint, path and
+    shapes), or with drafts that it does not compile a verify's."""
+    if draft_tokens:
+        ahead = f"compile-regions compiles a decode step's graphs, not a verify of {draft_tokens + 1} tokens"
+    else:
+        given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
+                 ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
+                 ("--no-quant-sim", "" if not runner.quant_sim else None),
+                 ("--dequantize", "" if runner.dequantize else None), ("--layers", runner.layers),
+                 ("--stages", stages if stages != "whole" else None),
+                 ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--batch", batch), ("--context", context)]
+        args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
+        ahead = f"`mhcrun compile-regions{args}` compiles them ahead"
     return ("compiling the regions' graphs at the first decode step: a minute or more the first time on a machine, "
             f"seconds once torch's compile cache holds them ({ahead})")
 
 
-def say_compiling(mode: str, decodes: bool, quiet: bool, batch: int, context: int,
-                  draft_tokens: int | None = None) -> None:
+def say_compiling(mode: str, decodes: bool, quiet: bool, note: str) -> None:
     """A regions run compiles its graphs at its first decode step: say so on stderr first (else the prompt streamed,
-    or a golden check's table, waits a minute unexplained), and how to compile them ahead; not for a run without a
-    decode step, nor for --json. `context`: the cache length the run sets up (`settings.cache_length`)."""
+    or a golden check's table, waits a minute unexplained), and how to compile them ahead (`compile_note`); not for
+    a run without a decode step, nor for --json."""
     if mode == "regions" and decodes and not quiet:
-        err.print(f"[dim]{escape(compile_note(batch, context, draft_tokens))}[/]", soft_wrap=True)
+        err.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
 
 
 CHAT_PARAMS = ("chat_mode", "reasoning_effort", "chat_format")  # generate's options that only --messages takes
@@ -536,7 +547,8 @@ def generate(
         tok = runner.tokenizer
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
-        say_compiling(mode, max_new_tokens > 1, as_json, len(ids), context, draft_tokens)
+        say_compiling(mode, max_new_tokens > 1, as_json, compile_note(runner, model, plan, len(ids), context,
+                                                                      draft_tokens))
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 
@@ -740,8 +752,9 @@ def golden_check(
         common = dict(graph_mode=mode, stages=plan, prefill_chunk=chunk)
         needed = max(len(e["prompt_ids"]) + (len(e["tokens"]) if teacher_forced else s["max_new_tokens"])
                      for e in entries)  # the context teacher_force or generate sets up, below
-        say_compiling(mode, any(len(e["tokens"]) > 1 for e in entries), as_json, len(entries),
-                      cache_length(needed, mode, runner.config.max_position_embeddings))
+        context = cache_length(needed, mode, runner.config.max_position_embeddings)
+        say_compiling(mode, any(len(e["tokens"]) > 1 for e in entries), as_json,
+                      compile_note(runner, model, plan, len(entries), context))
         if teacher_forced:
             results = teacher_force(runner.model, ids, [e["tokens"] for e in entries], observe, **common)
         else:
@@ -1001,6 +1014,10 @@ def compile_regions(
     ctx: typer.Context,
     model: str = ModelOpt,
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    quant_sim: bool = QuantSimOpt,
+    dequantize: bool = DequantizeOpt,
+    layers: int = LayersOpt,
     stages: str = StagesOpt,
     batch: int = typer.Option(1, "--batch", help="Decode batch the graphs are compiled for.", rich_help_panel=PATH),
     context: int = typer.Option(REGIONS_MIN_CONTEXT, "--context", help="Context (cache length) the graphs are "
@@ -1013,7 +1030,8 @@ def compile_regions(
     debug: bool = DebugOpt,
 ) -> None:
     """Compile every region kind of a model once and report the graphs (torch's compile cache makes a
-    second run faster)."""
+    second run faster): for the path a later run takes (--dtype, --quant-sim, --dequantize, --layers, --stages, --tp
+    as it gives them) and its batch and context."""
 
     def body() -> int | None:
         from rich.progress import Progress
@@ -1028,7 +1046,7 @@ def compile_regions(
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
-        runner = open_runner(model, "fp32", True, device, tp=shard, env=env)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp=shard, env=env)
         check_range("--context", context, 2, runner.config.max_position_embeddings, " (the model's maximum)")
         load_weights(runner, quiet=as_json)
         with Progress(console=err, transient=True, disable=as_json) as progress:

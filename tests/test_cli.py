@@ -1112,3 +1112,39 @@ def test_every_option_and_argument_says_what_it_does():
     bare = [f"{name} {p.opts[0]}" for name, command in group.commands.items() for p in command.params
             if not (getattr(p, "help", None) or "").strip()]
     assert not bare, f"parameters without a help text: {bare}"
+
+
+def test_compile_note_names_the_compile_regions_command_of_the_runs_path():
+    """The note a regions run prints names the compile-regions command that compiles its graphs: the checkpoint
+    given, every path option that changes the graphs, the batch and the rounded context."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(device="cpu", dtype="bf16", quant_sim=False, dequantize=True, layers=2,
+                             tp=SimpleNamespace(world=2))
+    assert compile_note(runner, "/ckpt", "split", 3, 512).endswith(
+        "(`mhcrun compile-regions -m /ckpt --dtype bf16 --no-quant-sim --dequantize --layers 2 --stages split --tp 2 "
+        "--batch 3 --context 512` compiles them ahead)")
+    plain = SimpleNamespace(device="cpu", dtype="fp32", quant_sim=True, dequantize=False, layers=None,
+                            tp=SimpleNamespace(world=1))
+    assert compile_note(plain, None, "whole", 1, 256).endswith(
+        "(`mhcrun compile-regions --batch 1 --context 256` compiles them ahead)")
+
+
+def test_compile_regions_compiles_for_the_path_options_it_is_given(monkeypatch):
+    """compile-regions opens the model as a run with the same --dtype, --quant-sim, --dequantize and --layers
+    does (its graphs are that run's), and reports the context rounded as that run rounds its own."""
+    import mhcrun.regions.runner as regions_runner
+
+    seen = {}
+
+    def fake_compile_all(model, batch, context, stages, on_progress=None):
+        seen.update(dtype=model.dtype, quant_sim=model.opts.quant_sim, layers=len(model.layers), batch=batch,
+                    context=context)
+        return {"backend": "inductor", "stages": stages, "graphs": 0, "layers": len(model.layers), "batch": batch,
+                "context": context, "total_s": 0.0, "regions": []}
+
+    monkeypatch.setattr(regions_runner, "compile_all", fake_compile_all)
+    ok(cli("compile-regions", "--dtype", "bf16", "--no-quant-sim", "--layers", 2, "--batch", 2, "--context", 300))
+    assert seen == {"dtype": torch.bfloat16, "quant_sim": False, "layers": 2, "batch": 2, "context": 300}
+    r = cli("compile-regions", "--dtype", "fp16")
+    assert r.exit_code == 2 and r.stderr.strip() == "error: unknown --dtype 'fp16' (choose from: fp32, bf16)"
