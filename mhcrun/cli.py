@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sys
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +28,14 @@ from rich.table import Table
 
 from mhcrun.errors import INTERNAL, OS_FAILED, InputError, MhcrunError, Terminated, raise_terminated, signal_exit
 from mhcrun.heap import glibc_version, restart_env, thp_mode
-from mhcrun.settings import REGIONS_CONTEXT_STEP, REGIONS_MIN_CONTEXT, Env, cache_length, check_range
+from mhcrun.settings import (
+    REGIONS_CONTEXT_STEP,
+    REGIONS_MIN_CONTEXT,
+    Env,
+    cache_length,
+    check_range,
+    regions_context,
+)
 
 # --help panels, in the order they are shown (PanelledCommand); developer knobs last
 INPUT, CHECK, SAMPLING, PATH, MEMORY, OUTPUT, DEVELOPER = ("Input", "Check", "Sampling", "Path under test",
@@ -1073,10 +1081,6 @@ def compile_regions(
 
 def served(context: int) -> str:
     """Which runs a cache of `context` positions (`settings.regions_context`) serves, in words."""
-    from bisect import bisect_left
-
-    from mhcrun.settings import regions_context
-
     least = 1 + bisect_left(range(1, context + 1), context, key=lambda n: regions_context(n, context))
     return f"runs of {least:,} to {context:,} prompt and new tokens" if least > 1 else \
         f"runs of up to {context:,} prompt and new tokens"
