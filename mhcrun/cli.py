@@ -354,20 +354,18 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
                  draft_tokens: int | None = None) -> str:
     """What a regions run of `batch` rows and a cache of `context` positions (`settings.cache_length`) says before
     it compiles: the compile-regions command that compiles the same graphs ahead (the same checkpoint, path and
-    shapes), or with drafts that it does not compile a verify's."""
-    if draft_tokens:
-        ahead = f"compile-regions compiles a decode step's graphs, not a verify of {draft_tokens + 1} tokens"
-    else:
-        given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
-                 ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
-                 ("--no-quant-sim", "" if not runner.quant_sim else None),
-                 ("--dequantize", "" if runner.dequantize else None), ("--layers", runner.layers),
-                 ("--stages", stages if stages != "whole" else None),
-                 ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--batch", batch), ("--context", context)]
-        args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
-        ahead = f"`mhcrun compile-regions{args}` compiles them ahead"
-    return ("compiling the regions' graphs at the first decode step: a minute or more the first time on a machine, "
-            f"seconds once torch's compile cache holds them ({ahead})")
+    shapes; with `draft_tokens`, a speculative verify's graphs)."""
+    given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
+             ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
+             ("--no-quant-sim", "" if not runner.quant_sim else None),
+             ("--dequantize", "" if runner.dequantize else None), ("--layers", runner.layers),
+             ("--stages", stages if stages != "whole" else None),
+             ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--draft-tokens", draft_tokens),
+             ("--batch", batch), ("--context", context)]
+    args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
+    step = "verify" if draft_tokens else "decode"
+    return (f"compiling the regions' graphs at the first {step} step: a minute or more the first time on a machine, "
+            f"seconds once torch's compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")
 
 
 def say_compiling(mode: str, decodes: bool, quiet: bool, note: str) -> None:
@@ -1034,12 +1032,15 @@ def compile_regions(
                                 "it). Runs of this batch whose prompt and new tokens round to the same length use "
                                 "the graphs.", rich_help_panel=PATH),
     tp: int = TpOpt,
+    draft_tokens: int = typer.Option(None, "--draft-tokens", help="Compile the graphs of a speculative verify of K + 1 "
+                                     "tokens a row (what generate --draft-tokens K runs in regions) instead of a "
+                                     "decode step's.", rich_help_panel=PATH),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Compile every region kind of a model once and report the graphs (torch's compile cache makes a
-    second run faster): for the path a later run takes (--dtype, --quant-sim, --dequantize, --layers, --stages, --tp
-    as it gives them) and its batch and context."""
+    second run faster): for the path a later run takes (--dtype, --quant-sim, --dequantize, --layers, --stages, --tp,
+    --draft-tokens as it gives them) and its batch and context."""
 
     def body() -> int | None:
         from rich.progress import Progress
@@ -1047,23 +1048,28 @@ def compile_regions(
         from mhcrun.regions.runner import compile_all
         from mhcrun.runner import open_runner
 
-        st, env = run_settings(ctx, device, "regions", stages=stages, tp=tp)
+        st, env = run_settings(ctx, device, "regions", stages=stages, tp=tp, draft_tokens=draft_tokens)
         plan = st.stages
         check_range("--batch", batch, 1)
         check_range("--context", context, 2)  # here, before any rank starts; its maximum once the model is open
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
-        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp=shard, env=env)
+        runner = open_runner(model, dtype, quant_sim, device, layers, dequantize, tp=shard, env=env,
+                             mtp=draft_tokens is not None)
         check_range("--context", context, 2, runner.config.max_position_embeddings, " (the model's maximum)")
         load_weights(runner, quiet=as_json)
+        if draft_tokens is not None:  # K against the model's window
+            from mhcrun.speculate import check_draft_tokens
+
+            check_draft_tokens(runner.model, draft_tokens)
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("compiling regions", total=None)
 
             def tick(done: int, total: int, name: str) -> None:
                 progress.update(task, total=total, completed=done, description=f"compiling {name}")
 
-            report = compile_all(runner.model, batch, context, plan, on_progress=tick)
+            report = compile_all(runner.model, batch, context, plan, on_progress=tick, draft_tokens=draft_tokens or 0)
         if as_json:
             print(json.dumps(report))
             return
@@ -1073,8 +1079,10 @@ def compile_regions(
                           str(r["graph_breaks"]), "yes" if r["cache_hit"] else "no")
         out.print(table)
         out.print(f"{report['graphs']} graphs for {report['layers']} layers in {report['total_s']:.1f} s "
-                  f"(backend {report['backend']}) for batch {report['batch']} and a cache of {report['context']} "
-                  f"positions: {served(report['context'])} use them", highlight=False)
+                  f"(backend {report['backend']}) for batch {report['batch']}"
+                  + (f", a verify of {draft_tokens + 1} tokens a row" if draft_tokens else "")
+                  + f" and a cache of {report['context']} positions: {served(report['context'])} use them",
+                  highlight=False)
 
     run_guarded(debug, body)
 

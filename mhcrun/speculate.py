@@ -314,7 +314,6 @@ def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor,
     full = torch.zeros(b, s, dtype=torch.long, device=chunk.device)
     at = torch.full((b,), max_seq - s, dtype=torch.long, device=chunk.device)
     full[rows], at[rows] = chunk, n
-    logits, streams = model(full, decoder.rows, at, static=True, regions=decoder.run, every=True, streams=True)
-    decoder.count_hc_calls(full.numel(), full.device.type)
+    logits, streams = decoder.verify(full, at)
     keep_rows(model.layers, rows)
     return logits[rows], streams[rows]

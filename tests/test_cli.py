@@ -1101,8 +1101,9 @@ def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch)
         assert "compiling the regions' graphs" not in r.stderr
     r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions", "--draft-tokens", 2)
     ok(r)
-    assert r.stderr.splitlines()[0].endswith("(compile-regions compiles a decode step's graphs, not a verify of 3 "
-                                             "tokens)")
+    assert r.stderr.splitlines()[0].startswith("compiling the regions' graphs at the first verify step")
+    assert r.stderr.splitlines()[0].endswith("(`mhcrun compile-regions --draft-tokens 2 --batch 1 --context 256` "
+                                             "compiles them ahead)")
 
 
 def test_every_option_and_argument_says_what_it_does():
@@ -1129,6 +1130,8 @@ def test_compile_note_names_the_compile_regions_command_of_the_runs_path():
                             tp=SimpleNamespace(world=1))
     assert compile_note(plain, None, "whole", 1, 256).endswith(
         "(`mhcrun compile-regions --batch 1 --context 256` compiles them ahead)")
+    assert compile_note(plain, None, "whole", 1, 256, 2).endswith(
+        "(`mhcrun compile-regions --draft-tokens 2 --batch 1 --context 256` compiles them ahead)")
 
 
 def test_compile_regions_compiles_for_the_path_options_it_is_given(monkeypatch):
@@ -1138,14 +1141,20 @@ def test_compile_regions_compiles_for_the_path_options_it_is_given(monkeypatch):
 
     seen = {}
 
-    def fake_compile_all(model, batch, context, stages, on_progress=None):
+    def fake_compile_all(model, batch, context, stages, on_progress=None, draft_tokens=0):
         seen.update(dtype=model.dtype, quant_sim=model.opts.quant_sim, layers=len(model.layers), batch=batch,
-                    context=context)
+                    context=context, draft_tokens=draft_tokens, mtp=len(model.mtp))
         return {"backend": "inductor", "stages": stages, "graphs": 0, "layers": len(model.layers), "batch": batch,
                 "context": context, "total_s": 0.0, "regions": []}
 
     monkeypatch.setattr(regions_runner, "compile_all", fake_compile_all)
     ok(cli("compile-regions", "--dtype", "bf16", "--no-quant-sim", "--layers", 2, "--batch", 2, "--context", 300))
-    assert seen == {"dtype": torch.bfloat16, "quant_sim": False, "layers": 2, "batch": 2, "context": 300}
+    assert seen == {"dtype": torch.bfloat16, "quant_sim": False, "layers": 2, "batch": 2, "context": 300,
+                    "draft_tokens": 0, "mtp": 0}
+    r = cli("compile-regions", "--draft-tokens", 3)
+    ok(r)
+    assert seen["draft_tokens"] == 3 and seen["mtp"] == 1 and "a verify of 4 tokens a row" in " ".join(r.stdout.split())
+    r = cli("compile-regions", "--draft-tokens", 9)
+    assert r.exit_code == 2 and r.stderr.strip() == "error: --draft-tokens must be in [1, 8], got 9"
     r = cli("compile-regions", "--dtype", "fp16")
     assert r.exit_code == 2 and r.stderr.strip() == "error: unknown --dtype 'fp16' (choose from: fp32, bf16)"

@@ -619,3 +619,31 @@ def test_regions_cache_lengths_round_so_that_runs_share_graphs():
         assert model.max_seq == 256
     generate(model, [list(range(3, 40))], 3, 1, ignore_eos=True)
     assert model.max_seq == 40
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 2], ids=["decode", "verify"])
+def test_compile_regions_compiles_the_graphs_a_run_then_runs(monkeypatch, draft_tokens):
+    """compile_all (compile-regions) traces exactly the graphs a later run of the same batch and rounded context
+    traces (the same code and input shapes: what torch's compile cache keys them by), for plain decode and for a
+    speculative verify (whose compressors keep their chunk); aot_eager, the bundled model."""
+    from mhcrun.runner import load_runner
+
+    seen: list[tuple] = []
+    real = regions_runner.counting_backend
+
+    def recording(backend, stats, cpp_wrapper=False):
+        inner = real(backend, stats, cpp_wrapper)
+
+        def record(gm, example_inputs):
+            seen.append((gm.code, tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))))
+            return inner(gm, example_inputs)
+
+        return record
+
+    monkeypatch.setattr(regions_runner, "counting_backend", recording)
+    model = load_runner(None, mtp=True).model
+    regions_runner.compile_all(model, 1, 45, backend="aot_eager", draft_tokens=draft_tokens)
+    ahead, seen[:] = sorted(seen), []
+    generate(model, [[0, 5, 9, 14]], 6, 1, ignore_eos=True, graph_mode="regions", backend="aot_eager",
+             draft_tokens=draft_tokens)
+    assert len(ahead) == 6 and sorted(seen) == ahead

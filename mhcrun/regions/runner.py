@@ -34,6 +34,7 @@ from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.qgemv import MAX_ROWS
 from mhcrun.settings import regions_context
+from mhcrun.snapshot import keep_chunks
 
 
 @dataclass
@@ -252,17 +253,28 @@ class RegionDecoder:
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None = None) -> torch.Tensor:
         """tokens [B] or [B, s], pos [B] (every cache row, B fixed) -> logits [B, vocab] of each row's last token;
         `probe` as the eager model's."""
+        return self.forward(tokens, pos, probe, False)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, pos: torch.Tensor,
+               probe: Probe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speculative verify step (`mhcrun.speculate`): tokens [B, s] at pos [B] (every cache row) -> (logits
+        [B, s, vocab] of every position, the streams before the head [B, s, n, d])."""
+        return self.forward(tokens, pos, probe, True)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None, every: bool):
+        """`Transformer.forward` of every cache row through the regions (or the step's one graph)."""
         model = self.model
         tokens = tokens.view(self.rows.size(0), -1)
-        key = step_key(tokens, pos, probe)
+        key = (*step_key(tokens, pos, probe), every)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=self.backend is not None and key in self.guarded):
             if self.mode == "step":
-                logits = self.step_fn(model, tokens, self.rows, pos, None, True)
+                out = self.step_fn(model, tokens, self.rows, pos, None, True, None, every, every)
             else:
-                logits = model(tokens, self.rows, pos, probe, static=True, regions=self.run)
+                out = model(tokens, self.rows, pos, probe, static=True, regions=self.run, every=every, streams=every)
         self.guarded.add(key)
         self.count_hc_calls(tokens.numel(), tokens.device.type)
-        return logits
+        return out
 
     def count_hc_calls(self, rows: int, device_type: str) -> None:
         """The hc steps of a compiled forward over `rows` tokens (B x s), on the torch path or the real kernels
@@ -302,10 +314,11 @@ def step_key(tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None) -> tu
 
 
 def compile_all(model: Transformer, batch: int, context: int, stages: str = "whole", backend: str | None = None,
-                on_progress: Callable[[int, int, str], None] | None = None) -> dict:
+                on_progress: Callable[[int, int, str], None] | None = None, draft_tokens: int = 0) -> dict:
     """Compile every region kind of `model` for a decode batch and context (rounded up as generate's runs round
     theirs: `settings.regions_context`), by running one decode step on fresh caches; report each graph (its first
-    call's wall time: trace, compile and run) and the cache length compiled for."""
+    call's wall time: trace, compile and run) and the cache length compiled for. `draft_tokens` K: the graphs of a
+    speculative verify of K + 1 tokens a row instead (what a regions run with --draft-tokens K runs)."""
     context = regions_context(context, model.cfg.max_position_embeddings)
     model.setup_caches(batch, context)
     backend = backend or default_backend(model.device.type)
@@ -323,11 +336,16 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
 
     t0 = time.perf_counter()
     zeros = torch.zeros(batch, dtype=torch.long, device=model.device)
-    dec(zeros, zeros, progress)
+    if draft_tokens:  # as `speculate` runs a verify: the compressors keep the chunk (for `rewind_span`)
+        keep_chunks(model.layers, True)
+        dec.verify(torch.zeros(batch, draft_tokens + 1, dtype=torch.long, device=model.device), zeros, progress)
+        keep_chunks(model.layers, False)
+    else:
+        dec(zeros, zeros, progress)
     total_s = time.perf_counter() - t0
     regions = [{"region": s.region, "layers": s.layers, "stages": s.stages,
                 "compile_s": s.first_call_s or 0.0, "backend_compile_s": s.compile_s,
                 "graph_breaks": 0 if s.fallback is None else None, "cache_hit": s.cache_hits > 0,
                 "graphs": s.graphs, "fallback": s.fallback, "wrapper": s.wrapper} for s in dec.stats]
     return {"backend": backend, "stages": stages, "graphs": dec.graph_count(), "layers": len(model.layers),
-            "batch": batch, "context": context, "total_s": total_s, "regions": regions}
+            "batch": batch, "context": context, "draft_tokens": draft_tokens, "total_s": total_s, "regions": regions}
