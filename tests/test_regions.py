@@ -647,3 +647,19 @@ def test_compile_regions_compiles_the_graphs_a_run_then_runs(monkeypatch, draft_
     generate(model, [[0, 5, 9, 14]], 6, 1, ignore_eos=True, graph_mode="regions", backend="aot_eager",
              draft_tokens=draft_tokens)
     assert len(ahead) == 6 and sorted(seen) == ahead
+
+
+def test_a_verify_that_keeps_its_chunks_is_not_taken_for_one_that_does_not():
+    """The decoder skips guard evaluation on a step like one it has guarded; a verify whose compressors keep their
+    chunk (what speculate's rewind needs) is not like one whose do not, so its graphs are guarded (and compiled)
+    apart and the chunks are kept."""
+    from mhcrun.snapshot import keep_chunks
+
+    model = make_model([0, 4, 128, 4])
+    model.setup_caches(1, 64)
+    dec = RegionDecoder(model, "regions", "aot_eager")
+    tokens, pos = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    dec.verify(tokens, pos)
+    keep_chunks(model.layers, True)
+    dec.verify(tokens, pos)
+    assert all(m.chunk is not None for m in dec.compressors)

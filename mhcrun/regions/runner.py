@@ -30,7 +30,7 @@ import torch
 import torch._inductor.config
 
 from mhcrun.errors import InputError
-from mhcrun.model import Attention, Block, Carry, MoE, Probe, Transformer
+from mhcrun.model import Attention, Block, Carry, Compressor, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.qgemv import MAX_ROWS
 from mhcrun.settings import regions_context
@@ -224,6 +224,7 @@ class RegionDecoder:
         self.stats: list[GraphStats] = []
         self.kinds: dict[str, Callable] = {}
         self.guarded: set[tuple] = set()  # the steps (`step_key`) whose every region has run with its guards checked
+        self.compressors = [m for m in model.layers.modules() if isinstance(m, Compressor)]
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
             self.stats.append(self.step_stats)
@@ -266,7 +267,8 @@ class RegionDecoder:
         """`Transformer.forward` of every cache row through the regions (or the step's one graph)."""
         model = self.model
         tokens = tokens.view(self.rows.size(0), -1)
-        key = (*step_key(tokens, pos, probe), every)
+        # a verify's compressors keep their chunk (`snapshot.keep_chunks`): a flag the graphs are guarded on
+        key = (*step_key(tokens, pos, probe), every, tuple(m.keep_chunk for m in self.compressors))
         with torch.compiler.set_stance(skip_guard_eval_unsafe=self.backend is not None and key in self.guarded):
             if self.mode == "step":
                 out = self.step_fn(model, tokens, self.rows, pos, None, True, None, every, every)
