@@ -27,7 +27,7 @@ from mhcrun.chat import (
     history_message,
     parse_reply,
 )
-from mhcrun.generate import SamplingOptions, generate, raise_nonfinite
+from mhcrun.generate import SamplingOptions, generate, make_decoder, raise_nonfinite
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.promptcache import open_prompt_cache, save_new_prompt_cache, shared_prefix
 from mhcrun.session import Session
@@ -87,12 +87,14 @@ class ReplyView:
 
 def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, fmt: str, system: str | None,
              hide_thinking: bool, max_new_tokens: int, temperature: float, to_ids: Callable[[str], list[int]],
-             top_p: float = 1.0, seed: int = 0, prompt_cache: Path | None = None, draft_tokens: int = 0) -> None:
+             top_p: float = 1.0, seed: int = 0, prompt_cache: Path | None = None, draft_tokens: int = 0,
+             graph_mode: str = "eager") -> None:
     """The conversation's state stays in one cache row across turns (`mhcrun.session`): each turn prefills only
     what the row does not hold. With `prompt_cache`, a saved state is reused when a prompt starts with its tokens,
     and when the file does not exist the state after the first prompt is written to it. `draft_tokens` K > 0:
     each reply is decoded speculatively with the model's MTP layer (`mhcrun.speculate`), whose state the row
-    keeps too."""
+    keeps too. `graph_mode` "regions": replies decode through the compiled regions (compiled at the first reply,
+    for a cache of the model's whole context, the row's)."""
     tok = runner.require_tokenizer()
     effort = check_effort(fmt, effort)
     encode_chat(Chat([Message("user", "")]), mode, effort, fmt)  # a bad --mode fails now
@@ -103,6 +105,7 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
     context = runner.config.max_position_embeddings
     runner.model.setup_caches(1, context)
     session = Session(runner.model, default_prefill_chunk(runner.config))
+    decoder = make_decoder(runner.model) if graph_mode == "regions" else None  # compiled at the first reply, kept
     cached = open_prompt_cache(runner, prompt_cache) if prompt_cache is not None else None
     if cached is not None:
         session.keep(cached)
@@ -160,7 +163,8 @@ def run_chat(runner, out: Console, err: Console, mode: str, effort: str | None, 
         try:
             res = raise_nonfinite(generate(runner.model, [ids], budget, tok.eos_id,
                                            SamplingOptions(temperature, top_p, seed), on_token=view.push,
-                                           session=session, marks=(mark,), draft_tokens=draft_tokens))
+                                           session=session, marks=(mark,), draft_tokens=draft_tokens,
+                                           graph_mode=graph_mode, decoder=decoder))
             drafts = f" | {stats_note(res[0].stats['speculative'])}" if "speculative" in res[0].stats else ""
         except KeyboardInterrupt:
             stopped = True

@@ -862,6 +862,7 @@ def chat(
     quant_sim: bool = QuantSimOpt,
     dequantize: bool = DequantizeOpt,
     device: str = DeviceOpt,
+    graph_mode: str = GraphModeOpt,
     tp: int = TpOpt,
     layers: int = LayersOpt,
     prompt_cache: Path = typer.Option(None, "--prompt-cache", help="A prompt cache file (safetensors): its state is "
@@ -879,8 +880,8 @@ def chat(
         from mhcrun.chatloop import run_chat
         from mhcrun.runner import open_runner
 
-        env = run_settings(ctx, device, None, temperature, top_p, seed, max_new_tokens=max_new_tokens, min_new_tokens=1,
-                           tp=tp, draft_tokens=draft_tokens)[1]
+        st, env = run_settings(ctx, device, graph_mode, temperature, top_p, seed, max_new_tokens=max_new_tokens,
+                               min_new_tokens=1, tp=tp, draft_tokens=draft_tokens)
         shard, code = start_tp(tp, model, device, env)
         if code is not None:
             return code
@@ -900,9 +901,12 @@ def chat(
 
             check_draft_tokens(runner.model, draft_tokens)
         console = out if shard.world == 1 else LockstepConsole(out, shard)
+        # the conversation's cache holds the model's whole context (`run_chat`): the graphs are compiled for it
+        say_compiling(st.graph_mode, True, False, compile_note(runner, model, "whole", 1,
+                                                               runner.config.max_position_embeddings, draft_tokens))
         run_chat(runner, console, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens,
                  temperature, lambda text: chat_ids(runner, text, fmt), top_p=top_p, seed=seed,
-                 prompt_cache=prompt_cache, draft_tokens=draft_tokens or 0)
+                 prompt_cache=prompt_cache, draft_tokens=draft_tokens or 0, graph_mode=st.graph_mode)
 
     run_guarded(debug, body)
 

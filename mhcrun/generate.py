@@ -275,15 +275,18 @@ def raise_nonfinite(results: list[GenerationResult]) -> list[GenerationResult]:
 
 
 def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chunk: int | None, graph_mode: str,
-                backend: str | None, stages: str, session: Session | None = None) -> tuple[Batch, Stepper]:
+                backend: str | None, stages: str, session: Session | None = None,
+                decoder=None) -> tuple[Batch, Stepper]:
     """Results and steps for a batch of prompts (already checked: `check_prompts`) on fresh caches of `max_seq`
-    tokens a row (compiled regions: rounded up, `settings.cache_length`), or on a session's."""
+    tokens a row (compiled regions: rounded up, `settings.cache_length`), or on a session's; `decoder`: the
+    session's compiled regions, kept across its runs (else made here in regions mode)."""
     model.opts.hc.reset()
     if session is None:
         model.setup_caches(len(prompts), cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
-    decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
+    if graph_mode == "regions" and decoder is None:
+        decoder = make_decoder(model, backend, stages)
     batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
     return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder)
 
@@ -294,7 +297,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
              backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
              session: Session | None = None, marks: tuple[int, ...] = (),
-             draft_tokens: int = 0, warmup: bool = False) -> list[GenerationResult]:
+             draft_tokens: int = 0, warmup: bool = False, decoder=None) -> list[GenerationResult]:
     """Generate up to max_new_tokens for each prompt (token id lists, checked by `check_prompts`).
 
     Each prompt is prefilled eagerly in chunks of `prefill_chunk` tokens (default: `default_prefill_chunk`), then
@@ -308,17 +311,18 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     decoding with the model's MTP layer (`mhcrun.speculate`, with a session too). `warmup`: the first prompt is
     prefilled once, untimed, and its row cleared before the timed run (as llama-bench warms up), so that the speeds
     leave out first-touch costs: the weights' pages mapped in, the kernels loaded, the threads started (no session,
-    no draft tokens)."""
+    no draft tokens). `decoder` (graph_mode "regions", with `session`): the compiled regions of the session's caches,
+    kept across its runs so that a chat's later turns run the graphs its first compiled (`make_decoder`)."""
     if warmup and (session is not None or draft_tokens):
         raise InputError("--warmup does not run with --prompt-cache or --draft-tokens")
     if draft_tokens and max_new_tokens:  # with none to make, nothing is drafted: the prompts alone, below
         from mhcrun.speculate import speculate
 
         return speculate(model, prompts, max_new_tokens, eos_id, draft_tokens, sampling, ignore_eos, record_topk,
-                         on_token, graph_mode, backend, stages, prefill_chunk, session, marks)
+                         on_token, graph_mode, backend, stages, prefill_chunk, session, marks, decoder)
     sampling = sampling or SamplingOptions()
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
-                               backend, stages, session)
+                               backend, stages, session, decoder)
     results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
     if warmup:
         steps.prefill(0, prompts[0])

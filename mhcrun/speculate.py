@@ -177,13 +177,14 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
               sampling: SamplingOptions | None = None, ignore_eos: bool = False, record_topk: int = 0,
               on_token: Callable[[int, int], None] | None = None, graph_mode: str = "eager",
               backend: str | None = None, stages: str = "whole", prefill_chunk: int | None = None,
-              session: Session | None = None, marks: tuple[int, ...] = ()) -> list[GenerationResult]:
+              session: Session | None = None, marks: tuple[int, ...] = (), decoder=None) -> list[GenerationResult]:
     """`generate` with K draft tokens per step from the model's MTP layer (see the module docstring); the same
     results, with stats["speculative"] (`DraftStats.as_dict`). graph_mode "regions": the verify runs the
     compiled regions at a static chunk of K + 1 tokens for every cache row; the MTP layer runs eagerly.
     max_new_tokens >= 1 (`generate` runs prompts alone itself). With `session` (one prompt, its caches set up),
     the prompt is prefilled by the session (`mhcrun.session`: reused state, snapshots at `marks`), and it learns
-    what the row holds after: the prompt and every token but the last, as after `generate`."""
+    what the row holds after: the prompt and every token but the last, as after `generate`; `decoder`: the
+    session's compiled regions, kept across its runs (else made here in regions mode)."""
     sampling = sampling or SamplingOptions()
     dev = model.device
     check_draft_tokens(model, k)
@@ -241,7 +242,8 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         p.tokens.append(first)
         pending.append(p)
 
-    decoder = make_decoder(model, backend, stages) if graph_mode == "regions" else None
+    if graph_mode == "regions" and decoder is None:
+        decoder = make_decoder(model, backend, stages)
     step_s: list[float] = []
     decode_tokens, moved0 = 0, model.opts.tp.traffic.bytes
     active = [r for r in range(len(pending)) if not finished(r)]

@@ -459,3 +459,30 @@ def test_chat_names_what_mode_and_effort_take():
     text = " ".join(c.stdout.split())
     assert "/mode takes chat or thinking, got 'fast'" in text and "/effort takes none, high or max, got 'x'" in text
     assert "unknown command '/bogus'; commands:" in text and "(mode thinking)" in text
+
+
+def test_chat_in_compiled_regions_gives_eager_replies_and_compiles_once(monkeypatch):
+    """`chat --graph-mode regions`: the replies of eager chat (the bundled model, greedy), the compile note once
+    before the first turn, and one decoder for the whole conversation: its graphs are compiled at the first reply
+    and run by the later ones (aot_eager here; inductor is test_regions')."""
+    from mhcrun import chatloop
+    from mhcrun.generate import make_decoder
+
+    made = []
+
+    def decoder_once(model):
+        made.append(make_decoder(model, "aot_eager"))
+        return made[-1]
+
+    monkeypatch.setattr(chatloop, "make_decoder", decoder_once)
+    turns = "Hi\nAnd then?\nMore\n/exit\n"
+    eager = CLI.invoke(app, ["chat", "-n", "6", "--mode", "chat"], input=turns)
+    regions = CLI.invoke(app, ["chat", "-n", "6", "--mode", "chat", "--graph-mode", "regions"], input=turns)
+    assert eager.exit_code == 0 and regions.exit_code == 0, regions.stdout + regions.stderr
+
+    def replies(out: str) -> list[str]:  # the stats lines (wrapped at 80 columns here) left out
+        return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
+
+    assert replies(regions.stdout) == replies(eager.stdout)
+    assert regions.stderr.count("compiling the regions' graphs") == 1 and "compiling" not in eager.stderr
+    assert len(made) == 1 and made[0].graph_count() == 6  # 6 region kinds, compiled once for three turns
