@@ -256,7 +256,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         chunk_ids = torch.cat([torch.tensor([[results[r].tokens[-1]] for r in active], device=dev), drafts], 1)
         main_snap = take_span(model.layers, rows, n, k + 1)
         keep_chunks(model.layers, True)
-        logits, streams = verify(model, decoder, chunk_ids, rows, n, model.max_seq)
+        logits, streams = verify(model, decoder, chunk_ids, rows, n)
         kept = []
         for i, r in enumerate(active):
             if sampling.temperature > 0 and not nonfinite_rows(logits[i]):
@@ -305,8 +305,8 @@ def sample_one(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Gener
     return int(torch.multinomial(sampling_probs(logits[0], sampling), 1, generator=gen))
 
 
-def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor, n: torch.Tensor,
-           max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor,
+           n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The main model on chunk [b, K+1] at positions n [b] of cache rows `rows` -> (logits [b, K+1, V] of every
     position, the streams before the head [b, K+1, n, d]). With compiled regions (`decoder`) every cache row runs
     at the static chunk size: the other rows (finished) run their last tokens again, their results dropped."""
@@ -314,7 +314,7 @@ def verify(model: Transformer, decoder, chunk: torch.Tensor, rows: torch.Tensor,
         return model(chunk, rows, n, every=True, streams=True)
     b, s = model.max_batch, chunk.size(1)
     full = torch.zeros(b, s, dtype=torch.long, device=chunk.device)
-    at = torch.full((b,), max_seq - s, dtype=torch.long, device=chunk.device)
+    at = torch.full((b,), model.max_seq - s, dtype=torch.long, device=chunk.device)
     full[rows], at[rows] = chunk, n
     logits, streams = decoder.verify(full, at)
     keep_rows(model.layers, rows)
