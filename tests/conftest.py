@@ -51,6 +51,11 @@ def long_fp8(tmp_path_factory) -> Path:
 KERNEL_ISAS = ["avx512", "avx2"]
 
 
+def chat_replies(out: str) -> list[str]:
+    """A `chat` run's output lines without its stats lines (which the CLI wraps at 80 columns here)."""
+    return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
+
+
 @functools.cache
 def cpu_kernel(setting: str = "1") -> CpuKernel:
     """The fused kernel as a run opens it with MHCRUN_CPU_KERNEL=`setting` (the rest of the environment as this

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import chat_replies
 from typer.testing import CliRunner
 
 from mhcrun.chat import FORMATS, encode_chat, parse_chat, parse_reply, reply_mode, resolve_format
@@ -480,9 +481,6 @@ def test_chat_in_compiled_regions_gives_eager_replies_and_compiles_once(monkeypa
     regions = CLI.invoke(app, ["chat", "-n", "6", "--mode", "chat", "--graph-mode", "regions"], input=turns)
     assert eager.exit_code == 0 and regions.exit_code == 0, regions.stdout + regions.stderr
 
-    def replies(out: str) -> list[str]:  # the stats lines (wrapped at 80 columns here) left out
-        return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
-
-    assert replies(regions.stdout) == replies(eager.stdout)
+    assert chat_replies(regions.stdout) == chat_replies(eager.stdout)
     assert regions.stderr.count("compiling the regions' graphs") == 1 and "compiling" not in eager.stderr
     assert len(made) == 1 and made[0].graph_count() == 6  # 6 region kinds, compiled once for three turns

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import chat_replies
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -370,10 +371,7 @@ def test_chat_with_drafts_gives_the_replies_of_chat_without():
     drafted = CLI.invoke(app, ["chat", "-n", "12", "--mode", "chat", "--draft-tokens", "2"], input=turns)
     assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stdout + drafted.stderr
 
-    def replies(out: str) -> list[str]:  # the stats lines (wrapped at 80 columns here) left out
-        return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
-
-    assert replies(drafted.stdout) == replies(plain.stdout)
+    assert chat_replies(drafted.stdout) == chat_replies(plain.stdout)
     assert drafted.stdout.count("drafts 2: accepted") == 2 and "drafts" not in plain.stdout
     second = [line for line in drafted.stdout.splitlines() if "prompt tokens (" in line][1]
     assert " 0 reused" not in second
