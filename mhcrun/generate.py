@@ -139,10 +139,11 @@ class Stepper:
     `decode(rows, tokens)`, each feeding a row's tokens at its next positions. Eager decode runs the model's
     forward on the given rows (a chunk of one token each); compiled decode (`decoder`, `mhcrun.regions`) runs
     every row at static shapes, a row not stepped repeating its last step (the same token at the same position
-    writes the same state). Probes are keyed by cache row."""
+    writes the same state). Probes are keyed by cache row. `ahead_s`: the seconds its decoder's graphs took to
+    compile ahead of the run (`RegionDecoder.compile_ahead`), reported as its compile time."""
 
-    def __init__(self, model: Transformer, chunk: int, decoder=None):
-        self.model, self.chunk, self.decoder = model, chunk, decoder
+    def __init__(self, model: Transformer, chunk: int, decoder=None, ahead_s: float = 0.0):
+        self.model, self.chunk, self.decoder, self.ahead_s = model, chunk, decoder, ahead_s
         self.length = [0] * model.max_batch  # tokens each row's state holds
         self.last = [0] * model.max_batch  # the token each row ran last
 
@@ -276,19 +277,23 @@ def raise_nonfinite(results: list[GenerationResult]) -> list[GenerationResult]:
 
 def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chunk: int | None, graph_mode: str,
                 backend: str | None, stages: str, session: Session | None = None,
-                decoder=None) -> tuple[Batch, Stepper]:
+                decoder=None, decodes: bool = True) -> tuple[Batch, Stepper]:
     """Results and steps for a batch of prompts (already checked: `check_prompts`) on fresh caches of `max_seq`
     tokens a row (compiled regions: rounded up, `settings.cache_length`), or on a session's; `decoder`: the
-    session's compiled regions, kept across its runs (else made here in regions mode)."""
+    session's compiled regions, kept across its runs (else made here in regions mode, and on fresh caches compiled
+    ahead of the prefill where decode steps will run: `decodes`)."""
     model.opts.hc.reset()
     if session is None:
         model.setup_caches(len(prompts), cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
+    ahead_s = 0.0
     if graph_mode == "regions" and decoder is None:
         decoder = make_decoder(model, backend, stages)
+        if session is None and decodes:
+            ahead_s = decoder.compile_ahead()
     batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
-    return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder)
+    return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder, ahead_s)
 
 
 @torch.inference_mode()
@@ -322,7 +327,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                          on_token, graph_mode, backend, stages, prefill_chunk, session, marks, decoder)
     sampling = sampling or SamplingOptions()
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
-                               backend, stages, session, decoder)
+                               backend, stages, session, decoder, max_new_tokens > 1)
     results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
     if warmup:
         steps.prefill(0, prompts[0])
@@ -374,7 +379,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     elif session is not None:  # the row holds the prompt and every token fed back (all but the last one taken)
         session.fed(results[0].tokens[:-1])
     batch.locate(steps)
-    finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None, prefilled)
+    finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None, prefilled,
+                 steps.ahead_s)
     if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
         for res in results:
             res.stats["collective_bytes_per_token"] = (model.opts.tp.traffic.bytes - moved0) / max(decode_tokens, 1)
@@ -390,7 +396,7 @@ def teacher_force(model: Transformer, prompts: list[list[int]], forced: list[lis
     token but the last, and is fed forced[r][t] after step t whatever it would choose; observe(row, step, logits
     [V]) sees every step's logits. A row whose logits turn non-finite stops there (its `nonfinite` says where)."""
     batch, steps = start_batch(model, prompts, max(len(p) + len(f) for p, f in zip(prompts, forced, strict=True)),
-                               prefill_chunk, graph_mode, backend, stages)
+                               prefill_chunk, graph_mode, backend, stages, decodes=max(map(len, forced)) > 1)
     results = batch.results
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
@@ -414,21 +420,22 @@ def teacher_force(model: Transformer, prompts: list[list[int]], forced: list[lis
         decode_tokens += len(active)
         active = [r for r in active if r not in batch.bad and len(results[r].tokens) < len(forced[r])]
     batch.locate(steps)
-    return finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None)
+    return finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None,
+                        ahead_s=steps.ahead_s)
 
 
 def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s: list[float], step_s: list[float],
                  decode_tokens: int, compiled: bool = False,
-                 prefilled: list[int] | None = None) -> list[GenerationResult]:
+                 prefilled: list[int] | None = None, ahead_s: float = 0.0) -> list[GenerationResult]:
     """Each result's stats: prefill and decode speed (0.0 where nothing was run: a prompt whose state was reused
-    whole, no decode step), the first compiled step's compile time reported apart, peak memory (every rank's: a
-    collective, so every rank gets here in step), the hc kernels' calls. `prefilled`: the tokens each row's prefill
-    ran (default: its whole prompt)."""
-    compile_s = 0.0
+    whole, no decode step), the compile time reported apart (the graphs compiled ahead, `ahead_s`, and what the
+    first compiled step took beyond the others), peak memory (every rank's: a collective, so every rank gets here in
+    step), the hc kernels' calls. `prefilled`: the tokens each row's prefill ran (default: its whole prompt)."""
+    compile_s = ahead_s
     if compiled and step_s:  # the first compiled step also compiles: report that apart
         typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
-        compile_s = max(0.0, step_s[0] - typical)
-    decode_s = sum(step_s) - compile_s
+        compile_s += max(0.0, step_s[0] - typical)
+    decode_s = sum(step_s) - (compile_s - ahead_s)
     rss = peak_rss_mb()
     per_rank = gather_values([rss], model.opts.tp)
     for row, res in enumerate(results):

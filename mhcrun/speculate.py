@@ -199,6 +199,11 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply and "
                          f"--draft-tokens {k}")
+    ahead_s = 0.0
+    if graph_mode == "regions" and decoder is None:  # on fresh caches its verify graphs compiled ahead of the prefill
+        decoder = make_decoder(model, backend, stages)
+        if session is None and max_new_tokens > 1:
+            ahead_s = decoder.compile_ahead(k)
 
     def finished(row: int) -> bool:
         toks = results[row].tokens
@@ -242,8 +247,6 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         p.tokens.append(first)
         pending.append(p)
 
-    if graph_mode == "regions" and decoder is None:
-        decoder = make_decoder(model, backend, stages)
     step_s: list[float] = []
     decode_tokens, moved0 = 0, model.opts.tp.traffic.bytes
     active = [r for r in range(len(pending)) if not finished(r)]
@@ -283,7 +286,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     elif session is not None:
         session.fed(results[0].tokens[:-1], Pending(pending[0].start, pending[0].streams))
     finish_stats(model, results, prefill_s, step_s, decode_tokens, decoder is not None,
-                 None if session is None else [session.prefilled])
+                 None if session is None else [session.prefilled], ahead_s)
     for res in results:
         res.stats["speculative"] = stats.as_dict()
         if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)

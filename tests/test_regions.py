@@ -444,9 +444,9 @@ def failing_backend(monkeypatch, region: str, stages: str | None = None) -> list
     real = regions_runner.counting_backend
     made = []
 
-    def counting_backend(backend, stats, cpp_wrapper=False):
+    def counting_backend(backend, stats, *options):
         made.append(stats)
-        inner = real(backend, stats, cpp_wrapper)
+        inner = real(backend, stats, *options)
 
         def compile_fn(gm, example_inputs):
             if stats.region == region and stages in (None, stats.stages):
@@ -547,6 +547,57 @@ def test_inductor_compile_regions_reports_one_graph_per_kind():
         "head": [4]}
 
 
+def test_a_graph_runs_as_traced_until_its_wrapper_is_built():
+    """A compile ahead's graph (`builds.built`) runs its traced graph while its wrapper builds, the compiled one once
+    every build finished, and the traced one for good where a build failed (the decoder then falls back)."""
+    from concurrent.futures import Future
+
+    from mhcrun.regions.builds import built, failure
+
+    pending, done, failed = Future(), Future(), Future()
+    done.set_result(None)
+    failed.set_exception(RuntimeError("g++ failed"))
+    calls = []
+    run = built(lambda x: calls.append(("compiled", x)), lambda x: calls.append(("traced", x)), [done, pending])
+    run(1)
+    pending.set_result(None)
+    run(2)
+    run(3)
+    assert calls == [("traced", 1), ("compiled", 2), ("compiled", 3)]
+    calls.clear()
+    built(lambda x: calls.append("compiled"), lambda x: calls.append("traced"), [done, failed])(0)
+    assert calls == ["traced"] and str(failure([done, failed])) == "g++ failed" and failure([done]) is None
+
+
+def test_a_wrapper_that_fails_to_build_in_the_background_leaves_its_group_eager(tiny_runner, monkeypatch):
+    """Compiled ahead, every graph's C++ wrapper builds in the background: where the build fails (g++'s error,
+    simulated), the group runs eagerly, with one warning naming the error, and a run gives the eager tokens."""
+    from torch._inductor.codecache import CppWrapperCodeCache
+    from torch._inductor.utils import fresh_cache
+
+    from mhcrun.generate import make_decoder
+
+    if not cpu_kernel().ops:
+        pytest.skip("no C++ wrappers without the kernel's ops")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated g++ failure")
+
+    model = tiny_runner.model
+    want = [r.tokens for r in generate(model, INDUCTOR_PROMPTS[:1], 4, eos_id=1, ignore_eos=True)]
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", fail)
+    model.setup_caches(1, 256)
+    dec = make_decoder(model)
+    with fresh_cache(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dec.compile_ahead()
+        got = [r.tokens for r in generate(model, INDUCTOR_PROMPTS[:1], 4, eos_id=1, ignore_eos=True,
+                                          graph_mode="regions", decoder=dec)]
+    msgs = region_warnings(record)
+    assert len(msgs) == len(ALL_KINDS) and all("simulated g++ failure" in m for m in msgs), msgs
+    assert all(s.fallback and s.graphs == 1 for s in dec.stats) and got == want
+
+
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("regions") / "prompts.jsonl"
@@ -631,8 +682,8 @@ def test_compile_regions_compiles_the_graphs_a_run_then_runs(monkeypatch, draft_
     seen: list[tuple] = []
     real = regions_runner.counting_backend
 
-    def recording(backend, stats, cpp_wrapper=False):
-        inner = real(backend, stats, cpp_wrapper)
+    def recording(backend, stats, *options):
+        inner = real(backend, stats, *options)
 
         def record(gm, example_inputs):
             seen.append((gm.code, tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))))

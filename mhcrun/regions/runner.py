@@ -22,6 +22,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -33,6 +34,7 @@ from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, Compressor, MoE, Probe, Transformer
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.qgemv import MAX_ROWS
+from mhcrun.regions.builds import Builds, built, failure
 from mhcrun.settings import regions_context
 from mhcrun.snapshot import keep_chunks
 
@@ -50,6 +52,7 @@ class GraphStats:
     fallback: str | None = None  # the compile error, when it runs eagerly
     wrapper: str = ""  # the language of its compiled wrapper (`counting_backend`): "C++" or "Python"
     first_call_s: float | None = None  # its first call's wall time: trace, compile and run
+    builds: list[Future] = field(default_factory=list)  # its wrappers' builds in the background (`builds`)
 
 
 def default_backend(device: str) -> str:
@@ -84,13 +87,14 @@ class CompiledGroup:
     the kind with that layer's module."""
 
     def __init__(self, stats: GraphStats, fn: Callable, backend: str | None, mode: str | None,
-                 cpp_wrapper: bool = False):
+                 cpp_wrapper: bool = False, builds: Callable[[], Builds | None] = lambda: None):
         self.stats, self.eager = stats, fn
         if backend is None:
             self.fn = fn
             return
         name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
-        self.fn = torch.compile(region_function(fn, name), backend=counting_backend(backend, stats, cpp_wrapper),
+        self.fn = torch.compile(region_function(fn, name),
+                                backend=counting_backend(backend, stats, cpp_wrapper, builds),
                                 mode=mode, dynamic=False, fullgraph=True)
 
     def __call__(self, *args):
@@ -109,30 +113,43 @@ class CompiledGroup:
         except Exception as e:  # a failed compile: this group runs eagerly from now on
             if self.stats.graphs and self.stats.fallback is None and not is_compile_error(e):
                 raise
-            self.stats.fallback = describe_error(e)
-            warnings.warn(f"region {self.stats.region} stage {self.stats.stages}: compile failed "
-                          f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=3)
-            self.fn = self.eager
+            self.fall_back(e)
             return self.eager(*args)
 
+    def fall_back(self, e: BaseException) -> None:
+        """A failed compile (or wrapper build): the group runs eagerly from now on, with a warning naming it."""
+        self.stats.fallback = describe_error(e)
+        warnings.warn(f"region {self.stats.region} stage {self.stats.stages}: compile failed "
+                      f"({self.stats.fallback}); running it eagerly", RuntimeWarning, stacklevel=4)
+        self.fn = self.eager
 
-def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False) -> Callable:
+
+def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
+                     builds: Callable[[], Builds | None] = lambda: None) -> Callable:
     """Wrap a torch.compile backend to count the graphs it compiles, their compile time and cache hits.
     `cpp_wrapper`: inductor writes each graph's wrapper (the code that allocates its buffers and calls its kernels and
     ops) in C++ rather than Python: with the kernel's ops in C++ (`CpuKernel.ops`) a call of the graph then runs no
-    Python (BENCHMARKS.md: 15-25% off a CPU decode step; a cold compile takes longer)."""
+    Python (BENCHMARKS.md: 15-25% off a CPU decode step; a cold compile takes longer). Its compiles skip inductor's
+    build-and-load probe of each instruction set's vector headers (`vec_isa_ok`; ~5 s of a cold compile): the run's
+    kernel, built by the same compiler with AVX2, AVX-512 and AMX code, and its ops, built against this torch and
+    loaded, have shown what the probe shows; inductor still checks the instructions each set adds. `builds()`: the
+    compile ahead's background builds (`mhcrun.regions.builds`), where one is under way."""
     inner = torch._dynamo.lookup_backend(backend)
     stats.wrapper = "C++" if cpp_wrapper else "Python"
+    patch = {"cpp_wrapper": True, "cpp.vec_isa_ok": True} if cpp_wrapper else {"cpp_wrapper": False}
 
     def count(gm, example_inputs):
         stats.graphs += 1
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         t0 = time.perf_counter()
-        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper), wrapper_header():
+        later = builds() if cpp_wrapper else None
+        with torch._inductor.config.patch(patch), wrapper_header(), \
+                (later.submitting() if later else contextlib.nullcontext([])) as futures:
             out = inner(gm, example_inputs)
         stats.compile_s += time.perf_counter() - t0
         stats.cache_hits += torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - hits
-        return out
+        stats.builds += futures
+        return built(out, gm, futures) if futures else out
 
     return count
 
@@ -222,7 +239,9 @@ class RegionDecoder:
             for kind in kinds:
                 self.layers_of.setdefault(kind, []).append(i)
         self.stats: list[GraphStats] = []
+        self.groups: list[CompiledGroup] = []
         self.kinds: dict[str, Callable] = {}
+        self.builds: Builds | None = None  # while `compile_ahead` runs: the wrappers building in the background
         self.guarded: set[tuple] = set()  # the steps (`step_key`) whose every region has run with its guards checked
         self.compressors = [m for m in model.layers.modules() if isinstance(m, Compressor)]
         if mode == "step":
@@ -235,7 +254,9 @@ class RegionDecoder:
     def group(self, kind: str, stages: str, fn: Callable) -> CompiledGroup:
         stats = GraphStats(kind, stages, self.layers_of[kind])
         self.stats.append(stats)
-        return CompiledGroup(stats, fn, self.backend, self.cg_mode, self.cpp_wrapper)
+        self.groups.append(CompiledGroup(stats, fn, self.backend, self.cg_mode, self.cpp_wrapper,
+                                         lambda: self.builds))
+        return self.groups[-1]
 
     def run(self, kind: str, fn: Callable, module, *args) -> torch.Tensor:
         """`Transformer.forward`'s regions: fn(module, *args) through its kind's compiled function (made on the
@@ -262,6 +283,36 @@ class RegionDecoder:
         """A speculative verify step (`mhcrun.speculate`): tokens [B, s] at pos [B] (every cache row) -> (logits
         [B, s, vocab] of every position, the streams before the head [B, s, n, d])."""
         return self.forward(tokens, pos, probe, True)
+
+    def compile_ahead(self, draft_tokens: int = 0, probe: Probe | None = None) -> float:
+        """Compile the graphs this decoder's steps run, ahead of them: a decode step of every cache row (with
+        `draft_tokens` K: a speculative verify of K + 1 tokens a row, as `speculate` runs it) on the model's caches,
+        which must be fresh; they are set up afresh after it. Meanwhile the graphs' C++ wrappers build in the
+        background (`mhcrun.regions.builds`); a wrapper that failed to build leaves its group eager, with a warning.
+        -> seconds taken (a warm compile cache: dynamo's tracing alone)."""
+        model, t0 = self.model, time.perf_counter()
+        rows = self.rows.size(0)
+        self.builds = Builds() if self.cpp_wrapper and self.mode == "regions" else None
+        try:
+            with wrapper_header():  # the header the builds precompile, kept until they end
+                zeros = torch.zeros(rows, dtype=torch.long, device=model.device)
+                if draft_tokens:  # as `speculate` runs a verify: the compressors keep the chunk (for `rewind_span`)
+                    keep_chunks(model.layers, True)
+                    self.verify(torch.zeros(rows, draft_tokens + 1, dtype=torch.long, device=model.device), zeros,
+                                probe)
+                    keep_chunks(model.layers, False)
+                else:
+                    self(zeros, zeros, probe)
+                if self.builds is not None:
+                    self.builds.wait()
+        finally:
+            self.builds = None
+        for group in self.groups:
+            if (e := failure(group.stats.builds)) is not None and group.fn is not group.eager:
+                group.fall_back(e)
+        model.setup_caches(rows, model.max_seq)
+        model.opts.hc.reset()  # the calls the step counted are not the run's
+        return time.perf_counter() - t0
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, probe: Probe | None, every: bool):
         """`Transformer.forward` of every cache row through the regions (or the step's one graph)."""
@@ -336,15 +387,7 @@ def compile_all(model: Transformer, batch: int, context: int, stages: str = "who
                 if on_progress:
                     on_progress(len(done), total, f"{s.region} [{s.stages}]")
 
-    t0 = time.perf_counter()
-    zeros = torch.zeros(batch, dtype=torch.long, device=model.device)
-    if draft_tokens:  # as `speculate` runs a verify: the compressors keep the chunk (for `rewind_span`)
-        keep_chunks(model.layers, True)
-        dec.verify(torch.zeros(batch, draft_tokens + 1, dtype=torch.long, device=model.device), zeros, progress)
-        keep_chunks(model.layers, False)
-    else:
-        dec(zeros, zeros, progress)
-    total_s = time.perf_counter() - t0
+    total_s = dec.compile_ahead(draft_tokens, progress)
     regions = [{"region": s.region, "layers": s.layers, "stages": s.stages,
                 "compile_s": s.first_call_s or 0.0, "backend_compile_s": s.compile_s,
                 "graph_breaks": 0 if s.fallback is None else None, "cache_hit": s.cache_hits > 0,
