@@ -569,6 +569,34 @@ def test_a_graph_runs_as_traced_until_its_wrapper_is_built():
     assert calls == ["traced"] and str(failure([done, failed])) == "g++ failed" and failure([done]) is None
 
 
+def test_stopped_builds_end_their_compilers_and_drop_the_rest():
+    """An interrupted compile ahead (`Builds.stop`) ends the compiler a running build waits on (a child of the
+    worker; here `sleep`), and a build that was to start next (waiting on the first, as a graph's build waits for the
+    header) never starts: the process can leave at once."""
+    import subprocess
+    import time
+
+    from mhcrun.regions.builds import Builds
+
+    builds, started = Builds({}), []
+
+    def compile_for(seconds: int):
+        started.append(seconds)
+        subprocess.run(["sleep", str(seconds)], check=False)
+
+    builds.submit(compile_for, 30)
+    builds.submit(compile_for, 31)
+    builds.submit(compile_for, 32)  # queued: two workers
+    while len(started) < 2:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    builds.stop()
+    assert time.perf_counter() - t0 < 5 and all(f.done() for f in builds.tasks)
+    assert sorted(started) == [30, 31]  # the third never started
+    left = subprocess.run(["pgrep", "-f", "^sleep 3[012]$"], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
 def test_a_wrapper_that_fails_to_build_in_the_background_leaves_its_group_eager(tiny_runner, monkeypatch):
     """Compiled ahead, every graph's C++ wrapper builds in the background: where the build fails (g++'s error,
     simulated), the group runs eagerly, with one warning naming the error, and a run gives the eager tokens."""

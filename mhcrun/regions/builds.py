@@ -6,16 +6,27 @@ dynamo does, a cold compile of the mid-size config's 6 graphs took 48 s. A compi
 compile_ahead`: a step on fresh caches whose outputs are thrown away) hands each wrapper's build (its precompiled
 header, g++, loading the module: inductor's `CppWrapperCodeCache.load_pybinding`) to two worker threads and goes
 on: a graph whose build has not finished runs as traced (its FX graph, eagerly), so the next one can be traced
-from its outputs. `wait` ends the builds; a real step then runs the built graphs only. A run's steps never take
-the traced graphs (their rounding may differ from the compiled code's in the last bit): they run after `wait`.
+from its outputs. The header's precompile (15 s, once a machine) starts with the compile, not at the first graph's
+build. Leaving `Builds` (a context) ends the builds; the run's steps, which come after, run the built graphs only,
+never the traced ones (whose rounding may differ from the compiled code's in the last bit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from unittest import mock
+
+# a wrapper that does nothing, built with the graphs' flags and header (as inductor's generated wrappers start)
+EMPTY_WRAPPER = """#include <torch/csrc/inductor/cpp_wrapper/cpu.h>
+void inductor_entry_impl(AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {}
+"""
 
 # two builds at once: g++ is single-threaded, and on a 2-core CPU the main thread's tracing takes the rest
 WORKERS = 2
@@ -24,9 +35,12 @@ WORKERS = 2
 class Builds:
     """Wrapper builds submitted while graphs compile (`submitting`), each graph's kept apart (`built`)."""
 
-    def __init__(self, workers: int = WORKERS):
+    def __init__(self, config: dict, workers: int = WORKERS):
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mhcrun-build")
-        self.futures: list[Future] = []  # every build submitted, in order
+        self.config = config  # inductor's settings for the builds: its config patches hold for their own thread only
+        self.futures: list[Future] = []  # every graph's build submitted, in order
+        self.tasks: list[Future] = []  # every task submitted (the header's too)
+        self.workers: set[int] = set()  # the worker threads' ids (`threading.get_native_id`)
 
     @contextlib.contextmanager
     def submitting(self) -> Iterator[list[Future]]:
@@ -38,7 +52,7 @@ class Builds:
         mine: list[Future] = []
 
         def load_later(cls, *args, **kwargs) -> Callable:
-            future = self.pool.submit(load, *args, **kwargs)
+            future = self.submit(load, *args, **kwargs)
             mine.append(future)
             self.futures.append(future)
             return lambda *a: future.result()(*a)
@@ -46,11 +60,70 @@ class Builds:
         with mock.patch.object(CppWrapperCodeCache, "load_pybinding", classmethod(load_later)):
             yield mine
 
-    def wait(self) -> None:
-        """Every build finished (a failed one's error is its future's: `failure`)."""
-        for f in self.futures:
-            f.exception()
-        self.pool.shutdown()
+    def start_header(self) -> None:
+        """Start the header's precompile now (15 s, once a machine: `runner.wrapper_header`), by building an empty
+        wrapper with the graphs' flags in a worker, rather than when the first graph is built, after its tracing
+        and lowering: the first graph's build waits for it either way. Nothing lost where it fails (the first
+        graph's build precompiles it then)."""
+        from torch._inductor.codecache import CppWrapperCodeCache
+
+        self.submit(CppWrapperCodeCache.load_pybinding, argtypes=["std::vector<AtenTensorHandle>"],
+                    main_code=EMPTY_WRAPPER, device_type="cpu", needs_vec_isa=True, num_outputs=0)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """fn(*args, **kwargs) in a worker, under the builds' inductor settings."""
+
+        def task():
+            import torch._inductor.config
+
+            self.workers.add(threading.get_native_id())
+            with torch._inductor.config.patch(self.config):
+                return fn(*args, **kwargs)
+
+        self.tasks.append(self.pool.submit(task))
+        return self.tasks[-1]
+
+    def __enter__(self) -> Builds:
+        self.start_header()
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        """The compile ahead ended: every build finished (a failed one's error is its future's: `failure`), or,
+        where it ended by an error (an interrupt), the builds stopped (`stop`)."""
+        try:
+            if kind is None:
+                for f in self.futures:
+                    f.exception()
+                self.pool.shutdown()
+                return
+        except BaseException:  # interrupted while waiting
+            self.stop()
+            raise
+        self.stop()
+
+    def stop(self) -> None:
+        """The builds not yet started dropped, and the compilers of those running ended until every task has
+        (a build that waited for the header's precompile starts its own when that one ends): an interrupted run
+        leaves at once, not when a 15 s precompile is done."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        while not all(f.done() for f in self.tasks):
+            for tid in self.workers:
+                end_children(f"/proc/self/task/{tid}/children")
+            time.sleep(0.05)
+
+
+def end_children(listing: str) -> None:
+    """SIGKILL to the processes a /proc `children` file lists, and to theirs (g++'s cc1plus), where Linux lists
+    them."""
+    try:
+        pids = Path(listing).read_text().split()
+    except OSError:
+        return
+    for pid in pids:
+        for sub in Path(f"/proc/{pid}/task").glob("*/children"):
+            end_children(str(sub))
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def built(compiled: Callable, traced: Callable, futures: list[Future]) -> Callable:

@@ -136,7 +136,7 @@ def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
     compile ahead's background builds (`mhcrun.regions.builds`), where one is under way."""
     inner = torch._dynamo.lookup_backend(backend)
     stats.wrapper = "C++" if cpp_wrapper else "Python"
-    patch = {"cpp_wrapper": True, "cpp.vec_isa_ok": True} if cpp_wrapper else {"cpp_wrapper": False}
+    patch = wrapper_config(cpp_wrapper)
 
     def count(gm, example_inputs):
         stats.graphs += 1
@@ -152,6 +152,11 @@ def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
         return built(out, gm, futures) if futures else out
 
     return count
+
+
+def wrapper_config(cpp_wrapper: bool) -> dict:
+    """inductor's settings while a graph compiles (`counting_backend`) and its wrapper builds."""
+    return {"cpp_wrapper": True, "cpp.vec_isa_ok": True} if cpp_wrapper else {"cpp_wrapper": False}
 
 
 WRAPPER_HEADERS = Path(__file__).with_name("cpp_wrapper_headers.h")
@@ -292,9 +297,11 @@ class RegionDecoder:
         -> seconds taken (a warm compile cache: dynamo's tracing alone)."""
         model, t0 = self.model, time.perf_counter()
         rows = self.rows.size(0)
-        self.builds = Builds() if self.cpp_wrapper and self.mode == "regions" else None
-        try:
-            with wrapper_header():  # the header the builds precompile, kept until they end
+        builds = Builds(wrapper_config(True)) if self.cpp_wrapper and self.mode == "regions" else None
+        # the header the builds precompile, kept until they end
+        with wrapper_header(), builds or contextlib.nullcontext():
+            self.builds = builds
+            try:
                 zeros = torch.zeros(rows, dtype=torch.long, device=model.device)
                 if draft_tokens:  # as `speculate` runs a verify: the compressors keep the chunk (for `rewind_span`)
                     keep_chunks(model.layers, True)
@@ -303,10 +310,8 @@ class RegionDecoder:
                     keep_chunks(model.layers, False)
                 else:
                     self(zeros, zeros, probe)
-                if self.builds is not None:
-                    self.builds.wait()
-        finally:
-            self.builds = None
+            finally:
+                self.builds = None
         for group in self.groups:
             if (e := failure(group.stats.builds)) is not None and group.fn is not group.eager:
                 group.fall_back(e)
