@@ -27,8 +27,9 @@ Prints, in one run:
   quantised; ik: the GGUF's tensors, routed experts at their active share, one embedding row) and the share of
   the read bandwidth that makes at each decode rate; prefill's rate of weight multiply-adds against the matmul
   rate;
-- regions' compile time, cold (its first process, as a first run on a machine: torch's caches, its inductor cache and
-  the precompiled headers, in an empty folder) and warm (the later ones);
+- regions' compile time: as a first run on a machine (its first process: torch's caches, its inductor cache and
+  the precompiled headers, in an empty folder), cold (the next prompt length's first run: its context makes graphs of
+  its own, the headers built) and warm (the later rounds');
 - the ratios mhcrun / ik and which of issue 20's goals are met;
 - where a goal of decode's share of the read bandwidth is missed, what a decode step's time goes to:
   benchmarks/bench_step_gemvs.py run on the same checkpoint and threads (an eager step's GEMV calls per kind and
@@ -232,9 +233,11 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
         print(f"{f'prefill of {n}: matmul rate':28}"
               + "".join(f"{macs * rates[c][f'prefill@{n}'] / mm:17.0%} " for c in cols))
     if compile_s:
-        # warm: a later round's (each prompt length's context makes its own graphs: its first run compiles them)
+        # cold: the first regions process's (a first run: torch's caches empty), then the next prompt length's (its
+        # context makes its own graphs, compiled cold with the wrappers' header built); warm: a later round's
         warm = min(compile_s[len(PROMPTS):], default=None)
-        print(f"{'regions compile s':28}{compile_s[0]:18.1f} cold (empty caches, a first run), "
+        print(f"{'regions compile s':28}{compile_s[0]:18.1f} a first run on a machine (empty caches), "
+              + (f"{compile_s[1]:.1f} cold (new shapes), " if len(compile_s) > 1 else "")
               + (f"{warm:.1f} warm" if warm is not None else "warm: needs a second round"))
     print("goals (issue 20):")
     missed = None
@@ -254,10 +257,12 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
                      f"({pre:.2f}x at worst)")
         print(line)
     if compile_s:
-        met = compile_s[0] <= GOAL_COMPILE_S
-        print(f"  regions: compile <= {GOAL_COMPILE_S:.0f} s cold: {_met(met)} ({compile_s[0]:.0f} s"
-              + ("; the README (compile-regions) says why and what a first run costs)" if not met
-                 else ")"))
+        cold = compile_s[1] if len(compile_s) > 1 else None
+        first = compile_s[0] <= GOAL_COMPILE_S
+        print(f"  regions: compile <= {GOAL_COMPILE_S:.0f} s cold: "
+              + (f"{_met(cold <= GOAL_COMPILE_S)} ({cold:.0f} s); " if cold is not None else "")
+              + f"as a first run on a machine: {_met(first)} ({compile_s[0]:.0f} s"
+              + ("; the README (compile-regions) says why and what a first run costs)" if not first else ")"))
     return missed
 
 

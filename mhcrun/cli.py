@@ -351,10 +351,11 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
 
 
 def compile_note(runner, model: str | None, stages: str, batch: int, context: int,
-                 draft_tokens: int | None = None) -> str:
+                 draft_tokens: int | None = None, ahead: bool = True) -> str:
     """What a regions run of `batch` rows and a cache of `context` positions (`settings.cache_length`) says before
-    it compiles: the compile-regions command that compiles the same graphs ahead (the same checkpoint, path and
-    shapes; with `draft_tokens`, a speculative verify's graphs)."""
+    it compiles: when (`ahead`: before its prefill, as a run on fresh caches does, `RegionDecoder.compile_ahead`;
+    else at its first step, as a session's), and the compile-regions command that compiles the same graphs ahead
+    of the run (the same checkpoint, path and shapes; with `draft_tokens`, a speculative verify's graphs)."""
     given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
              ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
              ("--no-quant-sim", "" if not runner.quant_sim else None),
@@ -363,15 +364,15 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
              ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--draft-tokens", draft_tokens),
              ("--batch", batch), ("--context", context)]
     args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
-    step = "verify" if draft_tokens else "decode"
-    return (f"compiling the regions' graphs at the first {step} step: a minute or more the first time on a machine, "
-            f"seconds once torch's compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")
+    when = "before the prefill" if ahead else f"at the first {'verify' if draft_tokens else 'decode'} step"
+    return (f"compiling the regions' graphs {when}: half a minute or more the first time on a machine, seconds once "
+            f"torch's compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")
 
 
 def say_compiling(mode: str, decodes: bool, quiet: bool, note: str) -> None:
-    """A regions run compiles its graphs at its first decode step: say so on stderr first (else the prompt streamed,
-    or a golden check's table, waits a minute unexplained), and how to compile them ahead (`compile_note`); not for
-    a run without a decode step, nor for --json."""
+    """A regions run compiles its graphs before its prefill (or a session's at its first decode step): say so on
+    stderr first (else the run, its streamed prompt, or a golden check's table, waits half a minute unexplained), and
+    how to compile them ahead (`compile_note`); not for a run without a decode step, nor for --json."""
     if mode == "regions" and decodes and not quiet:
         err.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
 
@@ -554,7 +555,7 @@ def generate(
         eos = tok.eos_id if tok else cfg.eos_token_id
         stream = tok.stream(keep_special=messages is not None) if tok and len(ids) == 1 and not as_json else None
         say_compiling(mode, max_new_tokens > 1, as_json, compile_note(runner, model, plan, len(ids), context,
-                                                                      draft_tokens))
+                                                                      draft_tokens, ahead=prompt_cache is None))
         if stream is not None:
             out.print(texts[0] if texts[0] is not None else "", end="", markup=False)
 
@@ -903,7 +904,8 @@ def chat(
         console = out if shard.world == 1 else LockstepConsole(out, shard)
         # the conversation's cache holds the model's whole context (`run_chat`): the graphs are compiled for it
         say_compiling(st.graph_mode, True, False, compile_note(runner, model, "whole", 1,
-                                                               runner.config.max_position_embeddings, draft_tokens))
+                                                               runner.config.max_position_embeddings, draft_tokens,
+                                                               ahead=False))
         run_chat(runner, console, err, mode, reasoning_effort, fmt, system, hide_thinking, max_new_tokens,
                  temperature, lambda text: chat_ids(runner, text, fmt), top_p=top_p, seed=seed,
                  prompt_cache=prompt_cache, draft_tokens=draft_tokens or 0, graph_mode=st.graph_mode)

@@ -1083,9 +1083,10 @@ def test_version_names_mhcrun_torch_and_python():
     assert "--version" in cli("--help", env={"COLUMNS": "200"}).stdout
 
 
-def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch):
-    """A regions run compiles its graphs at the first decode step (a minute cold): the streamed prompt would wait
-    unexplained. The run itself goes eager here (the note is the CLI's; compiling is test_regions')."""
+def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch, tmp_path):
+    """A regions run compiles its graphs before its prefill (half a minute cold), or with a prompt cache at its
+    first decode step: the run, its streamed prompt, would wait unexplained. The run itself goes eager here (the note
+    is the CLI's; compiling is test_regions')."""
     import mhcrun.generate as gen
 
     real = gen.generate
@@ -1093,15 +1094,19 @@ def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch)
     r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions")
     ok(r)
     note = r.stderr.splitlines()[0]  # one row, its context rounded up (settings.regions_context)
-    assert note.startswith("compiling the regions' graphs at the first decode step") and r.stderr.count(note) == 1
+    assert note.startswith("compiling the regions' graphs before the prefill") and r.stderr.count(note) == 1
     assert note.endswith("(`mhcrun compile-regions --batch 1 --context 256` compiles them ahead)")
+    cache = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions", "--prompt-cache",
+                tmp_path / "river.safetensors")
+    ok(cache)
+    assert cache.stderr.splitlines()[0].startswith("compiling the regions' graphs at the first decode step")
     for quiet in (("-n", 1), ("-n", 2, "--json"), ("-n", 2, "--graph-mode", "eager")):  # no decode step, no prose
         r = cli("generate", "--prompt", "The river", "--graph-mode", "regions", *quiet)
         ok(r)
         assert "compiling the regions' graphs" not in r.stderr
     r = cli("generate", "--prompt", "The river", "-n", 2, "--graph-mode", "regions", "--draft-tokens", 2)
     ok(r)
-    assert r.stderr.splitlines()[0].startswith("compiling the regions' graphs at the first verify step")
+    assert r.stderr.splitlines()[0].startswith("compiling the regions' graphs before the prefill")
     assert r.stderr.splitlines()[0].endswith("(`mhcrun compile-regions --draft-tokens 2 --batch 1 --context 256` "
                                              "compiles them ahead)")
 
