@@ -353,9 +353,10 @@ FormatOpt = typer.Option(None, "--chat-format", help="Prompt layout: v4 (the enc
 def compile_note(runner, model: str | None, stages: str, batch: int, context: int,
                  draft_tokens: int | None = None, ahead: bool = True) -> str:
     """What a regions run of `batch` rows and a cache of `context` positions (`settings.cache_length`) says before
-    it compiles: when (`ahead`: before its prefill, as a run on fresh caches does, `RegionDecoder.compile_ahead`;
-    else at its first step, as a session's), and the compile-regions command that compiles the same graphs ahead
-    of the run (the same checkpoint, path and shapes; with `draft_tokens`, a speculative verify's graphs)."""
+    it compiles: when (`ahead`: before its prefill, as a run on fresh caches does where its graphs' wrappers are
+    C++, `RegionDecoder.compiles_ahead`; else at its first step, as a session's), and the compile-regions command
+    that compiles the same graphs ahead of the run (the same checkpoint, path and shapes; with `draft_tokens`, a
+    speculative verify's graphs)."""
     given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
              ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
              ("--no-quant-sim", "" if not runner.quant_sim else None),
@@ -364,6 +365,9 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
              ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--draft-tokens", draft_tokens),
              ("--batch", batch), ("--context", context)]
     args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
+    from mhcrun.regions.runner import default_backend, wraps_in_cpp
+
+    ahead = ahead and wraps_in_cpp(runner.model, default_backend(runner.device))
     when = "before the prefill" if ahead else f"at the first {'verify' if draft_tokens else 'decode'} step"
     return (f"compiling the regions' graphs {when}: half a minute or more the first time on a machine, seconds once "
             f"torch's compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")

@@ -290,7 +290,7 @@ def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chun
     ahead_s = 0.0
     if graph_mode == "regions" and decoder is None:
         decoder = make_decoder(model, backend, stages)
-        if session is None and decodes:
+        if session is None and decodes and decoder.compiles_ahead:
             ahead_s = decoder.compile_ahead()
     batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
     return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder, ahead_s)

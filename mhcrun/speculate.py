@@ -202,7 +202,7 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     ahead_s = 0.0
     if graph_mode == "regions" and decoder is None:  # on fresh caches its verify graphs compiled ahead of the prefill
         decoder = make_decoder(model, backend, stages)
-        if session is None and max_new_tokens > 1:
+        if session is None and max_new_tokens > 1 and decoder.compiles_ahead:
             ahead_s = decoder.compile_ahead(k)
 
     def finished(row: int) -> bool:

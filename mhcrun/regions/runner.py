@@ -154,6 +154,12 @@ def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
     return count
 
 
+def wraps_in_cpp(model: Transformer, backend: str | None) -> bool:
+    """Whether the region graphs' wrappers are C++ (`counting_backend`): inductor on a CPU where the run loaded the
+    kernel's ops in C++."""
+    return backend == "inductor" and model.device.type == "cpu" and bool(model.opts.cpu.ops)
+
+
 def wrapper_config(cpp_wrapper: bool) -> dict:
     """inductor's settings while a graph compiles (`counting_backend`) and its wrapper builds."""
     return {"cpp_wrapper": True, "cpp.vec_isa_ok": True} if cpp_wrapper else {"cpp_wrapper": False}
@@ -236,8 +242,7 @@ class RegionDecoder:
             block.ffn.gather_experts()
         self.rows = torch.arange(model.max_batch, device=model.device)
         self.backend = None if mode == "eager" else backend
-        # on CPU, where the run loaded the kernel's ops in C++, the graphs' wrappers are C++ too (`counting_backend`)
-        self.cpp_wrapper = backend == "inductor" and model.device.type == "cpu" and bool(model.opts.cpu.ops)
+        self.cpp_wrapper = wraps_in_cpp(model, backend)
         self.cg_mode = "reduce-overhead" if cuda_graphs else None
         self.layers_of: dict[str, list[int]] = {"head": [len(model.layers)]}
         for i, kinds in enumerate(model.region_kinds):
@@ -289,6 +294,13 @@ class RegionDecoder:
         [B, s, vocab] of every position, the streams before the head [B, s, n, d])."""
         return self.forward(tokens, pos, probe, True)
 
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether a run on fresh caches compiles this decoder's graphs ahead of its prefill (`compile_ahead`):
+        where their C++ wrappers build in the background (`wraps_in_cpp`); elsewhere at the first step (CUDA
+        graphs keep the addresses of the caches, which setting them up afresh after a step ahead would change)."""
+        return self.cpp_wrapper and self.mode == "regions"
+
     def compile_ahead(self, draft_tokens: int = 0, probe: Probe | None = None) -> float:
         """Compile the graphs this decoder's steps run, ahead of them: a decode step of every cache row (with
         `draft_tokens` K: a speculative verify of K + 1 tokens a row, as `speculate` runs it) on the model's caches,
@@ -297,7 +309,7 @@ class RegionDecoder:
         -> seconds taken (a warm compile cache: dynamo's tracing alone)."""
         model, t0 = self.model, time.perf_counter()
         rows = self.rows.size(0)
-        builds = Builds(wrapper_config(True)) if self.cpp_wrapper and self.mode == "regions" else None
+        builds = Builds(wrapper_config(True)) if self.compiles_ahead else None
         # the header the builds precompile, kept until they end
         with wrapper_header(), builds or contextlib.nullcontext():
             self.builds = builds
