@@ -244,6 +244,15 @@ def make_decoder(model: Transformer, backend: str | None = None, stages: str = "
                          cuda_graphs=dev.type == "cuda")
 
 
+def start_decoder(model: Transformer, backend: str | None, stages: str, fresh: bool,
+                  draft_tokens: int = 0) -> tuple:
+    """`make_decoder`, and on fresh caches (`fresh`: no session's state, decode steps to come) its graphs compiled
+    ahead of the prefill, where they compile so (`RegionDecoder.compiles_ahead`; with `draft_tokens` K, a
+    speculative verify's) -> (the decoder, the seconds compiled ahead)."""
+    decoder = make_decoder(model, backend, stages)
+    return decoder, decoder.compile_ahead(draft_tokens) if fresh and decoder.compiles_ahead else 0.0
+
+
 @dataclass
 class Batch:
     """Results being made for a batch of prompts: each row's tokens so far, and where its logits turned
@@ -289,9 +298,7 @@ def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chun
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
     ahead_s = 0.0
     if graph_mode == "regions" and decoder is None:
-        decoder = make_decoder(model, backend, stages)
-        if session is None and decodes and decoder.compiles_ahead:
-            ahead_s = decoder.compile_ahead()
+        decoder, ahead_s = start_decoder(model, backend, stages, session is None and decodes)
     batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
     return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder, ahead_s)
 
@@ -431,11 +438,11 @@ def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s:
     whole, no decode step), the compile time reported apart (the graphs compiled ahead, `ahead_s`, and what the
     first compiled step took beyond the others), peak memory (every rank's: a collective, so every rank gets here in
     step), the hc kernels' calls. `prefilled`: the tokens each row's prefill ran (default: its whole prompt)."""
-    compile_s = ahead_s
-    if compiled and step_s:  # the first compiled step also compiles: report that apart
+    first = 0.0
+    if compiled and step_s:  # the first compiled step may also compile: report that apart
         typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
-        compile_s += max(0.0, step_s[0] - typical)
-    decode_s = sum(step_s) - (compile_s - ahead_s)
+        first = max(0.0, step_s[0] - typical)
+    compile_s, decode_s = ahead_s + first, sum(step_s) - first
     rss = peak_rss_mb()
     per_rank = gather_values([rss], model.opts.tp)
     for row, res in enumerate(results):

@@ -33,10 +33,10 @@ from mhcrun.errors import InputError
 from mhcrun.generate import (
     GenerationResult,
     finish_stats,
-    make_decoder,
     nonfinite_rows,
     record_step,
     sampling_probs,
+    start_decoder,
     step_name,
 )
 from mhcrun.memory import default_prefill_chunk
@@ -200,10 +200,8 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply and "
                          f"--draft-tokens {k}")
     ahead_s = 0.0
-    if graph_mode == "regions" and decoder is None:  # on fresh caches its verify graphs compiled ahead of the prefill
-        decoder = make_decoder(model, backend, stages)
-        if session is None and max_new_tokens > 1 and decoder.compiles_ahead:
-            ahead_s = decoder.compile_ahead(k)
+    if graph_mode == "regions" and decoder is None:
+        decoder, ahead_s = start_decoder(model, backend, stages, session is None and max_new_tokens > 1, k)
 
     def finished(row: int) -> bool:
         toks = results[row].tokens

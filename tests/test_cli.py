@@ -1129,17 +1129,28 @@ def test_compile_note_names_the_compile_regions_command_of_the_runs_path():
     given, every path option that changes the graphs, the batch and the rounded context."""
     from types import SimpleNamespace
 
+    def model(ops: str) -> SimpleNamespace:  # the kernel's C++ ops loaded (`wraps_in_cpp`), or not
+        return SimpleNamespace(device=torch.device("cpu"), opts=SimpleNamespace(cpu=SimpleNamespace(ops=ops)))
+
     runner = SimpleNamespace(device="cpu", dtype="bf16", quant_sim=False, dequantize=True, layers=2,
-                             tp=SimpleNamespace(world=2))
+                             tp=SimpleNamespace(world=2), model=model("ops.so"))
     assert compile_note(runner, "/ckpt", "split", 3, 512).endswith(
         "(`mhcrun compile-regions -m /ckpt --dtype bf16 --no-quant-sim --dequantize --layers 2 --stages split --tp 2 "
         "--batch 3 --context 512` compiles them ahead)")
     plain = SimpleNamespace(device="cpu", dtype="fp32", quant_sim=True, dequantize=False, layers=None,
-                            tp=SimpleNamespace(world=1))
+                            tp=SimpleNamespace(world=1), model=model("ops.so"))
     assert compile_note(plain, None, "whole", 1, 256).endswith(
         "(`mhcrun compile-regions --batch 1 --context 256` compiles them ahead)")
     assert compile_note(plain, None, "whole", 1, 256, 2).endswith(
         "(`mhcrun compile-regions --draft-tokens 2 --batch 1 --context 256` compiles them ahead)")
+    # when: before the prefill where the graphs' C++ wrappers build aside, else (a session's, or Python wrappers:
+    # no kernel ops) at the first step
+    assert compile_note(plain, None, "whole", 1, 256).startswith("compiling the regions' graphs before the prefill")
+    assert compile_note(plain, None, "whole", 1, 256, 2, ahead=False).startswith(
+        "compiling the regions' graphs at the first verify step")
+    plain.model = model("")
+    assert compile_note(plain, None, "whole", 1, 256).startswith(
+        "compiling the regions' graphs at the first decode step")
 
 
 def test_compile_regions_compiles_for_the_path_options_it_is_given(monkeypatch):
