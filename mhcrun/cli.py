@@ -357,6 +357,8 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
     C++, `RegionDecoder.compiles_ahead`; else at its first step, as a session's), and the compile-regions command
     that compiles the same graphs ahead of the run (the same checkpoint, path and shapes; with `draft_tokens`, a
     speculative verify's graphs)."""
+    from mhcrun.regions.runner import default_backend, wraps_in_cpp
+
     given = [("-m", model), ("--device", runner.device if runner.device != "cpu" else None),
              ("--dtype", runner.dtype if runner.dtype != "fp32" else None),
              ("--no-quant-sim", "" if not runner.quant_sim else None),
@@ -365,8 +367,6 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
              ("--tp", runner.tp.world if runner.tp.world > 1 else None), ("--draft-tokens", draft_tokens),
              ("--batch", batch), ("--context", context)]
     args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
-    from mhcrun.regions.runner import default_backend, wraps_in_cpp
-
     ahead = ahead and wraps_in_cpp(runner.model, default_backend(runner.device))
     when = "before the prefill" if ahead else f"at the first {'verify' if draft_tokens else 'decode'} step"
     return (f"compiling the regions' graphs {when}: half a minute or more the first time on a machine, seconds once "

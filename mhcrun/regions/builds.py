@@ -55,7 +55,7 @@ class Builds:
             future = self.submit(load, *args, **kwargs)
             mine.append(future)
             self.futures.append(future)
-            return lambda *a: future.result()(*a)
+            return entry_of(future)
 
         with mock.patch.object(CppWrapperCodeCache, "load_pybinding", classmethod(load_later)):
             yield mine
@@ -124,6 +124,20 @@ def end_children(listing: str) -> None:
             end_children(str(sub))
         with contextlib.suppress(OSError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def entry_of(future: Future) -> Callable:
+    """A module's entry point that waits for its build at the first call, and then calls it directly (a region
+    call of every decode step goes through it: no lock taken again)."""
+    fn = None
+
+    def entry(*args):
+        nonlocal fn
+        if fn is None:
+            fn = future.result()
+        return fn(*args)
+
+    return entry
 
 
 def built(compiled: Callable, traced: Callable, futures: list[Future]) -> Callable:
