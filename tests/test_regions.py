@@ -10,6 +10,7 @@ the README's compile-regions example, so that torch's compile cache serves the l
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -229,10 +230,11 @@ def split3():
     return compiled_run([0, 4, 16], "split", 20)
 
 
-def test_a_cpu_graphs_wrapper_includes_only_what_its_precompiled_header_holds():
-    """A CPU graph's C++ wrapper calls the kernel's ops through the dispatcher, whose headers g++ parsed for every
-    graph (5.5-8 s of each) until the header inductor precompiles held them (`wrapper_header`): every header a
-    wrapper includes is in cpp_wrapper_headers.h, and its precompiled form is what the compile made."""
+def test_a_cpu_graphs_wrapper_calls_the_ops_c_shims_and_includes_only_what_its_precompiled_header_holds():
+    """A CPU graph's C++ wrapper calls the kernel's ops by their C shims (`regions.shims`), not through the
+    dispatcher (whose headers and IValue stacks took g++ seconds a graph), and g++ parses no header for it that
+    the header inductor precompiles (`wrapper_header`) leaves out: every header a wrapper includes is in
+    cpp_wrapper_headers.h, and its precompiled form is what the compile made."""
     import re
 
     from torch._inductor.codecache import _HEADER_DIR, CppWrapperCodeCache
@@ -264,10 +266,65 @@ def test_a_cpu_graphs_wrapper_includes_only_what_its_precompiled_header_holds():
     assert stats.wrapper == "C++" and stats.fallback is None and (y - f(x)).abs().max().item() < 1e-5
     included = set(re.findall(r"#include <([^>]+)>", "\n".join(codes)))
     held = set(re.findall(r"#include <([^>]+)>", WRAPPER_HEADERS.read_text()))
-    assert "ATen/core/dispatch/Dispatcher.h" in included  # the op's call: what the time went to
+    code = "\n".join(codes)
+    assert "aoti_torch_cpu_qgemv_native(" in code and "callBoxed" not in code, code
     assert included <= held, f"precompile these too: {sorted(included - held)}"
     made = [h for h in Path(_HEADER_DIR).glob("*.h") if str(WRAPPER_HEADERS) in h.read_text()]
     assert any(h.with_name(h.name + ext).exists() for h in made for ext in (".gch", ".pch")), made
+
+
+def test_a_c_shims_declaration_follows_its_ops_schema():
+    """inductor writes a shim's declaration into each wrapper as given: each argument by inductor's calling
+    convention for its type, each output a handle written through a pointer; an op returning other than tensors has
+    none."""
+    from mhcrun.regions.shims import declaration
+
+    schema = torch._C.parse_schema("f(Tensor(a!) t, Tensor? o, int i, float x, bool b, str s) -> (Tensor, Tensor)")
+    assert declaration("f", schema) == ("AOTITorchError aoti_torch_cpu_f(AtenTensorHandle t, AtenTensorHandle* o, "
+                                        "int64_t i, double x, int32_t b, const char* s, AtenTensorHandle* out0, "
+                                        "AtenTensorHandle* out1)")
+    with pytest.raises(TypeError, match="tensors only"):
+        declaration("g", torch._C.parse_schema("g(Tensor t) -> int"))
+
+
+def test_a_graph_compiled_with_c_shims_raises_the_ops_own_error_and_is_served_from_the_compile_cache(tmp_path):
+    """An op's error passes through its shim and the wrapper as through the dispatcher: the graph's call raises the
+    op's own message. The shims' table keys inductor's compile cache by their declarations (an op does not pickle,
+    and a setting that does not pickle turns the cache off): a second compile of the graph is a cache hit."""
+    import pickle
+
+    from mhcrun.regions.runner import GraphStats, counting_backend
+    from mhcrun.regions.shims import c_shims
+
+    kernel = cpu_kernel()
+    if not kernel.ops:
+        pytest.skip(f"CPU kernel {kernel.status()}: no ops, no C++ wrapper")
+    table = c_shims()
+    assert pickle.loads(pickle.dumps(table)) == "\n".join(sorted(d for ds in table.values() for d in ds))
+    data = torch.randn(8, 16).bfloat16()
+
+    def f(x: torch.Tensor, library: str) -> torch.Tensor:
+        return torch.ops.mhcrun.qgemv_native(x.view(1, 1, 16) * 2, data, None, 0, 1, library, kernel.isa) + 1
+
+    x = torch.randn(16)
+    want = torch.ops.mhcrun.qgemv_native(x.view(1, 1, 16) * 2, data, None, 0, 1, kernel.library, kernel.isa) + 1
+    missing = str(tmp_path / "missing.so")
+    with torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+        for attempt in range(2):
+            torch._dynamo.reset()
+            stats = GraphStats("test", "whole")
+            compiled = torch.compile(functools.partial(f, library=kernel.library), fullgraph=True,
+                                     backend=counting_backend("inductor", stats, cpp_wrapper=True))
+            torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
+            assert stats.wrapper == "C++" and stats.fallback is None
+            assert stats.cache_hits == attempt, f"compile {attempt + 1}: {stats.cache_hits} cache hits"
+        torch._dynamo.reset()
+        failing = torch.compile(functools.partial(f, library=missing), fullgraph=True,
+                                backend=counting_backend("inductor", GraphStats("test", "whole"), cpp_wrapper=True))
+        with pytest.raises(RuntimeError, match="cannot open the kernel library .*missing.so"):
+            failing(x)
 
 
 def assert_no_recompiles(run) -> None:

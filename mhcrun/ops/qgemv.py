@@ -748,13 +748,12 @@ def load_torch_ops(env: Env) -> str:
     except (OSError, RuntimeError, subprocess.SubprocessError):
         return ""
     if not hasattr(torch.ops.mhcrun, "qgemv_native"):  # once a process: another build would define them twice
+        # opened with its symbols global first: the graphs' C++ wrappers call the ops' C shims by name
+        # (`mhcrun.regions.shims`), resolved when each wrapper is loaded
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         torch.ops.load_library(path)
-        torch.library.register_fake("mhcrun::qgemv_native")(qgemv_shape)
-        torch.library.register_fake("mhcrun::qgemv_expert_set_native")(expert_set_shape)
-        torch.library.register_fake("mhcrun::hc_post_pre_native")(post_pre_shape)
-        torch.library.register_fake("mhcrun::attend_native")(attend_shape)
-        torch.library.register_fake("mhcrun::index_topk_native")(index_topk_shape)
-        torch.library.register_fake("mhcrun::compress_step_native")(compress_step_shape)
+        for name, shape in NATIVE_OPS.items():
+            torch.library.register_fake(f"mhcrun::{name}")(shape)
     return path
 
 
@@ -938,6 +937,12 @@ def expert_set(weights: list[QWeight]) -> ExpertSet | None:
     return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features,
                      first.in_features)
 
+
+# torch_ops.cpp's ops (`mhcrun::<name>`), each with its fake kernel (the shapes it gives) and a C shim
+# (`aoti_torch_cpu_<name>`) that compiled graphs' C++ wrappers call (`mhcrun.regions.shims`)
+NATIVE_OPS = {"qgemv_native": qgemv_shape, "qgemv_expert_set_native": expert_set_shape,
+              "hc_post_pre_native": post_pre_shape, "attend_native": attend_shape,
+              "index_topk_native": index_topk_shape, "compress_step_native": compress_step_shape}
 
 def _same_layout(w: QWeight, first: QWeight) -> bool:
     return (w.kernel and w.data.shape == first.data.shape and w.data.dtype == first.data.dtype

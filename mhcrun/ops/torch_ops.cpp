@@ -20,6 +20,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -314,6 +315,94 @@ Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at
 }
 
 }  // namespace
+
+// The ops' C shims: a graph's C++ wrapper calls `aoti_torch_cpu_<op>` directly, with tensor handles, rather than the
+// op through the dispatcher with a stack of IValues (inductor's `aot_inductor.custom_ops_to_c_shims`: each op's
+// declaration follows from its schema, mhcrun.regions.shims). The wrappers then need neither the dispatcher's headers
+// nor their code: each graph compiles in less time, and a call costs less. Inductor's calling convention: a Tensor a
+// handle, a Tensor? a pointer to one (null: None), int int64_t, float double, bool int32_t, str a C string, each output
+// a handle written through a pointer. An error is thrown, as through the dispatcher (the error code is never
+// FAILURE): the graph's call raises the op's own error (a Python op's, where the kernel declined the call).
+namespace shim {
+
+at::Tensor& tensor(AtenTensorHandle h) { return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h); }
+
+std::optional<at::Tensor> optional(AtenTensorHandle* h) {
+    return h ? std::optional<at::Tensor>(tensor(*h)) : std::nullopt;
+}
+
+AtenTensorHandle handle(at::Tensor t) { return torch::aot_inductor::new_tensor_handle(std::move(t)); }
+
+}  // namespace shim
+
+#define MHCRUN_SHIM extern "C" __attribute__((visibility("default"))) AOTITorchError
+
+MHCRUN_SHIM aoti_torch_cpu_qgemv_native(AtenTensorHandle x3, AtenTensorHandle data, AtenTensorHandle* scale,
+                                        int64_t block, int64_t groups, const char* library, int64_t isa,
+                                        AtenTensorHandle* y) {
+    *y = shim::handle(qgemv_native(shim::tensor(x3), shim::tensor(data), shim::optional(scale), block, groups,
+                                   library, isa));
+    return AOTI_TORCH_SUCCESS;
+}
+
+MHCRUN_SHIM aoti_torch_cpu_qgemv_expert_set_native(AtenTensorHandle x, AtenTensorHandle ptrs, AtenTensorHandle idx,
+                                                   int64_t fmt, int64_t kind, int64_t block, int64_t out_features,
+                                                   int64_t in_features, const char* library, int64_t isa,
+                                                   AtenTensorHandle* y) {
+    *y = shim::handle(qgemv_expert_set_native(shim::tensor(x), shim::tensor(ptrs), shim::tensor(idx), fmt, kind,
+                                              block, out_features, in_features, library, isa));
+    return AOTI_TORCH_SUCCESS;
+}
+
+MHCRUN_SHIM aoti_torch_cpu_hc_post_pre_native(AtenTensorHandle y, AtenTensorHandle residual, AtenTensorHandle post,
+                                              AtenTensorHandle comb, AtenTensorHandle fn, AtenTensorHandle scale,
+                                              AtenTensorHandle base, AtenTensorHandle weight, int64_t iters,
+                                              double eps, double norm_eps, const char* library, int64_t isa,
+                                              AtenTensorHandle* streams, AtenTensorHandle* h,
+                                              AtenTensorHandle* post_out, AtenTensorHandle* comb_out) {
+    auto [s, hh, p, c] = hc_post_pre_native(shim::tensor(y), shim::tensor(residual), shim::tensor(post),
+                                            shim::tensor(comb), shim::tensor(fn), shim::tensor(scale),
+                                            shim::tensor(base), shim::tensor(weight), iters, eps, norm_eps,
+                                            library, isa);
+    *streams = shim::handle(s);
+    *h = shim::handle(hh);
+    *post_out = shim::handle(p);
+    *comb_out = shim::handle(c);
+    return AOTI_TORCH_SUCCESS;
+}
+
+MHCRUN_SHIM aoti_torch_cpu_attend_native(AtenTensorHandle q, AtenTensorHandle kv, AtenTensorHandle mask,
+                                         AtenTensorHandle sink, double scale, AtenTensorHandle* sel,
+                                         AtenTensorHandle* sel_mask, const char* library, int64_t isa,
+                                         AtenTensorHandle* o) {
+    *o = shim::handle(attend_native(shim::tensor(q), shim::tensor(kv), shim::tensor(mask), shim::tensor(sink),
+                                    scale, shim::optional(sel), shim::optional(sel_mask), library, isa));
+    return AOTI_TORCH_SUCCESS;
+}
+
+MHCRUN_SHIM aoti_torch_cpu_index_topk_native(AtenTensorHandle q, AtenTensorHandle w, AtenTensorHandle packed,
+                                             AtenTensorHandle scale, AtenTensorHandle rows, AtenTensorHandle closed,
+                                             int64_t n, int64_t topk, int64_t block, const char* library, int64_t isa,
+                                             AtenTensorHandle* entries, AtenTensorHandle* valid) {
+    auto [e, v] = index_topk_native(shim::tensor(q), shim::tensor(w), shim::tensor(packed), shim::tensor(scale),
+                                    shim::tensor(rows), shim::tensor(closed), n, topk, block, library, isa);
+    *entries = shim::handle(e);
+    *valid = shim::handle(v);
+    return AOTI_TORCH_SUCCESS;
+}
+
+MHCRUN_SHIM aoti_torch_cpu_compress_step_native(AtenTensorHandle kv_state, AtenTensorHandle score_state,
+                                                AtenTensorHandle rows, AtenTensorHandle kv, AtenTensorHandle raw,
+                                                AtenTensorHandle ape, AtenTensorHandle start, int64_t ratio,
+                                                int32_t overlap, const char* library, int64_t isa,
+                                                AtenTensorHandle* pooled, AtenTensorHandle* closed) {
+    auto [p, c] = compress_step_native(shim::tensor(kv_state), shim::tensor(score_state), shim::tensor(rows),
+                                       shim::tensor(kv), shim::tensor(raw), shim::tensor(ape), shim::tensor(start),
+                                       ratio, overlap != 0, library, isa);
+    *pooled = shim::handle(p);
+    *closed = shim::handle(c);
+    return AOTI_TORCH_SUCCESS;
+}
 
 TORCH_LIBRARY_FRAGMENT(mhcrun, m) {
     m.def("qgemv_native(Tensor x3, Tensor data, Tensor? scale, int block, int groups, str library, int isa) -> Tensor");

@@ -35,6 +35,7 @@ from mhcrun.model import Attention, Block, Carry, Compressor, MoE, Probe, Transf
 from mhcrun.nki import ops as hc_ops
 from mhcrun.ops.qgemv import MAX_ROWS
 from mhcrun.regions.builds import Builds, built, failure
+from mhcrun.regions.shims import c_shims
 from mhcrun.settings import regions_context
 from mhcrun.snapshot import keep_chunks
 
@@ -161,8 +162,11 @@ def wraps_in_cpp(model: Transformer, backend: str | None) -> bool:
 
 
 def wrapper_config(cpp_wrapper: bool) -> dict:
-    """inductor's settings while a graph compiles (`counting_backend`) and its wrapper builds."""
-    return {"cpp_wrapper": True, "cpp.vec_isa_ok": True} if cpp_wrapper else {"cpp_wrapper": False}
+    """inductor's settings while a graph compiles (`counting_backend`) and its wrapper builds: a C++ wrapper calls
+    the kernel's ops by their C shims (`mhcrun.regions.shims`)."""
+    if not cpp_wrapper:
+        return {"cpp_wrapper": False}
+    return {"cpp_wrapper": True, "cpp.vec_isa_ok": True, "aot_inductor.custom_ops_to_c_shims": c_shims()}
 
 
 WRAPPER_HEADERS = Path(__file__).with_name("cpp_wrapper_headers.h")
@@ -172,9 +176,9 @@ WRAPPER_HEADERS = Path(__file__).with_name("cpp_wrapper_headers.h")
 def wrapper_header():
     """While a graph compiles: the header inductor precompiles for a CPU graph's C++ wrapper is
     cpp_wrapper_headers.h, everything the wrapper includes, rather than torch's cpu.h alone: g++ no longer parses
-    the dispatcher's headers for every graph (the 6 graphs of 4 layers cold in 43-52 s instead of 63-67 on a 2-core
-    VM; the header itself takes 15 s once a machine, torch's 5). The generated code and its flags are the same, so
-    is what runs. Left as torch has it where torch has no such hook (another torch version)."""
+    the kernels' vector headers (cpp_prefix.h) for every graph (BENCHMARKS.md; the header itself takes 6 s once a
+    machine on a 2-core VM). The generated code and its flags are the same, so is what runs. Left as torch has it
+    where torch has no such hook (another torch version)."""
     from torch._inductor.codecache import CppWrapperCodeCache
 
     torchs = getattr(CppWrapperCodeCache, "_get_uncompiled_header", None)
