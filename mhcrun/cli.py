@@ -369,13 +369,13 @@ def compile_note(runner, model: str | None, stages: str, batch: int, context: in
     args = "".join(f" {opt}" + (f" {value}" if value != "" else "") for opt, value in given if value is not None)
     ahead = ahead and wraps_in_cpp(runner.model, default_backend(runner.device))
     when = "before the prefill" if ahead else f"at the first {'verify' if draft_tokens else 'decode'} step"
-    return (f"compiling the regions' graphs {when}: half a minute or more the first time on a machine, seconds once "
-            f"torch's compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")
+    return (f"compiling the regions' graphs {when}: 20 s or more the first time, seconds once torch's "
+            f"compile cache holds them (`mhcrun compile-regions{args}` compiles them ahead)")
 
 
 def say_compiling(mode: str, decodes: bool, quiet: bool, note: str) -> None:
     """A regions run compiles its graphs before its prefill (or a session's at its first decode step): say so on
-    stderr first (else the run, its streamed prompt, or a golden check's table, waits half a minute unexplained), and
+    stderr first (else the run, its streamed prompt, or a golden check's table, waits 20 s or more unexplained), and
     how to compile them ahead (`compile_note`); not for a run without a decode step, nor for --json."""
     if mode == "regions" and decodes and not quiet:
         err.print(f"[dim]{escape(note)}[/]", soft_wrap=True)

@@ -1085,7 +1085,7 @@ def test_version_names_mhcrun_torch_and_python():
 
 
 def test_generate_says_before_the_prompt_that_regions_compile_first(monkeypatch, tmp_path):
-    """A regions run compiles its graphs before its prefill (half a minute cold), or with a prompt cache at its
+    """A regions run compiles its graphs before its prefill (20 s or more cold), or with a prompt cache at its
     first decode step: the run, its streamed prompt, would wait unexplained. The run itself goes eager here (the note
     is the CLI's; compiling is test_regions')."""
     import mhcrun.generate as gen

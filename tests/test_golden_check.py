@@ -54,7 +54,7 @@ def test_regions_pass_teacher_forced_within_the_fp32_tolerance(tmp_path, fast_co
 
 
 def test_regions_say_on_stderr_that_they_compile_first(tmp_path, fast_compile):
-    """A regions check compiles its graphs before its table (half a minute cold): it says so
+    """A regions check compiles its graphs before its table (20 s or more cold): it says so
     first, as generate does; not with --json (one object on stdout, nothing else) nor for an eager check."""
     golden = small_golden(tmp_path, 1, 4)
     r = CLI.invoke(app, ["golden-check", golden, "--graph-mode", "regions"])

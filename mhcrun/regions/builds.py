@@ -1,14 +1,14 @@
 """The C++ wrappers of a compile ahead built in the background.
 
-Compiling a region graph with a C++ wrapper (`runner.counting_backend`) ends in g++ building one file, 3-5 s a
+Compiling a region graph with a C++ wrapper (`runner.counting_backend`) ends in g++ building one file, 1-4 s a
 graph on a 2-core CPU, while tracing and lowering the next graph takes Python 1-7 s: done one after the other, as
-dynamo does, a cold compile of the mid-size config's 6 graphs took 48 s. A compile ahead (`RegionDecoder.
-compile_ahead`: a step on fresh caches whose outputs are thrown away) hands each wrapper's build (its precompiled
-header, g++, loading the module: inductor's `CppWrapperCodeCache.load_pybinding`) to two worker threads and goes
-on: a graph whose build has not finished runs as traced (its FX graph, eagerly), so the next one can be traced
-from its outputs. The header's precompile (15 s, once a machine) starts with the compile, not at the first graph's
-build. Leaving `Builds` (a context) ends the builds; the run's steps, which come after, run the built graphs only,
-never the traced ones (whose rounding may differ from the compiled code's in the last bit).
+dynamo does, a cold compile of the mid-size config's 6 graphs took 48 s (when each build took 3-5 s). A compile
+ahead (`RegionDecoder.compile_ahead`: a step on fresh caches whose outputs are thrown away) hands each wrapper's
+build (its precompiled header, g++, loading the module: inductor's `CppWrapperCodeCache.load_pybinding`) to two
+worker threads and goes on: a graph whose build has not finished runs as traced (its FX graph, eagerly), so the
+next one can be traced from its outputs. The header's precompile (6 s, once a machine) starts with the compile, not
+at the first graph's build. Leaving `Builds` (a context) ends the builds; the run's steps, which come after, run
+the built graphs only, never the traced ones (whose rounding may differ from the compiled code's in the last bit).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Builds:
             yield mine
 
     def start_header(self) -> None:
-        """Start the header's precompile now (15 s, once a machine: `runner.wrapper_header`), by building an empty
+        """Start the header's precompile now (6 s, once a machine: `runner.wrapper_header`), by building an empty
         wrapper with the graphs' flags in a worker, rather than when the first graph is built, after its tracing
         and lowering: the first graph's build waits for it either way. Nothing lost where it fails (the first
         graph's build precompiles it then)."""
@@ -104,7 +104,7 @@ class Builds:
     def stop(self) -> None:
         """The builds not yet started dropped, and the compilers of those running ended until every task has
         (a build that waited for the header's precompile starts its own when that one ends): an interrupted run
-        leaves at once, not when a 15 s precompile is done."""
+        leaves at once, not when the header's precompile is done."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         while not all(f.done() for f in self.tasks):
             for tid in self.workers:
