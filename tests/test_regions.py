@@ -289,8 +289,9 @@ def test_a_c_shims_declaration_follows_its_ops_schema():
 
 def test_a_graph_compiled_with_c_shims_raises_the_ops_own_error_and_is_served_from_the_compile_cache(tmp_path):
     """An op's error passes through its shim and the wrapper as through the dispatcher: the graph's call raises the
-    op's own message. The shims' table keys inductor's compile cache by their declarations (an op does not pickle,
-    and a setting that does not pickle turns the cache off): a second compile of the graph is a cache hit."""
+    op's own message, and each call is recorded under the op's name for torch's profiler (the benchmarks' breakdown
+    of a step). The shims' table keys inductor's compile cache by their declarations (an op does not pickle, and a
+    setting that does not pickle turns the cache off): a second compile of the graph is a cache hit."""
     import pickle
 
     from mhcrun.regions.runner import GraphStats, counting_backend
@@ -320,6 +321,9 @@ def test_a_graph_compiled_with_c_shims_raises_the_ops_own_error_and_is_served_fr
             torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
             assert stats.wrapper == "C++" and stats.fallback is None
             assert stats.cache_hits == attempt, f"compile {attempt + 1}: {stats.cache_hits} cache hits"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(x)
+        assert "mhcrun::qgemv_native" in {e.key for e in prof.key_averages()}  # recorded as the dispatcher would
         torch._dynamo.reset()
         failing = torch.compile(functools.partial(f, library=missing), fullgraph=True,
                                 backend=counting_backend("inductor", GraphStats("test", "whole"), cpp_wrapper=True))

@@ -20,6 +20,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
@@ -322,7 +323,9 @@ Two compress_step_native(at::Tensor& kv_state, at::Tensor& score_state, const at
 // nor their code: each graph compiles in less time, and a call costs less. Inductor's calling convention: a Tensor a
 // handle, a Tensor? a pointer to one (null: None), int int64_t, float double, bool int32_t, str a C string, each output
 // a handle written through a pointer. An error is thrown, as through the dispatcher (the error code is never
-// FAILURE): the graph's call raises the op's own error (a Python op's, where the kernel declined the call).
+// FAILURE): the graph's call raises the op's own error (a Python op's, where the kernel declined the call). Each
+// call is recorded under the op's name, as the dispatcher records it, for torch's profiler (a check of a flag when
+// none runs).
 namespace shim {
 
 at::Tensor& tensor(AtenTensorHandle h) { return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h); }
@@ -340,6 +343,7 @@ AtenTensorHandle handle(at::Tensor t) { return torch::aot_inductor::new_tensor_h
 MHCRUN_SHIM aoti_torch_cpu_qgemv_native(AtenTensorHandle x3, AtenTensorHandle data, AtenTensorHandle* scale,
                                         int64_t block, int64_t groups, const char* library, int64_t isa,
                                         AtenTensorHandle* y) {
+    RECORD_FUNCTION("mhcrun::qgemv_native", std::vector<c10::IValue>());
     *y = shim::handle(qgemv_native(shim::tensor(x3), shim::tensor(data), shim::optional(scale), block, groups,
                                    library, isa));
     return AOTI_TORCH_SUCCESS;
@@ -349,6 +353,7 @@ MHCRUN_SHIM aoti_torch_cpu_qgemv_expert_set_native(AtenTensorHandle x, AtenTenso
                                                    int64_t fmt, int64_t kind, int64_t block, int64_t out_features,
                                                    int64_t in_features, const char* library, int64_t isa,
                                                    AtenTensorHandle* y) {
+    RECORD_FUNCTION("mhcrun::qgemv_expert_set_native", std::vector<c10::IValue>());
     *y = shim::handle(qgemv_expert_set_native(shim::tensor(x), shim::tensor(ptrs), shim::tensor(idx), fmt, kind,
                                               block, out_features, in_features, library, isa));
     return AOTI_TORCH_SUCCESS;
@@ -360,6 +365,7 @@ MHCRUN_SHIM aoti_torch_cpu_hc_post_pre_native(AtenTensorHandle y, AtenTensorHand
                                               double eps, double norm_eps, const char* library, int64_t isa,
                                               AtenTensorHandle* streams, AtenTensorHandle* h,
                                               AtenTensorHandle* post_out, AtenTensorHandle* comb_out) {
+    RECORD_FUNCTION("mhcrun::hc_post_pre_native", std::vector<c10::IValue>());
     auto [s, hh, p, c] = hc_post_pre_native(shim::tensor(y), shim::tensor(residual), shim::tensor(post),
                                             shim::tensor(comb), shim::tensor(fn), shim::tensor(scale),
                                             shim::tensor(base), shim::tensor(weight), iters, eps, norm_eps,
@@ -375,6 +381,7 @@ MHCRUN_SHIM aoti_torch_cpu_attend_native(AtenTensorHandle q, AtenTensorHandle kv
                                          AtenTensorHandle sink, double scale, AtenTensorHandle* sel,
                                          AtenTensorHandle* sel_mask, const char* library, int64_t isa,
                                          AtenTensorHandle* o) {
+    RECORD_FUNCTION("mhcrun::attend_native", std::vector<c10::IValue>());
     *o = shim::handle(attend_native(shim::tensor(q), shim::tensor(kv), shim::tensor(mask), shim::tensor(sink),
                                     scale, shim::optional(sel), shim::optional(sel_mask), library, isa));
     return AOTI_TORCH_SUCCESS;
@@ -384,6 +391,7 @@ MHCRUN_SHIM aoti_torch_cpu_index_topk_native(AtenTensorHandle q, AtenTensorHandl
                                              AtenTensorHandle scale, AtenTensorHandle rows, AtenTensorHandle closed,
                                              int64_t n, int64_t topk, int64_t block, const char* library, int64_t isa,
                                              AtenTensorHandle* entries, AtenTensorHandle* valid) {
+    RECORD_FUNCTION("mhcrun::index_topk_native", std::vector<c10::IValue>());
     auto [e, v] = index_topk_native(shim::tensor(q), shim::tensor(w), shim::tensor(packed), shim::tensor(scale),
                                     shim::tensor(rows), shim::tensor(closed), n, topk, block, library, isa);
     *entries = shim::handle(e);
@@ -396,6 +404,7 @@ MHCRUN_SHIM aoti_torch_cpu_compress_step_native(AtenTensorHandle kv_state, AtenT
                                                 AtenTensorHandle ape, AtenTensorHandle start, int64_t ratio,
                                                 int32_t overlap, const char* library, int64_t isa,
                                                 AtenTensorHandle* pooled, AtenTensorHandle* closed) {
+    RECORD_FUNCTION("mhcrun::compress_step_native", std::vector<c10::IValue>());
     auto [p, c] = compress_step_native(shim::tensor(kv_state), shim::tensor(score_state), shim::tensor(rows),
                                        shim::tensor(kv), shim::tensor(raw), shim::tensor(ape), shim::tensor(start),
                                        ratio, overlap != 0, library, isa);
