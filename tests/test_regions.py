@@ -287,6 +287,29 @@ def test_a_c_shims_declaration_follows_its_ops_schema():
         declaration("g", torch._C.parse_schema("g(Tensor t) -> int"))
 
 
+def test_each_c_shim_in_torch_ops_takes_what_its_declaration_from_the_schema_says():
+    """A wrapper calls a shim by the declaration inductor was given (`shims.c_shims`, from the op's schema) and the
+    linker finds it by name alone: the parameter types torch_ops.cpp defines for each shim are those, in order."""
+    import re
+
+    from mhcrun.ops.qgemv import NATIVE_OPS, TORCH_OPS
+    from mhcrun.regions.shims import c_shims
+
+    kernel = cpu_kernel()
+    if not kernel.ops:
+        pytest.skip(f"CPU kernel {kernel.status()}: no ops")
+
+    def types(params: str) -> list[str]:  # each parameter's type, its name dropped
+        return [" ".join(p.split()[:-1]) for p in params.split(",")]
+
+    defined = {name: types(params) for name, params in
+               re.findall(r"MHCRUN_SHIM aoti_torch_cpu_(\w+)\(([^)]*)\)", TORCH_OPS.read_text())}
+    declared = {re.search(r"aoti_torch_cpu_(\w+)\(", d).group(1): types(re.search(r"\((.*)\)", d).group(1))
+                for decls in c_shims().values() for d in decls}
+    assert set(declared) == set(NATIVE_OPS)
+    assert defined == declared
+
+
 def test_a_graph_compiled_with_c_shims_raises_the_ops_own_error_and_is_served_from_the_compile_cache(tmp_path):
     """An op's error passes through its shim and the wrapper as through the dispatcher: the graph's call raises the
     op's own message, and each call is recorded under the op's name for torch's profiler (the benchmarks' breakdown

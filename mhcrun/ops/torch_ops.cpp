@@ -4,7 +4,7 @@
 // `mhcrun::qgemv_expert_set` (mhcrun.ops.qlinear), `mhcrun::hc_post_pre_cpu` (mhcrun.nki.ops), `mhcrun::attend_cpu`
 // (mhcrun.ops.attention), `mhcrun::index_topk_cpu` (mhcrun.ops.index) and `mhcrun::compress_step_cpu`
 // (mhcrun.ops.compress) in C++, with their arguments (the shapes they give, their fake kernels: mhcrun.ops.qgemv). A
-// graph that inductor compiles with its C++ wrapper calls them without entering Python.
+// graph that inductor compiles with its C++ wrapper calls them by their C shims (below) without entering Python.
 //
 // Each reads the run's kernel library (qgemv.cpp's build, its path an argument of the op, as the Python ops take it)
 // through dlopen. They do the common case only: the kernel's one call on arguments of the shapes it reads. Anything
@@ -12,7 +12,7 @@
 // handed to the Python op, which gives the result or the error the Python path gives, so each rule lives there once.
 //
 // Built by mhcrun.ops.qgemv.load_torch_ops (mhcrun.ops.native.build with native.torch_flags: against the torch it
-// runs with), loaded by torch.ops.load_library.
+// runs with), loaded by torch.ops.load_library (its symbols global, for the wrappers to find the shims).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
