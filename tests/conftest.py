@@ -18,9 +18,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 from mhcrun.ops.qgemv import GEMMS, CpuKernel, open_cpu_kernel  # noqa: E402
 from mhcrun.settings import Env  # noqa: E402
+
+try:  # the CLI's runs, stderr apart from stdout (click before 8.2 mixes them unless told not to)
+    CLI = CliRunner(mix_stderr=False)
+except TypeError:  # click 8.2 and later keep them apart, and take no such option
+    CLI = CliRunner()
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +60,19 @@ KERNEL_ISAS = ["avx512", "avx2"]
 def chat_replies(out: str) -> list[str]:
     """A `chat` run's output lines without its stats lines (which the CLI wraps at 80 columns here)."""
     return [line for line in out.splitlines() if "prompt tokens (" not in line and "tok/s" not in line]
+
+
+def chat_with_and_without(turns: str, n: int, *option: str):
+    """`chat -n N --mode chat` over `turns` (stdin) as given and with `option` added (the bundled model, greedy):
+    both succeed and reply the same -> (the plain run's result, the run's with the option)."""
+    from mhcrun.cli import app
+
+    args = ["chat", "-n", str(n), "--mode", "chat"]
+    plain = CLI.invoke(app, args, input=turns)
+    other = CLI.invoke(app, [*args, *option], input=turns)
+    assert plain.exit_code == 0 and other.exit_code == 0, plain.stderr + other.stdout + other.stderr
+    assert chat_replies(other.stdout) == chat_replies(plain.stdout)
+    return plain, other
 
 
 @functools.cache

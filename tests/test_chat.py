@@ -9,18 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import chat_replies
-from typer.testing import CliRunner
+from conftest import CLI, chat_with_and_without
 
 from mhcrun.chat import FORMATS, encode_chat, parse_chat, parse_reply, reply_mode, resolve_format
 from mhcrun.chat_text import BOS, EFFORT_ABSOLUTE, EFFORT_BEYOND, EOS, TOOLS_FOOTER, effort_budget
 from mhcrun.cli import app
 from mhcrun.errors import InputError
-
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 U, A, R = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -476,11 +470,6 @@ def test_chat_in_compiled_regions_gives_eager_replies_and_compiles_once(monkeypa
         return made[-1]
 
     monkeypatch.setattr(chatloop, "make_decoder", decoder_once)
-    turns = "Hi\nAnd then?\nMore\n/exit\n"
-    eager = CLI.invoke(app, ["chat", "-n", "6", "--mode", "chat"], input=turns)
-    regions = CLI.invoke(app, ["chat", "-n", "6", "--mode", "chat", "--graph-mode", "regions"], input=turns)
-    assert eager.exit_code == 0 and regions.exit_code == 0, regions.stdout + regions.stderr
-
-    assert chat_replies(regions.stdout) == chat_replies(eager.stdout)
+    eager, regions = chat_with_and_without("Hi\nAnd then?\nMore\n/exit\n", 6, "--graph-mode", "regions")
     assert regions.stderr.count("compiling the regions' graphs") == 1 and "compiling" not in eager.stderr
     assert len(made) == 1 and made[0].graph_count() == 6  # 6 region kinds, compiled once for three turns

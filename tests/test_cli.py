@@ -25,9 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 import typer.main
-from conftest import cpu_kernel
+from conftest import CLI, cpu_kernel
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from mhcrun.cli import DEFAULT_PROMPT, app, compile_note
 from mhcrun.runner import DEFAULT_MODEL
@@ -47,17 +46,13 @@ STATS_LINE = re.compile(r"^prompt tokens \d+ \| prefill [\d.]+ tok/s \| decode [
                         r"\| peak RSS \d+ MB( \| CPU GEMV kernel ((avx512bf16|avx512|avx2)( \+ amx)?|off.*) "
                         r"\| weights on (2 MB pages|4 KB pages \(.+\)))?$")
 
-try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps result.stderr apart
-    RUNNER = CliRunner(mix_stderr=False)
-except TypeError:
-    RUNNER = CliRunner()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
 def cli(*args: object, env: dict[str, str | None] | None = None):
-    return RUNNER.invoke(app, [str(a) for a in args], env=env)
+    return CLI.invoke(app, [str(a) for a in args], env=env)
 
 
 def ok(result) -> None:
@@ -971,10 +966,10 @@ def test_chat_takes_generates_sampling_and_quant_options(tmp_path):
     want = cli("generate", "--messages", messages, "--json", *opts)
     ok(want)
     reply = json.loads(want.stdout)["message"]["content"]  # chat shows the reply without its end of sentence
-    got = RUNNER.invoke(app, ["chat", *map(str, opts)], input="Hi\n/exit\n")
+    got = CLI.invoke(app, ["chat", *map(str, opts)], input="Hi\n/exit\n")
     ok(got)
     assert reply and reply in got.stdout, (reply, got.stdout)
-    greedy = RUNNER.invoke(app, ["chat", *map(str, opts[:4]), *map(str, opts[10:])], input="Hi\n")
+    greedy = CLI.invoke(app, ["chat", *map(str, opts[:4]), *map(str, opts[10:])], input="Hi\n")
     ok(greedy)
     assert reply not in greedy.stdout  # sampling at 1.5 parts from greedy here: the comparison above can fail
 

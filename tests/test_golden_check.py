@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from conftest import CLI
 
 from mhcrun.checkpoint import write_checkpoint
 from mhcrun.cli import app
@@ -16,11 +16,6 @@ from mhcrun.config import config_from_hf
 from mhcrun.golden import TOLERANCES, load_golden, write_golden
 from mhcrun.regions import runner as regions_runner
 from mhcrun.tiny import init_tensors, make_tiny, tiny_config_raw
-
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 GOLDEN = "tests/golden/tiny.json"
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from conftest import CLI
 
 from mhcrun import model as model_mod
 from mhcrun.cli import app
@@ -25,10 +25,6 @@ from mhcrun.tiny import init_tensors, tiny_config_raw
 CHUNKS = [1, 3, 4, 5, 16, 17, 128]  # across the window (16), CSA groups (4) and HCA groups (16)
 KINDS = {"window": [0, 0], "csa": [4, 4], "hca": [16, 16], "mixed": [0, 4, 16, 4]}
 
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 
 def make_model(ratios: list[int], quant_sim: bool = True, seed: int = 0, max_pos: int = 512, **overrides):

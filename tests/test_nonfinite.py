@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 import torch
+from conftest import CLI
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from mhcrun.cli import app
 from mhcrun.config import config_from_hf
@@ -16,11 +16,6 @@ from mhcrun.generate import generate, nonfinite_rows, raise_nonfinite
 from mhcrun.model import build_model
 from mhcrun.runner import DEFAULT_MODEL
 from mhcrun.tiny import init_tensors, tiny_config_raw
-
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 
 def make_model():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from typer.testing import CliRunner
+from conftest import CLI
 
 from mhcrun.checkpoint import load_checkpoint, plan_checkpoint
 from mhcrun.cli import app
@@ -26,11 +26,6 @@ from mhcrun.parallel import SINGLE, Shard, free_port
 from mhcrun.runner import DEFAULT_MODEL
 from mhcrun.tiny import make_tiny
 from mhcrun.weights import tensor_specs
-
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 ROOT = Path(__file__).resolve().parent.parent
 

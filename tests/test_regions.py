@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_kernel
+from conftest import CLI, cpu_kernel
 from torch._dynamo.utils import counters
-from typer.testing import CliRunner
 
 from mhcrun.cli import app
 from mhcrun.config import config_from_hf
@@ -37,10 +36,6 @@ PROMPT_LENGTHS = (1, 6, 37)
 STRUCT_BACKEND = "aot_eager"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny.json"
 
-try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps result.stderr apart
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
+from conftest import CLI
 from safetensors.torch import save as save_bytes
-from typer.testing import CliRunner
 
 from mhcrun.cli import app
 from mhcrun.config import config_from_hf
@@ -28,10 +28,6 @@ RATIOS = [0, 4, 16, 4]  # window-only, CSA (overlapping ratio 4, indexer) and HC
 EDGES = [0, 1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 47, 48, 49]  # group edges of 4 and 16, the window of 16
 CONTEXT = 96
 
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 
 
 def make_model(quant_sim: bool, seed: int = 0):

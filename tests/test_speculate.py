@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_replies
+from conftest import CLI, chat_with_and_without
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -31,10 +31,6 @@ from mhcrun.snapshot import (
 from mhcrun.speculate import accept_drafts
 from mhcrun.tiny import make_tiny
 
-try:
-    CLI = CliRunner(mix_stderr=False)
-except TypeError:
-    CLI = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[0, 5, 9], list(range(3, 12)), list(range(20, 37))]  # rows at different positions
 
@@ -366,12 +362,7 @@ def test_cli_prompt_cache_with_drafts(tmp_path):
 def test_chat_with_drafts_gives_the_replies_of_chat_without():
     """`chat --draft-tokens 2`: the same replies turn after turn (the bundled model, greedy), each turn's line
     reporting its drafts; the second turn reuses the first's state."""
-    turns = "Hi\nAnd then?\n/exit\n"
-    plain = CLI.invoke(app, ["chat", "-n", "12", "--mode", "chat"], input=turns)
-    drafted = CLI.invoke(app, ["chat", "-n", "12", "--mode", "chat", "--draft-tokens", "2"], input=turns)
-    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stdout + drafted.stderr
-
-    assert chat_replies(drafted.stdout) == chat_replies(plain.stdout)
+    plain, drafted = chat_with_and_without("Hi\nAnd then?\n/exit\n", 12, "--draft-tokens", "2")
     assert drafted.stdout.count("drafts 2: accepted") == 2 and "drafts" not in plain.stdout
     second = [line for line in drafted.stdout.splitlines() if "prompt tokens (" in line][1]
     assert " 0 reused" not in second
