@@ -29,6 +29,12 @@ except TypeError:  # click 8.2 and later keep them apart, and take no such optio
     CLI = CliRunner()
 
 
+@pytest.fixture
+def cli() -> CliRunner:
+    """`CLI`, for a test module that must not import conftest (test_parallel: its ranks import it after torch)."""
+    return CLI
+
+
 @pytest.fixture(autouse=True)
 def seed_torch(request) -> None:
     """Each test draws the same random inputs on every run, whichever worker runs it and after what: a failure

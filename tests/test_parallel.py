@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import CLI
 
 from mhcrun.checkpoint import load_checkpoint, plan_checkpoint
 from mhcrun.cli import app
@@ -207,13 +206,13 @@ def test_a_nan_in_another_ranks_share_is_named_where_it_is(tmp_path):
         assert r.returncode == 3 and r.stderr.strip() == want, (tp, r.stderr)
 
 
-def test_tp_that_does_not_divide_is_one_line_before_any_worker():
+def test_tp_that_does_not_divide_is_one_line_before_any_worker(cli):
     for n, what in (("3", "attention heads (4)"), ("4", "o_groups (2)")):
-        r = CLI.invoke(app, ["generate", "--tp", n])
+        r = cli.invoke(app, ["generate", "--tp", n])
         assert r.exit_code == 2 and r.stderr.strip() == f"error: --tp {n} does not divide {what}", r.stderr
 
 
-def test_a_launch_environment_that_is_not_a_number_is_one_line():
+def test_a_launch_environment_that_is_not_a_number_is_one_line(cli):
     """RANK / WORLD_SIZE / LOCAL_RANK are read once with the rest of the environment (`Env.read`): a value that is
     not an integer is refused there, by name, before any process group is joined; so is a bad MHCRUN_NKI_SIM or
     MHCRUN_GRAPH_MODE, and a MHCRUN_CPU_KERNEL that names no cap or a flag that is not 0 or 1 (they used to take a
@@ -227,7 +226,7 @@ def test_a_launch_environment_that_is_not_a_number_is_one_line():
                       ({"MHCRUN_GRAPH_MODE": "graphs"},  # named as the variable, not as --graph-mode
                        "error: MHCRUN_GRAPH_MODE must be one of eager, regions, got 'graphs'"),
                       ({"MHCRUN_SCALED_MM": "yes"}, "error: MHCRUN_SCALED_MM must be 0 or 1, got 'yes'")):
-        r = CLI.invoke(app, ["generate", "-n", "1"], env=env)
+        r = cli.invoke(app, ["generate", "-n", "1"], env=env)
         assert r.exit_code == 2 and r.stderr.strip() == line, (env, r.stderr)
 
 
@@ -353,9 +352,9 @@ def _ranks_alive(marker: str) -> bool:
     return False
 
 
-def test_info_plans_one_rank(fp8_tiny):
-    one = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json"]).stdout)["memory_plan"]
-    two = json.loads(CLI.invoke(app, ["info", "-m", str(fp8_tiny), "--json", "--tp", "2"]).stdout)["memory_plan"]
+def test_info_plans_one_rank(fp8_tiny, cli):
+    one = json.loads(cli.invoke(app, ["info", "-m", str(fp8_tiny), "--json"]).stdout)["memory_plan"]
+    two = json.loads(cli.invoke(app, ["info", "-m", str(fp8_tiny), "--json", "--tp", "2"]).stdout)["memory_plan"]
     assert two["weights_bytes"] < one["weights_bytes"] and SINGLE.world == 1
 
 
