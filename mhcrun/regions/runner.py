@@ -163,10 +163,13 @@ def wraps_in_cpp(model: Transformer, backend: str | None) -> bool:
 
 def wrapper_config(cpp_wrapper: bool) -> dict:
     """inductor's settings while a graph compiles (`counting_backend`) and its wrapper builds: a C++ wrapper calls
-    the kernel's ops by their C shims (`mhcrun.regions.shims`)."""
+    the kernel's ops by their C shims (`mhcrun.regions.shims`; through the dispatcher where this torch has no such
+    setting)."""
     if not cpp_wrapper:
         return {"cpp_wrapper": False}
-    return {"cpp_wrapper": True, "cpp.vec_isa_ok": True, "aot_inductor.custom_ops_to_c_shims": c_shims()}
+    shims = hasattr(torch._inductor.config.aot_inductor, "custom_ops_to_c_shims")
+    return {"cpp_wrapper": True, "cpp.vec_isa_ok": True} | (
+        {"aot_inductor.custom_ops_to_c_shims": c_shims()} if shims else {})
 
 
 WRAPPER_HEADERS = Path(__file__).with_name("cpp_wrapper_headers.h")
