@@ -244,11 +244,14 @@ def make_decoder(model: Transformer, backend: str | None = None, stages: str = "
                          cuda_graphs=dev.type == "cuda")
 
 
-def start_decoder(model: Transformer, backend: str | None, stages: str, fresh: bool,
+def start_decoder(model: Transformer, graph_mode: str, backend: str | None, stages: str, decoder, fresh: bool,
                   draft_tokens: int = 0) -> tuple:
-    """`make_decoder`, and on fresh caches (`fresh`: no session's state, decode steps to come) its graphs compiled
-    ahead of the prefill, where they compile so (`RegionDecoder.compiles_ahead`; with `draft_tokens` K, a
-    speculative verify's) -> (the decoder, the seconds compiled ahead)."""
+    """A run's decoder: `decoder` where given (a session's, kept across its runs), else in regions mode one made
+    here (`make_decoder`), on fresh caches (`fresh`: no session's state, decode steps to come) with its graphs
+    compiled ahead of the prefill, where they compile so (`RegionDecoder.compiles_ahead`; with `draft_tokens` K, a
+    speculative verify's); eager: None -> (the decoder, the seconds compiled ahead)."""
+    if graph_mode != "regions" or decoder is not None:
+        return decoder, 0.0
     decoder = make_decoder(model, backend, stages)
     return decoder, decoder.compile_ahead(draft_tokens) if fresh and decoder.compiles_ahead else 0.0
 
@@ -296,9 +299,7 @@ def start_batch(model: Transformer, prompts: list[list[int]], max_seq: int, chun
         model.setup_caches(len(prompts), cache_length(max_seq, graph_mode, model.cfg.max_position_embeddings))
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply")
-    ahead_s = 0.0
-    if graph_mode == "regions" and decoder is None:
-        decoder, ahead_s = start_decoder(model, backend, stages, session is None and decodes)
+    decoder, ahead_s = start_decoder(model, graph_mode, backend, stages, decoder, session is None and decodes)
     batch = Batch([GenerationResult(prompt_ids=list(p), tokens=[]) for p in prompts])
     return batch, Stepper(model, chunk or default_prefill_chunk(model.cfg), decoder, ahead_s)
 

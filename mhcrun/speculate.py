@@ -199,9 +199,8 @@ def speculate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     elif len(prompts) != 1 or max_seq > model.max_seq:
         raise InputError(f"a session runs one prompt of at most {model.max_seq} tokens with its reply and "
                          f"--draft-tokens {k}")
-    ahead_s = 0.0
-    if graph_mode == "regions" and decoder is None:
-        decoder, ahead_s = start_decoder(model, backend, stages, session is None and max_new_tokens > 1, k)
+    decoder, ahead_s = start_decoder(model, graph_mode, backend, stages, decoder,
+                                     session is None and max_new_tokens > 1, k)
 
     def finished(row: int) -> bool:
         toks = results[row].tokens
