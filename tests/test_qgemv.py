@@ -689,6 +689,34 @@ def test_bf16_dot_grouped_rows_experts_and_threads(fmt):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n, k, block", [(200, 320, 128), (37, 45, 128), (64, 200, 64), (1, 128, 128),
+                                         (130, 7, 128), (33, 2048, 128), (9, 1000, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_fp8_rows_of_fp32_x_against_reference(n, k, block, m):
+    """FP8 weights against an x not exact in bf16 (DeepSeek's grouped wo_a, a run without the activation rounding)
+    on the BF16 kernel: decoded through the bf16 tables, multiplied by fp32 FMAs (fp8_f32_row). Every code, tiles and
+    rows that end inside a 64-byte step, every remainder of the four-rows loop, both scale encodings; x of fp32
+    values with some tiny ones among them (products below fp32's normal range, rounded as the reference rounds them);
+    the grouped rows; NaN codes make their rows NaN."""
+    kernel, g = bf16_kernel(), gen(3500 + m + k)
+    w = every_code_fp8(n, k)
+    _, s = fp8_weight(n, k, block, g, e8m0=bool(m % 2))
+    w_ref = reference_weight(w, s, "fp8", block)
+    x3 = torch.randn(m, 1, k, generator=g)
+    x3[..., ::7] *= 2.0**-100
+    assert not kernel.takes_bf16(x3)
+    check_groups(run(kernel, x3, w, s, "fp8", block), x3, w_ref)
+    x4 = torch.randn(m, 4, k, generator=g)
+    w4 = every_code_fp8(4 * n, k)
+    _, s4 = fp8_weight(4 * n, k, block, g)
+    check_groups(run(kernel, x4, w4, s4, "fp8", block, 4), x4, reference_weight(w4, s4, "fp8", block))
+    bad = w.view(torch.uint8).clone()
+    bad[n // 2, k - 1], bad[0, 0] = 0x7F, 0xFF
+    y = run(kernel, x3, bad.view(torch.float8_e4m3fn), s, "fp8", block)[:, 0]
+    assert sorted(torch.isnan(y).nonzero()[:, 1].unique().tolist()) == sorted({0, n // 2})
+
+
+@needs_kernel
 def test_bf16_dot_keeps_nan_codes():
     kernel, g = bf16_kernel(), gen(3300)
     w, s = fp8_weight(64, 128, 128, g)
@@ -702,8 +730,8 @@ def test_bf16_dot_keeps_nan_codes():
 @needs_kernel
 def test_bf16_dot_refuses_x_it_would_not_multiply_exactly():
     """x that is not exact in bf16, a value below 2**-110 (its products with the smallest e4m3 values would be
-    subnormal, which vdpbf16ps flushes), or a non-finite one takes the fp32 rows: bitwise the avx512 kernel's
-    result."""
+    subnormal, which vdpbf16ps flushes), or a non-finite one takes the fp32 rows (fp8_f32_row): the reference's
+    result, and the avx512 kernel's NaN and inf where a value is not finite."""
     kernel, plain, g = bf16_kernel(), kernel_in("avx512"), gen(3400)
     w, s = fp8_weight(64, 256, 128, g)
     good = act_rounded(1, 1, 256, g=g)
@@ -713,7 +741,10 @@ def test_bf16_dot_refuses_x_it_would_not_multiply_exactly():
         x3[0, 0, i] = value
         assert not kernel.takes_bf16(x3), value
         y = run(kernel, x3, w, s, "fp8", 128)
-        assert torch.equal(y.nan_to_num(), run(plain, x3, w, s, "fp8", 128).nan_to_num()), value
+        if math.isfinite(value):
+            check_groups(y, x3, reference_weight(w, s, "fp8", 128))
+        else:
+            assert torch.equal(y.nan_to_num(), run(plain, x3, w, s, "fp8", 128).nan_to_num()), value
     edge = good.clone()
     edge[0, 0, 5] = -(2.0**-110)
     assert kernel.takes_bf16(edge)

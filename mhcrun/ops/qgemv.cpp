@@ -45,6 +45,7 @@
 #include <new>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -103,6 +104,7 @@ struct Job {
     const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does (at the row's first chunk)
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
     bool panel = false;  // fp4 on AVX2 with many rows of x: by panels of decoded weights (avx2::run_panels), x in order
+    bool f32_fp8 = false;  // fp8 with isa 3, x not exact in bf16: x permuted for avx512bf16::fp8_row (fp8_f32_slot)
 };
 
 struct E8m0Table {
@@ -682,45 +684,110 @@ AVX512BF16 INLINE __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(
 
 AVX512BF16 INLINE __m512bh load_xb(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
 
-// fp8: 64 e4m3 bytes at w + k (TAIL: those in mk, the rest zero) into the partial sums of each row of x. A NaN code
-// (0x7F, 0xFF) decodes to a bf16 NaN, whose products and sums make the row's result NaN: no check of its own.
-template <int R, bool TAIL>
-AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4],
-                                const uint16_t* const* xs, __m512 (&p0)[R], __m512 (&p1)[R]) {
+// fp8: 64 e4m3 bytes at w + k (TAIL: those in mk, the rest zero) -> their bf16 values, the low-byte unpack of each
+// 16-byte lane (v[0]) and the high-byte one (v[1]). A NaN code (0x7F, 0xFF) decodes to a bf16 NaN, whose products and
+// sums make the row's result NaN: no check of its own.
+template <bool TAIL>
+AVX512BF16 INLINE void fp8_words(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4], __m512i (&v)[2]) {
     const __m512i m7f = _mm512_set1_epi8(0x7F), m80 = _mm512_set1_epi8(static_cast<char>(0x80));
     const __m512i b = TAIL ? _mm512_maskz_loadu_epi8(mk, w + k) : _mm512_loadu_si512(w + k);
     const __m512i mag = _mm512_and_si512(b, m7f);
     const __m512i lo = _mm512_permutex2var_epi8(t[0], mag, t[1]);
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], mag, t[3]), b, m80, 0xF8);  // | sign
-    const __m512bh v0 = as_bh(_mm512_unpacklo_epi8(lo, hi)), v1 = as_bh(_mm512_unpackhi_epi8(lo, hi));
+    v[0] = _mm512_unpacklo_epi8(lo, hi), v[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// fp8: a step's 64 weights (fp8_words) into the partial sums of each row of x in bf16, by vdpbf16ps.
+template <int R, bool TAIL>
+AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4],
+                                const uint16_t* const* xs, __m512 (&p0)[R], __m512 (&p1)[R]) {
+    __m512i v[2];
+    fp8_words<TAIL>(w, k, mk, t, v);
     for (int r = 0; r < R; r++) {
-        p0[r] = _mm512_dpbf16_ps(p0[r], v0, load_xb(xs[r] + k));
-        p1[r] = _mm512_dpbf16_ps(p1[r], v1, load_xb(xs[r] + k + 32));
+        p0[r] = _mm512_dpbf16_ps(p0[r], as_bh(v[0]), load_xb(xs[r] + k));
+        p1[r] = _mm512_dpbf16_ps(p1[r], as_bh(v[1]), load_xb(xs[r] + k + 32));
     }
 }
 
-template <int R>
-AVX512BF16 bool fp8_row(const Job& j, int64_t n, const uint16_t* const* xs, float* out) {
+// fp8 against an x that is not exact in bf16 (no activation rounding: DeepSeek's grouped wo_a, or a run with the
+// quantisation simulation off), by fp32 FMAs: the 64 bytes of a step through the bf16 tables (fp8_words), each bf16
+// made its fp32 by a shift (even words) or a mask (odd words), no widening across lanes; x permuted beforehand into the
+// order the four vectors hold (fp8_f32_slot). Exact values, so the same products and sums as namespace avx512's fp8
+// rows up to their order; those decode through fp16 and vcvtph2ps, twice the shuffles and conversions: an FP8 weight of
+// 2,048 x 2,048 out of DRAM, 2 threads, AMX VM, 426 -> 333 us (a 1 MB one in L2, one thread: 10.8 -> 14.5-15.8 GB/s).
+// A NaN code decodes to NaN, which makes the row NaN through its products.
+inline int fp8_f32_slot(int i) {  // input i of a 64-input chunk -> its place in the chunk's permuted x
+    const int lane = i / 16, t = i % 16, vec = 2 * (t / 8) + t % 2;  // vectors: even, odd words of v0, then of v1
+    return 16 * vec + 4 * lane + (t % 8) / 2;
+}
+
+// x rows [rows, k] -> [rows, kpad] fp32 in fp8_f32_slot's order, chunk by chunk, zero past k.
+inline void permute_x_f32(const float* x, float* xf, int64_t rows, int64_t k, int64_t kpad) {
+    int slot[64];
+    for (int i = 0; i < 64; i++) slot[i] = fp8_f32_slot(i);
+    for (int64_t r = 0; r < rows; r++) {
+        float* dst = xf + r * kpad;
+        std::fill(dst, dst + kpad, 0.0f);
+        for (int64_t c0 = 0; c0 < k; c0 += 64) {
+            const int n = k - c0 < 64 ? int(k - c0) : 64;
+            for (int i = 0; i < n; i++) dst[c0 + slot[i]] = x[r * k + c0 + i];
+        }
+    }
+}
+
+// fp8: a step's 64 weights (fp8_words) into the partial sums of each row of x in fp32 (fp8_f32_slot's order), by FMAs.
+template <int R, bool TAIL>
+AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const __m512i (&t)[4],
+                                const float* const* xs, __m512 (&p0)[R], __m512 (&p1)[R]) {
+    __m512i v[2];
+    fp8_words<TAIL>(w, k, mk, t, v);
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512 f[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(v[0], 16)),
+                         _mm512_castsi512_ps(_mm512_and_si512(v[0], top)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(v[1], 16)),
+                         _mm512_castsi512_ps(_mm512_and_si512(v[1], top))};
+    for (int r = 0; r < R; r++) {
+        const float* x = xs[r] + k;
+        p0[r] = _mm512_fmadd_ps(f[0], _mm512_loadu_ps(x), p0[r]);
+        p1[r] = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(x + 16), p1[r]);
+        p0[r] = _mm512_fmadd_ps(f[2], _mm512_loadu_ps(x + 32), p0[r]);
+        p1[r] = _mm512_fmadd_ps(f[3], _mm512_loadu_ps(x + 48), p1[r]);
+    }
+}
+
+// fp8 row n: tiles of `block` inputs, 64 bytes a step into two chains per row of x (x in bf16: vdpbf16ps; fp32:
+// FMAs), each tile's sum times its scale. Returns false (a NaN code makes its row NaN through its products).
+template <int R, class X>
+AVX512BF16 bool fp8_row(const Job& j, int64_t n, const X* const* xs, float* out) {
     const uint8_t* w = j.w + n * j.row_bytes;
     const __m512i t[4] = {_mm512_load_si512(BF16.e4m3_lo), _mm512_load_si512(BF16.e4m3_lo + 64),
                           _mm512_load_si512(BF16.e4m3_hi), _mm512_load_si512(BF16.e4m3_hi + 64)};
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t srow = n / j.block;  // the row's row of tile scales (no division a tile)
+    const bool pairs = j.block == 128 && j.k % 128 == 0;  // DeepSeek's tiles, whole: two steps each, unrolled
     for (int64_t k0 = 0, c = 0; k0 < j.k; k0 += j.block, c++) {
         const int64_t k1 = k0 + j.block < j.k ? k0 + j.block : j.k;
         __m512 p0[R], p1[R];
         for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
-        int64_t k = k0;
-        for (; k + 64 <= k1; k += 64) {
-            prefetch_ahead<PREFETCH_NEAR>(w + k);
-            fp8_step<R, false>(w, k, 0, t, xs, p0, p1);
+        if (pairs) {
+            prefetch_ahead<PREFETCH_NEAR>(w + k0);
+            fp8_step<R, false>(w, k0, 0, t, xs, p0, p1);
+            prefetch_ahead<PREFETCH_NEAR>(w + k0 + 64);
+            fp8_step<R, false>(w, k0 + 64, 0, t, xs, p0, p1);
+        } else {
+            int64_t k = k0;
+            for (; k + 64 <= k1; k += 64) {
+                prefetch_ahead<PREFETCH_NEAR>(w + k);
+                fp8_step<R, false>(w, k, 0, t, xs, p0, p1);
+            }
+            if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1);
         }
-        if (k < k1) fp8_step<R, true>(w, k, _bzhi_u64(~0ull, unsigned(k1 - k)), t, xs, p0, p1);
-        const __m512 s = _mm512_set1_ps(scale_at(j, n / j.block, c));
+        const __m512 s = _mm512_set1_ps(scale_at(j, srow, c));
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-    return false;  // a NaN code made the row NaN (fp8_step)
+    return false;
 }
 
 constexpr int64_t ROW_GROUPS = 2048;  // fp4: groups a row may have here (K up to 65,536); longer: the fp32 rows
@@ -858,6 +925,68 @@ AVX512BF16 void fp4_int_row(const Job& j, int64_t n, const int16_t* const* xs, f
         step.xsc[r] = j.xi_scale + at, step.two[r] = j.xi_two + at;
     }
     fp4_steps<R>(j, n, step, out);
+}
+
+// Four int16 vectors of x, loaded once for the weight rows that meet them.
+struct XInts {
+    __m512i v[4];
+    AVX512BF16 INLINE explicit XInts(const int16_t* x) {
+        for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_si512(x + 32 * i);
+    }
+};
+
+// int_dot against x already loaded.
+AVX512BF16 INLINE __m512 int_dot(const __m512i (&v)[4], const XInts& x) {
+    const __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[0], x.v[0]), v[1], x.v[1]);
+    const __m512i q = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), v[2], x.v[2]), v[3], x.v[3]);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(p, q));
+}
+
+constexpr int QUAD_GROUPS = 256;  // fp4_int_quad: groups a row may have (K up to 8,192); longer rows take fp4_int_row
+
+// fp4 by vpdpwssd, one row of x (a decode's) against four weight rows n .. n + 3 at once: each step's x (and its
+// second window) is loaded once for the four, and each row's steps are fp4_int_row<1>'s, in the same order and with
+// the same roundings, so each result is bitwise fp4_int_row<1>'s. The four rows are contiguous bytes, read a line of
+// each a step: the prefetch asks for the lines ahead in address order (4 lines a step, PREFETCH_BYTES ahead), since
+// the L2's streamer does not follow four interleaved streams (each row's own lines ahead: slower than one row a pass
+// out of DRAM). A 6 MB weight of 1,024-byte rows, 2 threads, AMX VM: in L2 25 -> 32 GB/s, out of DRAM 20.5 -> 25.
+AVX512BF16 void fp4_int_quad(const Job& j, int64_t n, const int16_t* x, float* out) {
+    const __m512i t = _mm512_load_si512(INT_TABLE.e2m1x2);
+    const int64_t at = (x - j.xi) / (2 * INT_CHUNK), bytes = j.k / 2;
+    const float* xsc = j.xi_scale + at;
+    const uint8_t* two = j.xi_two + at;
+    alignas(64) float sc[4][QUAD_GROUPS];
+    const uint8_t* w[4];
+    __m512 acc[4];
+    for (int i = 0; i < 4; i++) {
+        row_scales(j, n + i, sc[i]);
+        w[i] = j.w + (n + i) * j.row_bytes;
+        acc[i] = _mm512_setzero_ps();
+    }
+    const __m512 two15 = _mm512_set1_ps(0x1p15f);
+    auto step = [&](int64_t b, auto tail, __mmask64 mk) AVX512BF16 {
+        const int64_t c = b / 64;
+        const int16_t* xc = x + c * 2 * INT_CHUNK;
+        const XInts lo(xc);
+        const bool second = two[c];
+        const __m512 xs = _mm512_set1_ps(xsc[c]);
+        for (int i = 0; i < 4; i++) {
+            __m512i v[4];
+            if constexpr (decltype(tail)::value) {
+                fp4_words<true>(w[i], b, mk, t, v);
+            } else {
+                prefetch_ahead(w[0] + 4 * b + 64 * i);  // the four rows' bytes as one stream (see above)
+                fp4_words<false>(w[i], b, 0, t, v);
+            }
+            __m512 f = int_dot(v, lo);
+            if (second) f = _mm512_fmadd_ps(int_dot(v, XInts(xc + INT_CHUNK)), two15, f);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(f, xs), fp4_scales(sc[i], b / 16), acc[i]);
+        }
+    };
+    int64_t b = 0;
+    for (; b + 64 <= bytes; b += 64) step(b, std::false_type{}, 0);
+    if (b < bytes) step(b, std::true_type{}, _bzhi_u64(~0ull, unsigned(bytes - b)));
+    for (int i = 0; i < 4; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
 }  // namespace avx512bf16
@@ -1881,6 +2010,16 @@ struct Bf16Rows {
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
 };
 
+struct F32Fp8Rows {  // FP8 weights only (prepare_x): isa 3 with x not exact in bf16
+    using X = float;
+    static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
+    template <int R> static bool fp8(const Job& j, int64_t n, const X* const* xs, float* out) {
+        return avx512bf16::fp8_row<R>(j, n, xs, out);
+    }
+    template <int R> static void fp4(const Job&, int64_t, const X* const*, float*) {}
+    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
+};
+
 template <int ISA>
 struct IntRows {  // FP4 weights only (prepare_x): isa 3 (vpdpwssd) or 1 (vpmaddwd)
     using X = int16_t;
@@ -1924,6 +2063,11 @@ bool run_row(const Job& j, int64_t n, int64_t m0) {
 template <class Rows>
 bool run_rows(const Job& j, int64_t n0, int64_t n1) {
     bool nan = false;
+    if constexpr (std::is_same_v<Rows, IntRows<3>>) {  // a decode's row of x: four weight rows a pass
+        if (j.m == 1 && j.groups == 1 && j.s_cols <= avx512bf16::QUAD_GROUPS) {
+            for (; n0 + 4 <= n1; n0 += 4) avx512bf16::fp4_int_quad(j, n0, j.xi, j.y + n0);
+        }
+    }
     for (int64_t m0 = 0; m0 < j.m; m0 += MB) {
         int64_t left = j.m - m0;
         for (int64_t n = n0; n < n1; n++) {
@@ -2450,6 +2594,13 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
             j.xb = own.h.data();
             return true;
         }
+        if (isa == 3 && j.fmt == FMT_FP8 && j.block % 64 == 0) {  // x not exact in bf16 (above)
+            j.x_stride = (k + 63) / 64 * 64;
+            own.f.resize(rows * j.x_stride);
+            avx512bf16::permute_x_f32(j.x, own.f.data(), rows, k, j.x_stride);
+            j.x = own.f.data(), j.f32_fp8 = true;
+            return true;
+        }
         if (isa == 1 && j.fmt == FMT_FP8) {
             own.f.resize(rows * k);
             j.x_exp = avx2::scale_x(j.x, own.f.data(), rows, k);
@@ -2508,6 +2659,7 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         }
         nan |= (j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
                 : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
+                : j.f32_fp8 ? run_rows<F32Fp8Rows>(j, t.n0, t.n1)
                 : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
     }
     (void)nan;  // NaN rows are written as NaN (run_row)
@@ -3361,6 +3513,7 @@ class ExpertBatch {
             const Job& from = jobs[o];
             j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
             j.x_stride = from.x_stride, j.xi_any_two = from.xi_any_two, j.x_exp = from.x_exp, j.panel = from.panel;
+            j.f32_fp8 = from.f32_fp8;
         }
         return oom ? 4 : 0;
     }
