@@ -14,7 +14,9 @@ the ratios).
 
 Prints, in one run:
 - the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given, on
-  4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`) and torch's fp32 matmul rate at 4,096;
+  4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`) and torch's fp32 matmul rate at 4,096, each
+  measured in every round beside the runs and the best kept, as for the rates (these VMs' read stream moves between
+  ~30 and ~38 GB/s within minutes: one measurement at the end made every share rise or fall with the phase it met);
 - the pages each side's weights are on (mhcrun's `weight_pages`; ik_llama.cpp's mmap of the GGUF is on 4 KB pages,
   and with `--peer-huge-pages` it reads the model into 2 MB hugetlbfs pages: its `-thp 1`, for which pages must be
   reserved, `echo N > /proc/sys/vm/nr_hugepages` as root, N at least the GGUF's size / 2 MB);
@@ -182,8 +184,9 @@ def main() -> None:
         model = args.model or make_synthetic(CONFIGS / "v4-mid.json", Path(tmp) / "mid4", 4, seed=1)
         plan = plan_checkpoint(model)
         vocab = plan.config.vocab_size
-        ours, theirs, compile_s, pages = {m: [] for m in modes}, [], [], set()
+        ours, theirs, compile_s, pages, machine = {m: [] for m in modes}, [], [], set(), []
         for r in range(args.rounds):
+            machine.append((read_bandwidth(), matmul_rate()))
             for m in modes:
                 # the first regions process compiles into empty caches (cold), the rest reuse them
                 stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads, Path(tmp) / "torch")
@@ -197,23 +200,23 @@ def main() -> None:
                                                        args.peer_huge_pages)))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         missed = report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None,
-                        compile_s, pages)
+                        compile_s, pages, max(b for b, _ in machine), max(m for _, m in machine))
         if missed and not args.no_breakdown:
             print_breakdown(model, args.threads, *missed, Path(tmp) / "torch" if "regions" in modes else None)
 
 
 def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None,
-           compile_s: list[float], pages: set[str]) -> tuple[float, float] | None:
-    """Prints the table and the goals -> (bytes a decoded token reads, read bandwidth) where a mode's decode misses
-    GOAL_SHARE of the read bandwidth, else None."""
-    bw, mm = read_bandwidth(), matmul_rate()
+           compile_s: list[float], pages: set[str], bw: float, mm: float) -> tuple[float, float] | None:
+    """Prints the table and the goals (against read bandwidth `bw` and matmul rate `mm`) -> (bytes a decoded token
+    reads, read bandwidth) where a mode's decode misses GOAL_SHARE of the read bandwidth, else None."""
     reads = dict.fromkeys(ours, decode_bytes_per_token(plan))
     rates = dict(ours)
     if ik is not None:
         reads["ik"], rates["ik"] = gguf_bytes_per_token(args.gguf), ik
     macs = decode_macs_per_token(plan)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (read stream), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
-          f"at 4096; {args.threads} threads; best of {args.rounds} alternating rounds; {args.gen} tokens decoded")
+          f"at 4096 (each the best of the rounds'); {args.threads} threads; best of {args.rounds} alternating rounds; "
+          f"{args.gen} tokens decoded")
     print(f"weights: mhcrun on {', '.join(sorted(pages))}"
           + (f"; ik_llama.cpp on {'2 MB (hugetlbfs) pages' if args.peer_huge_pages else '4 KB pages (its mmap)'}"
              if ik is not None else ""))
