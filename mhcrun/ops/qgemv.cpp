@@ -2064,16 +2064,18 @@ bool run_row(const Job& j, int64_t n, int64_t m0) {
     return nan;
 }
 
-// A decode's rows [n0, n1) (one row of x, one group) four at a time where the job takes quads: rows n0 + i + c * q of
-// the unit's four quarters (q rows each) together, so that a core reads four streams of weights at once (and each
-// step's x once for four rows). Out of DRAM one stream a core left the rows 1.2-1.4x a plain read of their bytes
+// A decode's rows [n0, n1) (one row of x; rows of one group: a grouped job's units are whole groups where its groups
+// are whole fp8 tiles, as DeepSeek's wo_a's) four at a time where the job takes quads: rows n0 + i + c * q of the
+// unit's four quarters (q rows each) together, so that a core reads four streams of weights at once (and each step's
+// x once for four rows). Out of DRAM one stream a core left the rows 1.2-1.4x a plain read of their bytes
 // (AMX VM, 2 threads): four streams, 2 MB of FP8 88 -> 77 us, 8 MB 320 -> 288, 1 MB of FP4 55 -> 49 (four adjacent
 // rows instead, their lines interleaved in one stream: slower than one row). Returns the first row left.
 template <class Rows>
 int64_t run_quads(const Job& j, int64_t n0, int64_t n1) {
-    if (j.m != 1 || j.groups != 1 || n1 - n0 < 8 || !Rows::quads(j)) return n0;
+    const int64_t per = j.n / j.groups, g = n0 / per;  // the rows of a group, and the group of the unit's first row
+    if (j.m != 1 || (n1 - 1) / per != g || n1 - n0 < 8 || !Rows::quads(j)) return n0;
     const int64_t q = (n1 - n0) / 4;
-    const typename Rows::X* x = Rows::x_of(j, 0);
+    const typename Rows::X* x = Rows::x_of(j, g);
     for (int64_t i = n0; i < n0 + q; i++) {
         const int64_t ns[4] = {i, i + q, i + 2 * q, i + 3 * q};
         float* const out[4] = {j.y + ns[0], j.y + ns[1], j.y + ns[2], j.y + ns[3]};
