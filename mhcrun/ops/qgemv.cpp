@@ -919,8 +919,8 @@ AVX512BF16 void fp4_row(const Job& j, int64_t n, const uint16_t* const* xs, floa
 }
 
 // ---------------------------------------------------------------- FP4 rows by 16-bit integer dot products (vpdpwssd)
-// On Intel's Sapphire Rapids vdpbf16ps retires at half the FMA's rate and the FP4 rows above are bound by it; vpdpwssd
-// (pairs of int16 products summed into int32) retires ~2.8 times as fast. x as integers: make_int_x.
+// On the AMX VM's Intel cores vdpbf16ps retires one every 2 cycles and the FP4 rows above are bound by it; vpdpwssd
+// (pairs of int16 products summed into int32) retires two a cycle, as FMAs do. x as integers: make_int_x.
 
 // The e2m1 codes as twice their values, int16, each twice over (entry i: code i % 16), for vpermw.
 struct IntTable {
