@@ -683,19 +683,22 @@ inline int fp4_slot(int i) {
     return 32 * (2 * (b % 2) + h) + b / 2;
 }
 
-// x rows [rows, k] -> bf16 [rows, kpad] (kpad: k rounded up to a chunk of `width` inputs) in the chunks' order,
-// zero-padded; x already checked exact in bf16.
-inline void permute_x(const float* x, uint16_t* xb, int64_t rows, int64_t k, int64_t kpad, bool fp4) {
-    const int width = fp4 ? 128 : 64;
+// x rows [rows, k] -> [rows, kpad] (kpad: k rounded up to a chunk of `width` inputs), input i of each chunk at
+// slot_of(i), zero past k: as bf16 (T = uint16_t; x already checked exact in bf16) or as fp32.
+template <class T>
+inline void permute_x(const float* x, T* out, int64_t rows, int64_t k, int64_t kpad, int width, int (*slot_of)(int)) {
     int slot[128];
-    for (int i = 0; i < width; i++) slot[i] = fp4 ? fp4_slot(i) : fp8_slot(i);
+    for (int i = 0; i < width; i++) slot[i] = slot_of(i);
     for (int64_t r = 0; r < rows; r++) {
-        uint16_t* dst = xb + r * kpad;
+        T* dst = out + r * kpad;
         const float* src = x + r * k;
-        std::memset(dst, 0, sizeof(uint16_t) * kpad);
+        std::fill(dst, dst + kpad, T(0));
         for (int64_t c0 = 0; c0 < k; c0 += width) {
             const int n = k - c0 < width ? int(k - c0) : width;
-            for (int i = 0; i < n; i++) dst[c0 + slot[i]] = uint16_t(bits_of(src[c0 + i]) >> 16);
+            for (int i = 0; i < n; i++) {
+                if constexpr (std::is_same_v<T, float>) dst[c0 + slot[i]] = src[c0 + i];
+                else dst[c0 + slot[i]] = uint16_t(bits_of(src[c0 + i]) >> 16);  // exact in bf16: its top half
+            }
         }
     }
 }
@@ -732,27 +735,13 @@ AVX512BF16 INLINE void fp8_step(const uint8_t* w, int64_t k, __mmask64 mk, const
 // fp8 against an x that is not exact in bf16 (no activation rounding: DeepSeek's grouped wo_a, or a run with the
 // quantisation simulation off), by fp32 FMAs: the 64 bytes of a step through the bf16 tables (fp8_words), each bf16
 // made its fp32 by a shift (even words) or a mask (odd words), no widening across lanes; x permuted beforehand into the
-// order the four vectors hold (fp8_f32_slot). Exact values, so the same products and sums as namespace avx512's fp8
+// order the four vectors hold (fp8_f32_slot, permute_x). Exact values, so the same products and sums as namespace avx512's fp8
 // rows up to their order; those decode through fp16 and vcvtph2ps, twice the shuffles and conversions: an FP8 weight of
 // 2,048 x 2,048 out of DRAM, 2 threads, AMX VM, 426 -> 333 us (a 1 MB one in L2, one thread: 10.8 -> 14.5-15.8 GB/s).
 // A NaN code decodes to NaN, which makes the row NaN through its products.
 inline int fp8_f32_slot(int i) {  // input i of a 64-input chunk -> its place in the chunk's permuted x
     const int lane = i / 16, t = i % 16, vec = 2 * (t / 8) + t % 2;  // vectors: even, odd words of v0, then of v1
     return 16 * vec + 4 * lane + (t % 8) / 2;
-}
-
-// x rows [rows, k] -> [rows, kpad] fp32 in fp8_f32_slot's order, chunk by chunk, zero past k.
-inline void permute_x_f32(const float* x, float* xf, int64_t rows, int64_t k, int64_t kpad) {
-    int slot[64];
-    for (int i = 0; i < 64; i++) slot[i] = fp8_f32_slot(i);
-    for (int64_t r = 0; r < rows; r++) {
-        float* dst = xf + r * kpad;
-        std::fill(dst, dst + kpad, 0.0f);
-        for (int64_t c0 = 0; c0 < k; c0 += 64) {
-            const int n = k - c0 < 64 ? int(k - c0) : 64;
-            for (int i = 0; i < n; i++) dst[c0 + slot[i]] = x[r * k + c0 + i];
-        }
-    }
 }
 
 // fp8: a step's 64 weights (fp8_words) into the partial sums of each row of x in fp32 (fp8_f32_slot's order), by FMAs.
@@ -2610,14 +2599,15 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
             const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
             j.x_stride = (k + width - 1) / width * width;
             own.h.resize(rows * j.x_stride);
-            avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, j.fmt == FMT_FP4);
+            avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, int(width),
+                                  j.fmt == FMT_FP4 ? avx512bf16::fp4_slot : avx512bf16::fp8_slot);
             j.xb = own.h.data();
             return true;
         }
         if (isa == 3 && j.fmt == FMT_FP8 && j.block % 64 == 0) {  // x not exact in bf16 (above)
             j.x_stride = (k + 63) / 64 * 64;
             own.f.resize(rows * j.x_stride);
-            avx512bf16::permute_x_f32(j.x, own.f.data(), rows, k, j.x_stride);
+            avx512bf16::permute_x(j.x, own.f.data(), rows, k, j.x_stride, 64, avx512bf16::fp8_f32_slot);
             j.x = own.f.data(), j.f32_fp8 = true;
             return true;
         }
