@@ -1975,36 +1975,33 @@ struct Avx512Rows {
     }
 };
 
-struct Bf16Rows {
-    using X = uint16_t;
-    static const X* x_of(const Job& j, int64_t i) { return j.xb + i * j.x_stride; }
+// FP8 rows through the bf16 tables (avx512bf16::fp8_rows), x in bf16 or in fp32: one row at a time or four.
+template <class XT>
+struct Fp8TableRows {
+    using X = XT;
     template <int R> static bool fp8(const Job& j, int64_t n, const X* const* xs, float* out) {
         avx512bf16::fp8_rows<R, 1>(j, &n, xs, &out);
         return false;
     }
-    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
-        avx512bf16::fp4_row<R>(j, n, xs, out);
-    }
-    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
-    static bool quads(const Job& j) { return j.fmt == FMT_FP8; }
     static void quad(const Job& j, const int64_t* ns, const X* x, float* const* out) {
         avx512bf16::fp8_rows<1, 4>(j, ns, &x, out);
     }
 };
 
-struct F32Fp8Rows {  // FP8 weights only (prepare_x): isa 3 with x not exact in bf16
-    using X = float;
-    static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
-    template <int R> static bool fp8(const Job& j, int64_t n, const X* const* xs, float* out) {
-        avx512bf16::fp8_rows<R, 1>(j, &n, xs, &out);
-        return false;
+struct Bf16Rows : Fp8TableRows<uint16_t> {
+    static const X* x_of(const Job& j, int64_t i) { return j.xb + i * j.x_stride; }
+    template <int R> static void fp4(const Job& j, int64_t n, const X* const* xs, float* out) {
+        avx512bf16::fp4_row<R>(j, n, xs, out);
     }
+    template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}  // bf16 weights: fp32 rows
+    static bool quads(const Job& j) { return j.fmt == FMT_FP8; }
+};
+
+struct F32Fp8Rows : Fp8TableRows<float> {  // FP8 weights only (prepare_x): isa 3 with x not exact in bf16
+    static const X* x_of(const Job& j, int64_t i) { return j.x + i * j.x_stride; }
     template <int R> static void fp4(const Job&, int64_t, const X* const*, float*) {}
     template <int R> static void bf16(const Job&, int64_t, const X* const*, float*) {}
     static bool quads(const Job&) { return true; }
-    static void quad(const Job& j, const int64_t* ns, const X* x, float* const* out) {
-        avx512bf16::fp8_rows<1, 4>(j, ns, &x, out);
-    }
 };
 
 template <int ISA>
@@ -2057,8 +2054,9 @@ bool run_row(const Job& j, int64_t n, int64_t m0) {
 // are whole fp8 tiles, as DeepSeek's wo_a's) four at a time where the job takes quads: rows n0 + i + c * q of the
 // unit's four quarters (q rows each) together, so that a core reads four streams of weights at once (and each step's
 // x once for four rows). Out of DRAM one stream a core left the rows 1.2-1.4x a plain read of their bytes
-// (AMX VM, 2 threads): four streams, 2 MB of FP8 88 -> 77 us, 8 MB 320 -> 288, 1 MB of FP4 55 -> 49 (four adjacent
-// rows instead, their lines interleaved in one stream: slower than one row). Returns the first row left.
+// (AMX VM, 2 threads): four streams, 2 MB of FP8 100 -> 75-88 us, 8 MB 323 -> 267-273, 1 MB of FP4 55 -> 49
+// (BENCHMARKS.md; four adjacent rows instead, their lines interleaved in one stream: slower than one row). Returns
+// the first row left.
 template <class Rows>
 int64_t run_quads(const Job& j, int64_t n0, int64_t n1) {
     const int64_t per = j.n / j.groups, g = n0 / per;  // the rows of a group, and the group of the unit's first row

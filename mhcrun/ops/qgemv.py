@@ -944,6 +944,7 @@ NATIVE_OPS = {"qgemv_native": qgemv_shape, "qgemv_expert_set_native": expert_set
               "hc_post_pre_native": post_pre_shape, "attend_native": attend_shape,
               "index_topk_native": index_topk_shape, "compress_step_native": compress_step_shape}
 
+
 def _same_layout(w: QWeight, first: QWeight) -> bool:
     return (w.kernel and w.data.shape == first.data.shape and w.data.dtype == first.data.dtype
             and w.block == first.block and w.scale.dtype == first.scale.dtype and w.scale.is_contiguous())
