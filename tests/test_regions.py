@@ -468,6 +468,85 @@ def test_steps_of_a_shape_seen_before_skip_guard_evaluation(monkeypatch):
     assert skips[-1] is True
 
 
+def test_later_steps_call_their_graphs_without_dynamo_and_compute_what_dynamo_computes(monkeypatch):
+    """After a step whose every region ran with dynamo's guards, a step of the same key calls each region's graph
+    directly (`DirectCall`: no frame of the compiled function runs) on every layer (window, CSA and HCA attention,
+    hash and routed MoE, the head), over the window's and a compression group's edges, and gives bitwise the logits
+    and state of the same steps through dynamo (the direct calls refused: `DirectCall.learn` -> None)."""
+    model = make_model([0, 4, 8])
+    tokens, pos = prefill(model, make_prompts(), 12)
+    start = snapshot(model)
+
+    def run(direct: bool):
+        restore(model, start)
+        dec = RegionDecoder(model, "regions", STRUCT_BACKEND)
+        frames = []
+        with torch.inference_mode():
+            out = greedy_steps(dec, tokens, pos, 1)[0]
+            for group in dec.groups:  # count the calls that enter dynamo from now on
+                fn = group.fn
+                group.fn = lambda *a, fn=fn: frames.append(1) or fn(*a)
+            out += greedy_steps(dec, out[-1].argmax(-1), pos + 1, 11)[0]
+        learnt = [d for g in dec.groups for d in g.direct.values()]
+        return out, snapshot(model), frames, learnt
+
+    got, got_state, frames, learnt = run(True)
+    assert len(learnt) == 6 and all(d is not None for d in learnt), learnt
+    assert not frames, f"{len(frames)} region calls went through dynamo"
+    with monkeypatch.context() as m:
+        m.setattr(regions_runner.DirectCall, "learn", staticmethod(lambda *a: None))
+        want, want_state, frames, _ = run(False)
+    assert len(frames) == 11 * (2 * 3 + 1)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for k in want_state:
+        assert torch.equal(got_state[k], want_state[k]), k
+
+
+class Scaled(torch.nn.Module):
+    """A toy region's module: a weight and a Python number (a constant of its graph)."""
+
+    def __init__(self, c: float, seed: int):
+        super().__init__()
+        self.c, self.calls = c, 0
+        self.w = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(seed)), requires_grad=False)
+
+
+def scaled(m: Scaled, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * m.w + m.c, x
+
+
+def counted(m: Scaled, x: torch.Tensor) -> torch.Tensor:
+    m.calls += 1  # a side effect dynamo replays after the graph
+    return x * m.w
+
+
+@pytest.mark.parametrize("case", ["same graph", "other graph", "side effect"])
+def test_a_direct_call_is_made_only_where_it_does_what_dynamo_does(case):
+    """A region kind's later calls skip dynamo only where every layer of the guarded step ran the same graph and the
+    frame did nothing but call it: layers whose Python constants differ (dynamo compiled a graph each) keep dynamo's
+    choice of graph, and a frame with a side effect (an attribute set) keeps it happening; a direct call finds each
+    layer's own weights and passes an input through as dynamo does."""
+    mods = [Scaled(1.0, 0), Scaled(1.0 if case == "same graph" else 2.0, 1)]
+    step: list = [None]
+    group = regions_runner.CompiledGroup(regions_runner.GraphStats("toy", "whole"),
+                                         counted if case == "side effect" else scaled, STRUCT_BACKEND, None,
+                                         step=lambda: step[0])
+    x = torch.randn(8)
+    with torch.inference_mode():
+        step[0] = ("key", False)  # the guarded step: every layer's call
+        for m in mods:
+            group(m, x)
+        step[0] = ("key", True)
+        for m in mods:
+            out = group(m, x)
+            if case == "side effect":
+                assert torch.equal(out, x * m.w) and m.calls == 2
+            else:
+                assert torch.equal(out[0], x * m.w + m.c) and out[1] is x
+    assert (group.direct["key"] is not None) == (case == "same graph")
+
+
 def test_graph_count_does_not_grow_with_layers(whole3):
     nine = [0, 4, 16, 4, 16, 4, 16, 4, 16]
     run = compiled_run(nine, "whole", 3)

@@ -11,8 +11,10 @@ runs that post step fused with its own site's pre step, then the sublayer. With 
 half compiles as two graphs: the mHC post+pre step (`Block.enter`: the carried post, the mixes, collapse and the
 sublayer's norm) and the sublayer.
 
-A step of shapes an earlier step of the decoder had skips dynamo's guard evaluation (`step_key`): ~110 us a region call
-instead of ~350 on a 2-core CPU (BENCHMARKS.md, issue 20).
+A step of shapes an earlier step of the decoder had skips dynamo: on CPU each region calls the graph its kind compiled
+for such a step directly (`DirectCall`: its inputs taken where dynamo took them, its result made as dynamo made it),
+~20 us a call where dynamo's frame and guard evaluation took ~175 on a 2-core CPU (BENCHMARKS.md, issue 20); elsewhere
+dynamo runs it without evaluating its guards (~110 us instead of ~350).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
 import torch._inductor.config
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhcrun.errors import InputError
 from mhcrun.model import Attention, Block, Carry, Compressor, MoE, Probe, Transformer
@@ -88,15 +92,19 @@ class CompiledGroup:
     the kind with that layer's module."""
 
     def __init__(self, stats: GraphStats, fn: Callable, backend: str | None, mode: str | None,
-                 cpp_wrapper: bool = False, builds: Callable[[], Builds | None] = lambda: None):
-        self.stats, self.eager = stats, fn
+                 cpp_wrapper: bool = False, builds: Callable[[], Builds | None] = lambda: None,
+                 step: Callable[[], tuple | None] = lambda: None):
+        self.stats, self.eager, self.step = stats, fn, step
+        self.direct: dict[tuple, DirectCall | None] = {}  # by step key: the call to make, None where dynamo's
+        self.seen: list | None = None  # while a call is watched: the graphs dynamo called, with what (`Graph`)
         if backend is None:
             self.fn = fn
             return
         name = f"region_{stats.region.replace(':', '_')}_{stats.stages.replace('+', '_')}"
-        self.fn = torch.compile(region_function(fn, name),
-                                backend=counting_backend(backend, stats, cpp_wrapper, builds),
-                                mode=mode, dynamic=False, fullgraph=True)
+        region = region_function(fn, name)
+        self.globals = region.__globals__
+        counting = counting_backend(backend, stats, cpp_wrapper, builds, lambda: self.seen)
+        self.fn = torch.compile(region, backend=counting, mode=mode, dynamic=False, fullgraph=True)
 
     def __call__(self, *args):
         if self.stats.first_call_s is None:
@@ -109,13 +117,33 @@ class CompiledGroup:
     def call(self, *args):
         if self.fn is self.eager:
             return self.eager(*args)
+        step = self.step()  # (the step's key, whether its every region has run guarded), or None
+        if step is not None and step[1] and (direct := self.direct.get(step[0])) is not None:
+            return direct(args)
+        watch = step is not None and not step[1]
+        self.seen = [] if watch else None
         try:
-            return self.fn(*args)
+            out = self.fn(*args)
         except Exception as e:  # a failed compile: this group runs eagerly from now on
             if self.stats.graphs and self.stats.fallback is None and not is_compile_error(e):
                 raise
             self.fall_back(e)
             return self.eager(*args)
+        finally:
+            seen, self.seen = self.seen, None
+        if watch:
+            self.learn(step[0], args, seen, out)
+        return out
+
+    def learn(self, key: tuple, args: tuple, seen: list, out: Any) -> None:
+        """A guarded call of step `key`: the call its later steps make (`DirectCall`), where every layer's call of
+        the step ran the same graph, with inputs found where the graph's sources say and a result made alike;
+        else they go through dynamo."""
+        learnt = DirectCall.learn(seen[0], args, out, self.globals) if len(seen) == 1 else None
+        if key not in self.direct:
+            self.direct[key] = learnt
+        elif not (learnt is not None and learnt.same(self.direct[key])):
+            self.direct[key] = None
 
     def fall_back(self, e: BaseException) -> None:
         """A failed compile (or wrapper build): the group runs eagerly from now on, with a warning naming it."""
@@ -126,7 +154,8 @@ class CompiledGroup:
 
 
 def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
-                     builds: Callable[[], Builds | None] = lambda: None) -> Callable:
+                     builds: Callable[[], Builds | None] = lambda: None,
+                     watch: Callable[[], list | None] = lambda: None) -> Callable:
     """Wrap a torch.compile backend to count the graphs it compiles, their compile time and cache hits.
     `cpp_wrapper`: inductor writes each graph's wrapper (the code that allocates its buffers and calls its kernels and
     ops) in C++ rather than Python: with the kernel's ops in C++ (`CpuKernel.ops`) a call of the graph then runs no
@@ -134,7 +163,8 @@ def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
     build-and-load probe of each instruction set's vector headers (`vec_isa_ok`; ~5 s of a cold compile): the run's
     kernel, built by the same compiler with AVX2, AVX-512 and AMX code, and its ops, built against this torch and
     loaded, have shown what the probe shows; inductor still checks the instructions each set adds. `builds()`: the
-    compile ahead's background builds (`mhcrun.regions.builds`), where one is under way."""
+    compile ahead's background builds (`mhcrun.regions.builds`), where one is under way. Each graph it returns is a
+    `Graph`: while `watch()` gives a list, a call appends itself to it."""
     inner = torch._dynamo.lookup_backend(backend)
     stats.wrapper = "C++" if cpp_wrapper else "Python"
     patch = wrapper_config(cpp_wrapper)
@@ -150,7 +180,7 @@ def counting_backend(backend: str, stats: GraphStats, cpp_wrapper: bool = False,
         stats.compile_s += time.perf_counter() - t0
         stats.cache_hits += torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - hits
         stats.builds += futures
-        return built(out, gm, futures) if futures else out
+        return Graph(built(out, gm, futures) if futures else out, sources_of(gm), watch).call
 
     return count
 
@@ -209,6 +239,96 @@ def is_compile_error(e: Exception) -> bool:
                           torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.UserError))
 
 
+def sources_of(gm: torch.fx.GraphModule) -> list[str] | None:
+    """Where dynamo takes each input of the graph it is compiling: a Python expression over the frame's locals `L` and
+    globals `G` (`L['args'][0]._parameters['hc_attn_fn']`); None where an input has none, or where the frame does
+    more than call the graph and return what it gives: a side effect dynamo replays after it (a module's attribute
+    set, e.g. a verify's compressor keeping its chunk) or one it cannot tell."""
+    try:
+        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+        effects = torch._dynamo.symbolic_convert.InstructionTranslator.current_tx().output.side_effects
+        made = (AttributeMutationNew, ValueMutationNew)  # objects the frame made (its result): no effect outside
+        changed = [v for v in effects.id_to_variable.values() if effects.is_modified(v)]
+        if effects.tensor_hooks or effects.save_for_backward or any(
+                not isinstance(v.mutation_type, made) for v in changed):
+            return None
+    except Exception:  # not compiling under dynamo, or a torch without these
+        return None
+    sources = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is None or arg.source is None:
+            return None
+        sources.append(arg.source.name)
+    return sources
+
+
+class Graph:
+    """A graph the backend compiled (`counting_backend`), as dynamo calls it (`call`: its inputs in order -> its
+    outputs), with its inputs' `sources_of`; while `watch()` gives a list, a call appends (graph, inputs, outputs)."""
+
+    def __init__(self, fn: Callable, sources: list[str] | None, watch: Callable[[], list | None]):
+        self.fn, self.sources, self.watch = fn, sources, watch
+
+    def call(self, *inputs):
+        out = self.fn(*inputs)
+        if (seen := self.watch()) is not None:
+            seen.append((self, inputs, out))
+        return out
+
+
+class DirectCall:
+    """A region call of a step whose every region has run with dynamo's guards, made without dynamo: the graph that
+    step ran, its inputs found where its sources say (`inputs`: the call's arguments -> the graph's inputs), the
+    result made as dynamo made it (`leaves`: each the graph's output i ("out", i), its input i ("in", i) or a
+    value ("value", v); `spec`: their structure). The decoder asks for one only where its guards would pass
+    (`RegionDecoder.forward`: the step's key, every region's guards checked at an earlier step of that key)."""
+
+    def __init__(self, graph: Graph, inputs: Callable[[dict], tuple], leaves: list[tuple[str, Any]], spec):
+        self.graph, self.inputs, self.leaves, self.spec = graph, inputs, leaves, spec
+
+    def __call__(self, args: tuple):
+        inputs = self.inputs({"args": args})
+        out = self.graph.fn(*inputs)
+        return tree_unflatten([out[v] if how == "out" else inputs[v] if how == "in" else v for how, v in self.leaves],
+                              self.spec)
+
+    @staticmethod
+    def learn(seen: tuple, args: tuple, result: Any, globals_: dict) -> DirectCall | None:
+        """From a guarded call (its graph, the inputs dynamo gave it and the outputs it gave; the region's arguments,
+        the result dynamo made, the region function's globals) -> the call, or None where its inputs are not found
+        where the sources say (the very tensors dynamo gave) or a tensor of the result is neither an input nor an
+        output of the graph."""
+        graph, given, out = seen
+        if graph.sources is None or not isinstance(out, (list, tuple)):
+            return None
+        try:
+            inputs = eval(f"lambda L: ({''.join(f'{s}, ' for s in graph.sources)})", {"G": globals_})
+            found = inputs({"args": args})
+        except Exception:  # a source that is not an expression over the arguments and the globals
+            return None
+        if len(found) != len(given) or any(a is not b for a, b in zip(found, given, strict=True)):
+            return None
+        values, spec = tree_flatten(result)
+        leaves = []
+        for v in values:
+            if not isinstance(v, torch.Tensor):
+                leaves.append(("value", v))
+            elif (i := next((i for i, o in enumerate(out) if o is v), None)) is not None:
+                leaves.append(("out", i))
+            elif (i := next((i for i, t in enumerate(given) if t is v), None)) is not None:
+                leaves.append(("in", i))
+            else:
+                return None
+        return DirectCall(graph, inputs, leaves, spec)
+
+    def same(self, other: DirectCall | None) -> bool:
+        """Whether another layer's call runs the same graph and makes its result alike."""
+        return other is not None and other.graph is self.graph and other.graph.sources == self.graph.sources and \
+            other.leaves == self.leaves and other.spec == self.spec
+
+
 # The "split" plan's two graphs of a layer half: the carried post and the site's pre step (mixes, collapse, norm),
 # the sublayer.
 def attn_core(block: Block, h: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
@@ -260,6 +380,7 @@ class RegionDecoder:
         self.kinds: dict[str, Callable] = {}
         self.builds: Builds | None = None  # while `compile_ahead` runs: the wrappers building in the background
         self.guarded: set[tuple] = set()  # the steps (`step_key`) whose every region has run with its guards checked
+        self.step: tuple | None = None  # during a step on CPU: (its key, whether in `guarded`), for `CompiledGroup`
         self.compressors = [m for m in model.layers.modules() if isinstance(m, Compressor)]
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
@@ -272,7 +393,7 @@ class RegionDecoder:
         stats = GraphStats(kind, stages, self.layers_of[kind])
         self.stats.append(stats)
         self.groups.append(CompiledGroup(stats, fn, self.backend, self.cg_mode, self.cpp_wrapper,
-                                         lambda: self.builds))
+                                         lambda: self.builds, lambda: self.step))
         return self.groups[-1]
 
     def run(self, kind: str, fn: Callable, module, *args) -> torch.Tensor:
@@ -343,12 +464,19 @@ class RegionDecoder:
         model = self.model
         tokens = tokens.view(self.rows.size(0), -1)
         # a verify's compressors keep their chunk (`snapshot.keep_chunks`): a flag the graphs are guarded on
-        key = (*step_key(tokens, pos, probe), every, tuple(m.keep_chunk for m in self.compressors))
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.backend is not None and key in self.guarded):
-            if self.mode == "step":
-                out = self.step_fn(model, tokens, self.rows, pos, None, True, None, every, every)
-            else:
-                out = model(tokens, self.rows, pos, probe, static=True, regions=self.run, every=every, streams=every)
+        key = (*step_key(tokens, pos, probe), every, tuple(m.keep_chunk for m in self.compressors), model.max_seq)
+        guarded = key in self.guarded
+        # on CPU the regions call their graphs directly at a step of a key seen before (`DirectCall`)
+        self.step = (key, guarded) if model.device.type == "cpu" and self.cg_mode is None else None
+        try:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.backend is not None and guarded):
+                if self.mode == "step":
+                    out = self.step_fn(model, tokens, self.rows, pos, None, True, None, every, every)
+                else:
+                    out = model(tokens, self.rows, pos, probe, static=True, regions=self.run, every=every,
+                                streams=every)
+        finally:
+            self.step = None
         self.guarded.add(key)
         self.count_hc_calls(tokens.numel(), tokens.device.type)
         return out
