@@ -822,6 +822,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList()  # the MTP layers, when built with them (`build_model(mtp=True)`)
         self.dtype = torch.float32
         self.max_batch = self.max_seq = 0
+        self.setups = 0  # times setup_caches made the state buffers (a compiled decoder's inputs: `mhcrun.regions`)
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         """Allocate every layer's state (KV window, compressor state and compressed entries, indexer keys) for
@@ -833,6 +834,7 @@ class Transformer(nn.Module):
             a.allocate(max_batch, max_seq, self.dtype, self.device, self.formats,
                        self.rope["compressed" if a.ratio else "window"])
         self.max_batch, self.max_seq = max_batch, max_seq
+        self.setups += 1
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every state buffer by its path (`layers.1.attn.ring.fp8`, `layers.1.attn.compressor.kv_state`, ...)."""

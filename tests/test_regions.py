@@ -503,6 +503,23 @@ def test_later_steps_call_their_graphs_without_dynamo_and_compute_what_dynamo_co
         assert torch.equal(got_state[k], want_state[k]), k
 
 
+def test_a_decoder_takes_the_new_buffers_after_the_caches_are_set_up_again():
+    """Direct calls find a module's weights and state once (`DirectCall.fixed`): caches set up again (new buffers)
+    start the decoder afresh, so steps on other prompts afterwards give what a new decoder gives, not steps on the
+    old buffers."""
+    model = make_model([0, 4])
+    first = prefill(model, make_prompts(), 6)
+    dec = RegionDecoder(model, "regions", STRUCT_BACKEND)
+    greedy_steps(dec, *first, 4)
+    tokens, pos = prefill(model, make_prompts(seed=9), 6)
+    start = snapshot(model)
+    got = greedy_steps(dec, tokens, pos, 4)[0]
+    restore(model, start)
+    want = greedy_steps(RegionDecoder(model, "regions", STRUCT_BACKEND), tokens, pos, 4)[0]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 class Scaled(torch.nn.Module):
     """A toy region's module: a weight and a Python number (a constant of its graph)."""
 

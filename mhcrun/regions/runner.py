@@ -280,19 +280,37 @@ class Graph:
 
 class DirectCall:
     """A region call of a step whose every region has run with dynamo's guards, made without dynamo: the graph that
-    step ran, its inputs found where its sources say (`inputs`: the call's arguments -> the graph's inputs), the
-    result made as dynamo made it (`leaves`: each the graph's output i ("out", i), its input i ("in", i) or a
-    value ("value", v); `spec`: their structure). The decoder asks for one only where its guards would pass
-    (`RegionDecoder.forward`: the step's key, every region's guards checked at an earlier step of that key)."""
+    step ran, its inputs found where its sources say, the result made as dynamo made it from the graph's outputs and
+    inputs. The inputs a layer's module holds (its weights and state buffers) and the globals' are found once a
+    module (`fixed`; the decoder starts afresh when the caches are set up again, `RegionDecoder.forward`), the others
+    (the carried streams, the step's positions) each call (`varying`): a decode step's GEMVs leave the modules'
+    attributes out of cache, where finding 20-50 inputs again took ~40 us a call. The decoder asks for one only where
+    its guards would pass (the step's key, every region's guards checked at an earlier step of that key)."""
 
-    def __init__(self, graph: Graph, inputs: Callable[[dict], tuple], leaves: list[tuple[str, Any]], spec):
-        self.graph, self.inputs, self.leaves, self.spec = graph, inputs, leaves, spec
+    def __init__(self, graph: Graph, sources: list[str], globals_: dict, leaves: list[tuple[str, Any]], spec):
+        self.graph, self.leaves, self.spec = graph, leaves, spec
+        at = [i for i, s in enumerate(sources) if s.startswith(("L['args'][0]", "G["))]
+        rest = [i for i in range(len(sources)) if i not in at]
+        self.fixed = expression("L", [sources[i] for i in at], {"G": globals_})
+        self.varying = expression("L", [sources[i] for i in rest], {"G": globals_})
+        place = {i: f"F[{n}]" for n, i in enumerate(at)} | {i: f"V[{n}]" for n, i in enumerate(rest)}
+        self.merge = expression("F, V", [place[i] for i in range(len(sources))])
+        values = [v for how, v in leaves if how == "value"]
+        picks, k = [], 0
+        for how, v in leaves:
+            picks.append(f"O[{v}]" if how == "out" else f"I[{v}]" if how == "in" else f"K[{k}]")
+            k += how == "value"
+        self.pick = expression("O, I", [p for p in picks], {"K": values})
+        self.make = maker(spec)
+        self.fixed_of: dict[torch.nn.Module, tuple] = {}  # each module's fixed inputs
 
     def __call__(self, args: tuple):
-        inputs = self.inputs({"args": args})
-        out = self.graph.fn(*inputs)
-        return tree_unflatten([out[v] if how == "out" else inputs[v] if how == "in" else v for how, v in self.leaves],
-                              self.spec)
+        frame = {"args": args}
+        fixed = self.fixed_of.get(args[0])
+        if fixed is None:
+            fixed = self.fixed_of[args[0]] = self.fixed(frame)
+        inputs = self.merge(fixed, self.varying(frame))
+        return self.make(self.pick(self.graph.fn(*inputs), inputs))
 
     @staticmethod
     def learn(seen: tuple, args: tuple, result: Any, globals_: dict) -> DirectCall | None:
@@ -301,11 +319,10 @@ class DirectCall:
         where the sources say (the very tensors dynamo gave) or a tensor of the result is neither an input nor an
         output of the graph."""
         graph, given, out = seen
-        if graph.sources is None or not isinstance(out, (list, tuple)):
+        if graph.sources is None or not isinstance(out, (list, tuple)) or not isinstance(args[0], torch.nn.Module):
             return None
         try:
-            inputs = eval(f"lambda L: ({''.join(f'{s}, ' for s in graph.sources)})", {"G": globals_})
-            found = inputs({"args": args})
+            found = expression("L", graph.sources, {"G": globals_})({"args": args})
         except Exception:  # a source that is not an expression over the arguments and the globals
             return None
         if len(found) != len(given) or any(a is not b for a, b in zip(found, given, strict=True)):
@@ -321,12 +338,26 @@ class DirectCall:
                 leaves.append(("in", i))
             else:
                 return None
-        return DirectCall(graph, inputs, leaves, spec)
+        return DirectCall(graph, graph.sources, globals_, leaves, spec)
 
     def same(self, other: DirectCall | None) -> bool:
         """Whether another layer's call runs the same graph and makes its result alike."""
-        return other is not None and other.graph is self.graph and other.graph.sources == self.graph.sources and \
-            other.leaves == self.leaves and other.spec == self.spec
+        return other is not None and other.graph is self.graph and other.leaves == self.leaves and \
+            other.spec == self.spec
+
+
+def expression(params: str, items: list[str], scope: dict | None = None) -> Callable:
+    """`lambda {params}: (item, item, ...)`, compiled once (the items Python expressions over params and scope)."""
+    return eval(f"lambda {params}: ({''.join(f'{item}, ' for item in items)})", dict(scope or {}))
+
+
+def maker(spec) -> Callable[[tuple], Any]:
+    """What makes a structure of spec (torch's pytree) from its leaves: a tuple's or named tuple's own constructor
+    where its items are the leaves (a `Carry`, the head's (logits, streams)), else `tree_unflatten`."""
+    flat = spec.type in (tuple, list) or (isinstance(spec.type, type) and issubclass(spec.type, tuple))
+    if flat and all(child.is_leaf() for child in spec.children_specs):
+        return getattr(spec.type, "_make", spec.type)
+    return lambda leaves: tree_unflatten(list(leaves), spec)
 
 
 # The "split" plan's two graphs of a layer half: the carried post and the site's pre step (mixes, collapse, norm),
@@ -381,6 +412,7 @@ class RegionDecoder:
         self.builds: Builds | None = None  # while `compile_ahead` runs: the wrappers building in the background
         self.guarded: set[tuple] = set()  # the steps (`step_key`) whose every region has run with its guards checked
         self.step: tuple | None = None  # during a step on CPU: (its key, whether in `guarded`), for `CompiledGroup`
+        self.setups = model.setups  # the caches the steps in `guarded` ran on (`Transformer.setups`)
         self.compressors = [m for m in model.layers.modules() if isinstance(m, Compressor)]
         if mode == "step":
             self.step_stats = GraphStats("step", "all", list(range(len(model.layers) + 1)))
@@ -465,6 +497,10 @@ class RegionDecoder:
         tokens = tokens.view(self.rows.size(0), -1)
         # a verify's compressors keep their chunk (`snapshot.keep_chunks`): a flag the graphs are guarded on
         key = (*step_key(tokens, pos, probe), every, tuple(m.keep_chunk for m in self.compressors), model.max_seq)
+        if model.setups != self.setups:  # the caches were set up again: their buffers are other tensors
+            self.setups, self.guarded = model.setups, set()
+            for group in self.groups:
+                group.direct.clear()
         guarded = key in self.guarded
         # on CPU the regions call their graphs directly at a step of a key seen before (`DirectCall`)
         self.step = (key, guarded) if model.device.type == "cpu" and self.cg_mode is None else None
