@@ -165,6 +165,8 @@ class Stepper:
             return self.model(torch.tensor([[t] for t in tokens], device=dev), at,
                               torch.tensor([pos[r] for r in rows], device=dev), fan_out(by_index))
         logits = self.decoder(torch.tensor(self.last, device=dev), torch.tensor(pos, device=dev), fan_out(probes))
+        if dev.type == "cpu" and rows == list(range(len(self.length))):  # every row, in order: the step's own
+            return logits  # logits (a fresh tensor each step; CUDA graphs write theirs again: a copy there)
         return logits[torch.tensor(rows, device=dev)]
 
 
@@ -343,7 +345,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
         ok = batch.take(rows, logits)
-        for i, token in zip(ok, sample(logits[ok], sampling, gen).tolist() if ok else [], strict=True):
+        chosen = logits if len(ok) == len(rows) else logits[ok]  # every row finite: no copy
+        for i, token in zip(ok, sample(chosen, sampling, gen).tolist() if ok else [], strict=True):
             res = results[rows[i]]
             res.tokens.append(token)
             if record_topk:
