@@ -13,8 +13,8 @@ sublayer's norm) and the sublayer.
 
 A step of shapes an earlier step of the decoder had skips dynamo: on CPU each region calls the graph its kind compiled
 for such a step directly (`DirectCall`: its inputs taken where dynamo took them, its result made as dynamo made it),
-~20 us a call where dynamo's frame and guard evaluation took ~175 on a 2-core CPU (BENCHMARKS.md, issue 20); elsewhere
-dynamo runs it without evaluating its guards (~110 us instead of ~350).
+~35 us a call before the graph's own wrappers where dynamo's frame, guard lookup and bytecode took ~175 on a 2-core
+CPU (BENCHMARKS.md, issue 20); elsewhere dynamo runs it without evaluating its guards (~110 us instead of ~350).
 """
 
 from __future__ import annotations
