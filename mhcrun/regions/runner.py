@@ -300,7 +300,7 @@ class DirectCall:
         for how, v in leaves:
             picks.append(f"O[{v}]" if how == "out" else f"I[{v}]" if how == "in" else f"K[{k}]")
             k += how == "value"
-        self.pick = expression("O, I", [p for p in picks], {"K": values})
+        self.pick = expression("O, I", picks, {"K": values})
         self.make = maker(spec)
         self.fixed_of: dict[torch.nn.Module, tuple] = {}  # each module's fixed inputs
 
