@@ -287,8 +287,9 @@ class DirectCall:
     attributes out of cache, where finding 20-50 inputs again took ~40 us a call. The decoder asks for one only where
     its guards would pass (the step's key, every region's guards checked at an earlier step of that key)."""
 
-    def __init__(self, graph: Graph, sources: list[str], globals_: dict, leaves: list[tuple[str, Any]], spec):
+    def __init__(self, graph: Graph, globals_: dict, leaves: list[tuple[str, Any]], spec):
         self.graph, self.leaves, self.spec = graph, leaves, spec
+        sources = graph.sources
         at = [i for i, s in enumerate(sources) if s.startswith(("L['args'][0]", "G["))]
         rest = [i for i in range(len(sources)) if i not in at]
         self.fixed = expression("L", [sources[i] for i in at], {"G": globals_})
@@ -321,12 +322,6 @@ class DirectCall:
         graph, given, out = seen
         if graph.sources is None or not isinstance(out, (list, tuple)) or not isinstance(args[0], torch.nn.Module):
             return None
-        try:
-            found = expression("L", graph.sources, {"G": globals_})({"args": args})
-        except Exception:  # a source that is not an expression over the arguments and the globals
-            return None
-        if len(found) != len(given) or any(a is not b for a, b in zip(found, given, strict=True)):
-            return None
         values, spec = tree_flatten(result)
         leaves = []
         for v in values:
@@ -338,7 +333,14 @@ class DirectCall:
                 leaves.append(("in", i))
             else:
                 return None
-        return DirectCall(graph, graph.sources, globals_, leaves, spec)
+        try:
+            call, frame = DirectCall(graph, globals_, leaves, spec), {"args": args}
+            found = call.merge(call.fixed(frame), call.varying(frame))
+        except Exception:  # a source that is not an expression over the arguments and the globals
+            return None
+        if len(found) != len(given) or any(a is not b for a, b in zip(found, given, strict=True)):
+            return None
+        return call
 
     def same(self, other: DirectCall | None) -> bool:
         """Whether another layer's call runs the same graph and makes its result alike."""
