@@ -564,6 +564,51 @@ def test_a_direct_call_is_made_only_where_it_does_what_dynamo_does(case):
     assert (group.direct["key"] is not None) == (case == "same graph")
 
 
+def aliased(m: Scaled, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * m.w, m.w[:4]  # a view of an input: AOT's wrapper makes it again after the graph
+
+
+def doubled(m: Scaled, x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)  # an input mutated: inside inductor's code
+    return x * m.w + m.c
+
+
+@pytest.mark.parametrize("case", ["plain", "input mutated", "aliased output"])
+def test_a_direct_call_runs_inductors_code_below_aots_wrappers_only_where_they_have_nothing_to_do(case, monkeypatch):
+    """Where AOT's wrappers of an inductor graph passed it the very inputs and returned its very outputs at the guarded
+    call, a direct call calls inductor's code itself (no `CompiledFxGraph` call): results as dynamo's, an input
+    mutated in place as there. An output that is a view of an input (AOT makes it again after the graph) keeps the
+    wrappers, and the view they make."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    fn = {"plain": scaled, "input mutated": doubled, "aliased output": aliased}[case]
+    mods = [Scaled(1.0, 0), Scaled(1.0, 1)]
+    step: list = [None]
+    group = regions_runner.CompiledGroup(regions_runner.GraphStats("toy", "whole"), fn, "inductor", None,
+                                         step=lambda: step[0])
+    with torch.inference_mode():
+        step[0] = ("key", False)
+        for m in mods:
+            group(m, torch.randn(8))
+        direct = group.direct["key"]
+        assert direct is not None and (direct.inner is None) == (case == "aliased output")
+        wrapped = []
+        plain = CompiledFxGraph.__call__
+        monkeypatch.setattr(CompiledFxGraph, "__call__", lambda g, inputs: wrapped.append(1) or plain(g, inputs))
+        step[0] = ("key", True)
+        for m in mods:
+            x = torch.randn(8)
+            x0 = x.clone()
+            out = group(m, x)
+            if case == "plain":
+                assert torch.equal(out[0], x0 * m.w + m.c) and out[1] is x
+            elif case == "input mutated":
+                assert torch.equal(x, 2 * x0) and torch.equal(out, 2 * x0 * m.w + m.c)
+            else:
+                assert torch.equal(out[0], x0 * m.w) and out[1]._base is m.w and torch.equal(out[1], m.w[:4])
+    assert len(wrapped) == (2 if case == "aliased output" else 0)
+
+
 def test_graph_count_does_not_grow_with_layers(whole3):
     nine = [0, 4, 16, 4, 16, 4, 16, 4, 16]
     run = compiled_run(nine, "whole", 3)

@@ -13,8 +13,9 @@ sublayer's norm) and the sublayer.
 
 A step of shapes an earlier step of the decoder had skips dynamo: on CPU each region calls the graph its kind compiled
 for such a step directly (`DirectCall`: its inputs taken where dynamo took them, its result made as dynamo made it),
-~35 us a call before the graph's own wrappers where dynamo's frame, guard lookup and bytecode took ~175 on a 2-core
-CPU (BENCHMARKS.md, issue 20); elsewhere dynamo runs it without evaluating its guards (~110 us instead of ~350).
+~35 us a call where dynamo's frame, guard lookup and bytecode took ~175 on a 2-core CPU, and, where AOT's wrappers of
+the graph had nothing to do, inductor's code below them (~50 us more; BENCHMARKS.md, issue 20); elsewhere dynamo runs
+it without evaluating its guards (~110 us instead of ~350).
 """
 
 from __future__ import annotations
@@ -272,10 +273,35 @@ class Graph:
         self.fn, self.sources, self.watch = fn, sources, watch
 
     def call(self, *inputs):
-        out = self.fn(*inputs)
-        if (seen := self.watch()) is not None:
-            seen.append((self, inputs, out))
+        if (seen := self.watch()) is None:
+            return self.fn(*inputs)
+        with inductor_calls() as ran:
+            out = self.fn(*inputs)
+        seen.append((self, inputs, out, ran))
         return out
+
+
+@contextlib.contextmanager
+def inductor_calls():
+    """While a watched graph runs: the calls of inductor's compiled code below dynamo's graph and AOT's wrappers
+    (`CompiledFxGraph`), as (the function it called, the inputs it gave, the outputs it returned); none where this
+    torch has no such class."""
+    ran: list[tuple[Callable, list, Any]] = []
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:
+        yield ran
+        return
+    plain = CompiledFxGraph.__call__
+
+    def record(graph, inputs):
+        given, fn = list(inputs), graph.current_callable  # (its callable clears the list it is given)
+        out = plain(graph, inputs)
+        ran.append((fn, given, out))
+        return out
+
+    with mock.patch.object(CompiledFxGraph, "__call__", record):
+        yield ran
 
 
 class DirectCall:
@@ -285,10 +311,14 @@ class DirectCall:
     module (`fixed`; the decoder starts afresh when the caches are set up again, `RegionDecoder.forward`), the others
     (the carried streams, the step's positions) each call (`varying`): a decode step's GEMVs leave the modules'
     attributes out of cache, where finding 20-50 inputs again took ~40 us a call. The decoder asks for one only where
-    its guards would pass (the step's key, every region's guards checked at an earlier step of that key)."""
+    its guards would pass (the step's key, every region's guards checked at an earlier step of that key).
+    `inner`: inductor's compiled code below the graph's AOT wrappers, called in their stead where at the guarded call
+    they did nothing but pass it the graph's very inputs and return its very outputs (no input mutation or aliased
+    output to replay, no input deduplicated or added; `inductor_calls`): ~50 us a call of Python on a 2-core CPU."""
 
-    def __init__(self, graph: Graph, globals_: dict, leaves: list[tuple[str, Any]], spec):
-        self.graph, self.leaves, self.spec = graph, leaves, spec
+    def __init__(self, graph: Graph, globals_: dict, leaves: list[tuple[str, Any]], spec,
+                 inner: Callable[[list], Any] | None = None):
+        self.graph, self.leaves, self.spec, self.inner = graph, leaves, spec, inner
         sources = graph.sources
         at = [i for i, s in enumerate(sources) if s.startswith(("L['args'][0]", "G["))]
         rest = [i for i in range(len(sources)) if i not in at]
@@ -311,15 +341,16 @@ class DirectCall:
         if fixed is None:
             fixed = self.fixed_of[args[0]] = self.fixed(frame)
         inputs = self.merge(fixed, self.varying(frame))
-        return self.make(self.pick(self.graph.fn(*inputs), inputs))
+        out = self.graph.fn(*inputs) if self.inner is None else self.inner(list(inputs))
+        return self.make(self.pick(out, inputs))
 
     @staticmethod
     def learn(seen: tuple, args: tuple, result: Any, globals_: dict) -> DirectCall | None:
-        """From a guarded call (its graph, the inputs dynamo gave it and the outputs it gave; the region's arguments,
-        the result dynamo made, the region function's globals) -> the call, or None where its inputs are not found
-        where the sources say (the very tensors dynamo gave) or a tensor of the result is neither an input nor an
-        output of the graph."""
-        graph, given, out = seen
+        """From a guarded call (its graph, the inputs dynamo gave it, the outputs it gave and the calls of inductor's
+        code below it; the region's arguments, the result dynamo made, the region function's globals) -> the call,
+        or None where its inputs are not found where the sources say (the very tensors dynamo gave) or a tensor of
+        the result is neither an input nor an output of the graph."""
+        graph, given, out, ran = seen
         if graph.sources is None or not isinstance(out, (list, tuple)) or not isinstance(args[0], torch.nn.Module):
             return None
         values, spec = tree_flatten(result)
@@ -334,18 +365,23 @@ class DirectCall:
             else:
                 return None
         try:
-            call, frame = DirectCall(graph, globals_, leaves, spec), {"args": args}
+            inner = ran[0][0] if len(ran) == 1 and same(ran[0][1], given) and same(ran[0][2], out) else None
+            call, frame = DirectCall(graph, globals_, leaves, spec, inner), {"args": args}
             found = call.merge(call.fixed(frame), call.varying(frame))
         except Exception:  # a source that is not an expression over the arguments and the globals
             return None
-        if len(found) != len(given) or any(a is not b for a, b in zip(found, given, strict=True)):
-            return None
-        return call
+        return call if same(found, given) else None
 
     def same(self, other: DirectCall | None) -> bool:
         """Whether another layer's call runs the same graph and makes its result alike."""
-        return other is not None and other.graph is self.graph and other.leaves == self.leaves and \
-            other.spec == self.spec
+        return other is not None and other.graph is self.graph and other.inner is self.inner and \
+            other.leaves == self.leaves and other.spec == self.spec
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two sequences hold the very same objects, in order."""
+    return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and \
+        all(x is y for x, y in zip(a, b, strict=True))
 
 
 def expression(params: str, items: list[str], scope: dict | None = None) -> Callable:
@@ -357,7 +393,7 @@ def maker(spec) -> Callable[[tuple], Any]:
     """What makes a structure of spec (torch's pytree) from its leaves: a tuple's or named tuple's own constructor
     where its items are the leaves (a `Carry`, the head's (logits, streams)), else `tree_unflatten`."""
     flat = spec.type in (tuple, list) or (isinstance(spec.type, type) and issubclass(spec.type, tuple))
-    if flat and all(child.is_leaf() for child in spec.children_specs):
+    if flat and all(child.is_leaf() for child in spec.children()):
         return getattr(spec.type, "_make", spec.type)
     return lambda leaves: tree_unflatten(list(leaves), spec)
 
