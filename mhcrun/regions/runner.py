@@ -365,12 +365,12 @@ class DirectCall:
             else:
                 return None
         try:
-            inner = ran[0][0] if len(ran) == 1 and same(ran[0][1], given) and same(ran[0][2], out) else None
+            inner = ran[0][0] if len(ran) == 1 and identical(ran[0][1], given) and identical(ran[0][2], out) else None
             call, frame = DirectCall(graph, globals_, leaves, spec, inner), {"args": args}
             found = call.merge(call.fixed(frame), call.varying(frame))
         except Exception:  # a source that is not an expression over the arguments and the globals
             return None
-        return call if same(found, given) else None
+        return call if identical(found, given) else None
 
     def same(self, other: DirectCall | None) -> bool:
         """Whether another layer's call runs the same graph and makes its result alike."""
@@ -378,7 +378,7 @@ class DirectCall:
             other.leaves == self.leaves and other.spec == self.spec
 
 
-def same(a: Any, b: Any) -> bool:
+def identical(a: Any, b: Any) -> bool:
     """Whether two sequences hold the very same objects, in order."""
     return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and \
         all(x is y for x, y in zip(a, b, strict=True))
