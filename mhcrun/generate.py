@@ -17,6 +17,7 @@ import torch
 from mhcrun.errors import InputError, NonFiniteError
 from mhcrun.memory import default_prefill_chunk
 from mhcrun.model import Probe, Transformer
+from mhcrun.ops.qgemv import StepScope
 from mhcrun.parallel import Shard, gather_text, gather_values
 from mhcrun.probes import Capture, FirstNonFinite, first_nonfinite_op
 from mhcrun.session import Session
@@ -146,6 +147,11 @@ class Stepper:
         self.model, self.chunk, self.decoder, self.ahead_s = model, chunk, decoder, ahead_s
         self.length = [0] * model.max_batch  # tokens each row's state holds
         self.last = [0] * model.max_batch  # the token each row ran last
+        # on a CPU with the kernel (one process): each decode step in one parallel region of the kernel, whose other
+        # threads read the next GEMV call's weights ahead in the step's gaps (`StepScope`; it lives with the run)
+        cpu, threads = model.opts.cpu, torch.get_num_threads()
+        self.scope = StepScope(cpu.library, threads) if model.device.type == "cpu" and cpu.on and cpu.reads_ahead \
+            and threads > 1 and model.opts.tp.world == 1 else None
 
     def prefill(self, row: int, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
         """Row `row` starts the sequence `ids` -> logits [V] of its last token."""
@@ -155,6 +161,12 @@ class Stepper:
 
     def decode(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None = None) -> torch.Tensor:
         """Feed tokens[i] to row rows[i] at its next position -> logits [len(rows), V]."""
+        if self.scope is None:
+            return self.step(rows, tokens, probes)
+        return self.scope.run(lambda: self.step(rows, tokens, probes))
+
+    def step(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None) -> torch.Tensor:
+        """`decode`'s step."""
         probes, dev = probes or {}, self.model.device
         for r, t in zip(rows, tokens, strict=True):
             self.length[r], self.last[r] = self.length[r] + 1, t

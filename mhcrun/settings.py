@@ -90,6 +90,8 @@ class Env:
     world: int | None = None
     local_rank: int | None = None  # LOCAL_RANK: the rank's CUDA device
     launcher: int | None = None  # MHCRUN_TP_PARENT: the process id of the mhcrun that started this rank (--tp)
+    threads_sleep: bool = False  # OMP_WAIT_POLICY=passive: idle OpenMP threads sleep; no worker spins through a step
+    # reading weights ahead (`qgemv.StepScope`)
 
     @staticmethod
     def read(environ: Mapping[str, str] = os.environ) -> Env:
@@ -114,7 +116,8 @@ class Env:
                    glibc_tunables=environ.get("GLIBC_TUNABLES", ""),
                    scaled_mm=_read_flag(environ, "MHCRUN_SCALED_MM", False), kernel_cache=Path(cache),
                    cxx=environ.get("CXX", "g++"), rank=launch["RANK"], world=launch["WORLD_SIZE"],
-                   local_rank=launch["LOCAL_RANK"], launcher=launch["MHCRUN_TP_PARENT"])
+                   local_rank=launch["LOCAL_RANK"], launcher=launch["MHCRUN_TP_PARENT"],
+                   threads_sleep=environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive")
 
 
 def _read_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:

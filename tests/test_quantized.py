@@ -217,6 +217,74 @@ def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: b
     return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
 
 
+def scoped_decode_logits(path: Path, prompts: list[list[int]], steps: int, mode: str, scoped: bool,
+                         n_layers: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """`decode_logits` on the run's CPU kernel, eager or by compiled regions (aot_eager: the graphs call the kernel's
+    ops), each step run in a `StepScope` of two threads (`scoped`) or not -> (the logits, the bytes read ahead)."""
+    from mhcrun.generate import Stepper
+
+    model = models(path, n_layers)[0]
+    model.opts.cpu = cpu_kernel()
+    model.setup_caches(len(prompts), 64)
+    decoder = RegionDecoder(model, "regions", "aot_eager") if mode == "regions" else None
+    st = Stepper(model, 8, decoder)
+    st.scope = qgemv.StepScope(model.opts.cpu.library, 2) if scoped else None
+    for row, ids in enumerate(prompts):
+        st.prefill(row, ids)
+    rows = list(range(len(prompts)))
+    logits = [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
+    return logits, st.scope.read_ahead() if scoped else 0
+
+
+@pytest.mark.parametrize("case", ["tiny eager", "tiny regions", "mid eager"])
+def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, mid2, case):
+    """Decode steps each run in one parallel region of the kernel (`StepScope`: its worker joins the GEMVs' units, the
+    mHC mixes, the routing logits and the decode attention's loops, and reads the next call's weights ahead between
+    them) give bit for bit the logits of plain steps, eager and through compiled regions, across the window's and the
+    compressors' group edges (tiny: 20 steps of 2 rows at different positions), on the mid-size config's shapes too
+    (its routing logits parallel); weights were read ahead."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    name, mode = case.split()
+    path, steps, layers = (tiny_fp8, 20, None) if name == "tiny" else (mid2, 3, 2)
+    prompts = DECODE_PROMPTS if name == "tiny" else [[0, 5, 6, 7]]
+    with torch.inference_mode():
+        want, _ = scoped_decode_logits(path, prompts, steps, mode, False, layers)
+        got, read = scoped_decode_logits(path, prompts, steps, mode, True, layers)
+    assert read > 0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}"
+
+
+def test_a_step_scope_raises_its_steps_error_after_the_region_and_runs_on():
+    """A step's exception leaves `StepScope.run` as it was raised, once the parallel region has ended (no hang), and
+    the scope runs the next step; a step within a step runs as it is (on the one region's threads)."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    scope = qgemv.StepScope(cpu_kernel().library, 2)
+
+    def fails():
+        raise ValueError("a step failed")
+
+    with pytest.raises(ValueError, match="a step failed"):
+        scope.run(fails)
+    assert scope.run(lambda: 5) == 5
+    assert scope.run(lambda: scope.run(lambda: 7)) == 7
+
+
+def test_threads_that_sleep_leave_the_step_scope_off(monkeypatch):
+    """A run whose idle OpenMP threads sleep (OMP_WAIT_POLICY=passive: two processes sharing the cores, as the suite's
+    workers) runs no step in a scope, whose worker spins through a step; other runs with the kernel do."""
+    from mhcrun.settings import Env
+
+    assert Env.read({"OMP_WAIT_POLICY": "PASSIVE"}).threads_sleep
+    assert not Env.read({"OMP_WAIT_POLICY": "active"}).threads_sleep and not Env.read({}).threads_sleep
+    assert not cpu_kernel().reads_ahead  # the suite's kernel: conftest sets OMP_WAIT_POLICY=PASSIVE
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    assert qgemv.open_cpu_kernel(replace(Env.read(), threads_sleep=False)).reads_ahead
+
+
 # within rounding of their references (sums in another order)
 ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "compress_step", "route", "moe_routed")
 KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined

@@ -33,6 +33,7 @@
 // one CPU kernel.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cpuid.h>
 #include <cstdint>
@@ -43,6 +44,7 @@
 #include <immintrin.h>
 #include <memory>
 #include <new>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <type_traits>
@@ -2628,6 +2630,129 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     return true;
 }
 
+// ---------------------------------------------------------------- a decode step in one parallel region
+// A decode step's GEMVs are separated by serial work on the calling thread (Python, the graphs' own code, small
+// kernels: ~4-6 ms of an ~18-23 ms step of the mid-size config on a 2-core CPU) while OpenMP's other threads wait and
+// the memory idles. mhc_run_step runs a step (a callback) on the calling thread inside one parallel region whose other
+// threads (workers) join the step's parallel loops (`for_each_index`: run_jobs's units, the mHC mixes, the routing
+// logits, the decode attention) and, between them, the first worker reads the first READ_AHEAD bytes of the weights
+// the next GEMV call will read: those the call read that followed this call's weight at the previous step
+// (BENCHMARKS.md: 55-100 MB a step so, in the gaps, on 2 threads). A loop's index computes the same wherever it runs
+// and reads ahead change no value. The calling thread waits only for workers inside its loop: an absent (descheduled)
+// worker costs speed, never a hang. Workers spin while a step runs, as OpenMP's do between its regions (a run whose
+// OpenMP threads sleep, OMP_WAIT_POLICY=passive, runs no step so: mhcrun.ops.qgemv.StepScope).
+constexpr int64_t READ_AHEAD = 4 << 20;
+constexpr int64_t READ_PIECE = 4096;  // read ahead between two looks for a loop
+constexpr int MAX_RANGES = 32;
+
+struct Ranges {  // the weights a GEMV call read: its jobs' rows
+    int n = 0;
+    const uint8_t* at[MAX_RANGES];
+    int64_t bytes[MAX_RANGES];
+};
+
+struct Loop {  // a parallel loop of the calling thread: body(i) for i in [0, count)
+    int64_t count;
+    const std::function<int(int64_t)>* body;
+    std::atomic<int64_t> next{0};
+    std::atomic<int> flags{0};  // the OR of body's results
+};
+
+struct StepScope {
+    std::atomic<Loop*> loop{nullptr};  // the loop running, null between loops
+    std::atomic<int> inside{0};        // workers inside `loop` (or about to look at it)
+    std::atomic<bool> stop{false};
+    std::atomic<int64_t> version{0};   // of `plan`: odd while the calling thread writes it (a sequence lock)
+    Ranges plan[2];                    // what to read ahead: plan[(version / 2) % 2]
+    std::atomic<int64_t> read{0};      // bytes read ahead, in all
+    std::unordered_map<const void*, Ranges> next_of;  // a call's first weight -> what the call after it read
+    const void* last = nullptr;        // the last call's first weight
+};
+
+thread_local StepScope* step_scope = nullptr;  // the calling thread's, while mhc_run_step runs its step with workers
+
+void run_indexes(Loop& loop) {
+    int f = 0;
+    for (int64_t i; (i = loop.next.fetch_add(1, std::memory_order_relaxed)) < loop.count;) f |= (*loop.body)(i);
+    if (f) loop.flags.fetch_or(f, std::memory_order_relaxed);
+}
+
+// A worker of a step: the loops posted, and (`ahead`) the planned reads between them.
+void serve(StepScope& sc, bool ahead) {
+    int64_t version = -1, at = 0, left = 0;
+    int range = 0;
+    Ranges r;
+    uint64_t sink = 0;
+    while (!sc.stop.load(std::memory_order_acquire)) {
+        if (sc.loop.load(std::memory_order_relaxed) != nullptr) {
+            sc.inside.fetch_add(1);  // then look (seq_cst, as the caller's clearing and its look at `inside`)
+            if (Loop* loop = sc.loop.load()) run_indexes(*loop);
+            sc.inside.fetch_sub(1);
+            continue;
+        }
+        if (ahead) {
+            if (const int64_t v = sc.version.load(std::memory_order_acquire); v != version && !(v & 1)) {
+                const Ranges copy = sc.plan[(v >> 1) & 1];
+                if (sc.version.load(std::memory_order_acquire) == v)
+                    r = copy, version = v, range = 0, at = 0, left = READ_AHEAD;
+            }
+            if (range < r.n && left > 0) {
+                const int64_t n = std::min(READ_PIECE, r.bytes[range] - at);
+                for (int64_t i = 0; i < n; i += 64) sink += *reinterpret_cast<const volatile uint64_t*>(r.at[range] + at + i);
+                sc.read.fetch_add(n, std::memory_order_relaxed);
+                at += n, left -= n;
+                if (at >= r.bytes[range]) range++, at = 0;
+                continue;
+            }
+        }
+        _mm_pause();
+    }
+    static_cast<void>(*reinterpret_cast<volatile uint64_t*>(&sink));
+}
+
+// body(i) for i in [0, count) by the calling thread and the workers that join -> the OR of the results.
+int run_posted(StepScope& sc, int64_t count, const std::function<int(int64_t)>& body) {
+    Loop loop;
+    loop.count = count, loop.body = &body;
+    sc.loop.store(&loop);
+    run_indexes(loop);
+    sc.loop.store(nullptr);
+    while (sc.inside.load() != 0) _mm_pause();  // a worker that saw the loop is done with it
+    return loop.flags.load(std::memory_order_relaxed);
+}
+
+// f(i) for i in [0, count) on `threads` threads: those of the calling thread's step where it runs one
+// (mhc_run_step), else OpenMP's -> the OR of f's results. f must not depend on the thread that runs it.
+template <class F>
+int for_each_index(int64_t count, int threads, F f) {
+    int flags = 0;
+    if (threads <= 1 || count <= 1) {
+        for (int64_t i = 0; i < count; i++) flags |= f(i);
+        return flags;
+    }
+    if (step_scope != nullptr) return run_posted(*step_scope, count, std::function<int(int64_t)>(f));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : flags)
+    for (int64_t i = 0; i < count; i++) flags |= f(i);
+    return flags;
+}
+
+// After a GEMV call of a step: what it read is what follows the call before it; what followed it last time is read
+// ahead now.
+void plan_next(StepScope& sc, const std::vector<Job>& jobs) {
+    if (jobs.empty()) return;
+    Ranges mine;
+    for (const Job& j : jobs)
+        if (mine.n < MAX_RANGES) mine.at[mine.n] = j.w, mine.bytes[mine.n++] = j.n * j.row_bytes;
+    if (sc.last != nullptr) sc.next_of[sc.last] = mine;
+    sc.last = jobs[0].w;
+    const auto it = sc.next_of.find(sc.last);
+    if (it == sc.next_of.end()) return;
+    const int64_t v = sc.version.load(std::memory_order_relaxed);
+    sc.version.store(v + 1, std::memory_order_release);
+    sc.plan[((v >> 1) + 1) & 1] = it->second;
+    sc.version.store(v + 2, std::memory_order_release);
+}
+
 // Every job's rows, in one parallel region: units of contiguous rows (about UNIT_BYTES of weights, but at least
 // UNITS_A_THREAD units a thread a job; fp8 whole tiles when a job has enough of them) go to whichever thread is free,
 // so that a thread slowed by the machine (two vCPUs sharing a core, a neighbour) does not hold the other at the join.
@@ -2653,24 +2778,22 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
                                                                            : sized;
         for (int64_t n0 = 0; n0 < j.n; n0 += unit) units.push_back({i, n0, n0 + unit < j.n ? n0 + unit : j.n});
     }
-    int nan = 0, flush = 0;
-    const int64_t count = static_cast<int64_t>(units.size());
     const unsigned caller = _mm_getcsr();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : nan, flush)
-    for (int64_t u = 0; u < count; u++) {
+    const int flush = for_each_index(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
         const Unit& t = units[u];
-        flush |= take_caller_mode(caller);
+        const int flushes = take_caller_mode(caller);
         const Job& j = jobs[t.job];
         if (j.panel) {
             avx2::run_panels(j, t.n0, t.n1);
-            continue;
+        } else {  // NaN rows are written as NaN (run_row)
+            j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
+            : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
+            : j.f32_fp8 ? run_rows<F32Fp8Rows>(j, t.n0, t.n1)
+            : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1);
         }
-        nan |= (j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
-                : j.xb ? run_rows<Bf16Rows>(j, t.n0, t.n1)
-                : j.f32_fp8 ? run_rows<F32Fp8Rows>(j, t.n0, t.n1)
-                : isa >= 2 ? run_rows<Avx512Rows>(j, t.n0, t.n1) : run_rows<Avx2Rows>(j, t.n0, t.n1)) ? 1 : 0;
-    }
-    (void)nan;  // NaN rows are written as NaN (run_row)
+        return flushes;
+    });
+    if (step_scope != nullptr) plan_next(*step_scope, jobs);
     return flush ? 5 : 0;
 }
 
@@ -2773,6 +2896,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
     if (flushes_denormals()) return 5;
     if (n > 64) return 6;
     const int64_t k = n * d, mix = post ? (2 + n) * n : n;  // the head: its pre weights only
+    const unsigned caller = _mm_getcsr();
     std::vector<float> own;
     if (!work) {
         try {
@@ -2788,8 +2912,11 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
         for (int64_t i = 0; i < k; i++) xf[i] = act_at(x, bf16, r * k + i);
         const float ms = dot(xf, xf, k, isa) / static_cast<float>(k);
         const float rs = 1.0f / std::sqrt(ms + norm_eps);
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < mix; j++) m[j] = dot(xf, fn + j * k, k, isa) * rs;
+        for_each_index(mix, threads, [&](int64_t j) {
+            take_caller_mode(caller);  // the caller does not flush (above)
+            m[j] = dot(xf, fn + j * k, k, isa) * rs;
+            return 0;
+        });
         float pre[64];
         for (int64_t i = 0; i < n; i++) pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
         if (!post) {  // the head: the collapse alone
@@ -3164,28 +3291,33 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
         encode_fp8_entry(kv + i * d, rcodes + at * nope, rscale + at * sb, rrope + at * rd, nope, block, rd);
         for (int64_t j = 0; j < win; j++) mask[i * win + j] = start[i] - ((start[i] - j) % win + win) % win >= 0;
     }
-    int oom = 0, flush = 0;
     const unsigned caller = _mm_getcsr();
-#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
-    {
-        flush |= take_caller_mode(caller);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < b * nk; t++) {  // each key decoded once
+    if (for_each_index(b * nk, threads, [&](int64_t t) {  // each key decoded once
+            const int flushes = take_caller_mode(caller);
             const int64_t i = t / nk, j = t % nk;
             const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
             const uint8_t* c = j < win ? rcodes : ccodes;
             const float* sc = j < win ? rscale : cscale;
             const float* rp = j < win ? rrope : crope;
             decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.get() + t * d, nope, block, rd, isa);
+            return flushes;
+        }))
+        return 5;
+    const int64_t groups = (h + attend::HG - 1) / attend::HG;
+    return for_each_index(b * groups, threads, [&](int64_t t) {  // each row's heads, HG at a time
+        thread_local std::vector<float> scores;  // this thread's, kept from call to call
+        try {
+            if (static_cast<int64_t>(scores.size()) < attend::HG * nk) scores.resize(attend::HG * nk);
+        } catch (const std::bad_alloc&) {
+            return 4;
         }
-        attend::head_group_tasks(b, h, nk, oom, flush, [&](int64_t i, int64_t h0, int hn, float* sc) {
-            const float* rk = keys.get() + i * nk * d;
-            attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,
-                               k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc,
-                               o + (i * h + h0) * d);
-        });
-    }
-    return oom ? 4 : flush ? 5 : 0;
+        const int64_t i = t / groups, h0 = t % groups * attend::HG;
+        const float* rk = keys.get() + i * nk * d;
+        attend::head_group(isa >= 2, h - h0 < attend::HG ? int(h - h0) : attend::HG, q + (i * h + h0) * d, rk,
+                           mask.data() + i * win, win, k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk,
+                           sink + h0, scale, d, scores.data(), o + (i * h + h0) * d);
+        return 0;
+    });
 }
 
 // mhcrun.ops.moe's gate_scores and route for t rows (decode's few) in one call: x [t, d], weight [e, d] fp32; the
@@ -3206,11 +3338,11 @@ int mhc_route(const float* x, const float* w, const float* bias, const int64_t* 
             if (hash[i] < 0 || hash[i] >= e) return 6;
     std::vector<float> scores(t * e);
     const unsigned caller = _mm_getcsr();
-#pragma omp parallel for schedule(static) num_threads(e * d >= 65536 ? threads : 1)
-    for (int64_t j = 0; j < t * e; j++) {
+    for_each_index(t * e, e * d >= 65536 ? threads : 1, [&](int64_t j) {
         take_caller_mode(caller);
         scores[j] = dot(x + j / e * d, w + j % e * d, d, isa);
-    }
+        return 0;
+    });
     std::vector<int64_t> order(e);
     for (int64_t r = 0; r < t; r++) {
         float* sc = scores.data() + r * e;
@@ -3759,3 +3891,40 @@ int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float
 }
 
 }  // extern "C"
+
+// A step run in one parallel region (see "a decode step in one parallel region" above): fn() on the calling thread,
+// which keeps it, and `threads` - 1 workers joining its loops and reading ahead. A scope (mhc_scope_new) keeps what
+// each call was followed by from step to step, and reads those weights: free it (mhc_scope_free) before they go.
+// Where the calling thread already runs a step, or gets no worker, fn() runs as it is. Returns 0.
+extern "C" void* mhc_scope_new(void) { return new (std::nothrow) StepScope(); }
+
+extern "C" void mhc_scope_free(void* scope) { delete static_cast<StepScope*>(scope); }
+
+// The bytes a scope's steps have read ahead, in all.
+extern "C" int64_t mhc_scope_read_ahead(void* scope) { return static_cast<StepScope*>(scope)->read.load(); }
+
+extern "C" int mhc_run_step(void* scope, void (*fn)(void), int threads) {
+    StepScope* sc = static_cast<StepScope*>(scope);
+    if (sc == nullptr || step_scope != nullptr || threads < 2) {
+        fn();
+        return 0;
+    }
+    sc->stop.store(false);
+#pragma omp parallel num_threads(threads)
+    {
+        if (omp_get_thread_num() == 0) {
+            step_scope = omp_get_num_threads() > 1 ? sc : nullptr;
+            // the step's other parallel regions (the graphs' kernels, torch's) run on this thread alone: nested, they
+            // would start threads of their own beside the workers, more threads than cores
+            const int levels = omp_get_max_active_levels();
+            omp_set_max_active_levels(1);
+            fn();
+            omp_set_max_active_levels(levels);
+            step_scope = nullptr;
+            sc->stop.store(true, std::memory_order_release);
+        } else {
+            serve(*sc, omp_get_thread_num() == 1);
+        }
+    }
+    return 0;
+}

@@ -45,8 +45,10 @@ import ctypes
 import functools
 import math
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,6 +84,7 @@ class CpuKernel:
     why: str = ""
     gemm: int = 0
     ops: str = ""  # the kernel's torch ops (`load_torch_ops`), loaded: compiled graphs call them, in C++ ("": none)
+    reads_ahead: bool = False  # whether a CPU decode step runs in a parallel region reading ahead (`StepScope`)
 
     @property
     def on(self) -> bool:
@@ -733,7 +736,7 @@ def open_cpu_kernel(env: Env) -> CpuKernel:
     cap = CAPS.get(env.cpu_kernel, CAPS["amx"])
     isa = min(cap, best) if env.cpu_kernel in CAPS else default
     gemm = GEMMS["amx"] if amx and cap >= GEMMS["amx"] else GEMMS["avx512bf16"] if isa == ISAS["avx512bf16"] else 0
-    return CpuKernel(path, isa, gemm=gemm, ops=load_torch_ops(env))
+    return CpuKernel(path, isa, gemm=gemm, ops=load_torch_ops(env), reads_ahead=not env.threads_sleep)
 
 
 def load_torch_ops(env: Env) -> str:
@@ -877,7 +880,55 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.mhc_scope_new.restype = ctypes.c_void_p
+    lib.mhc_scope_free.argtypes = [ctypes.c_void_p]
+    lib.mhc_scope_read_ahead.restype = ctypes.c_int64
+    lib.mhc_scope_read_ahead.argtypes = [ctypes.c_void_p]
+    lib.mhc_run_step.restype = ctypes.c_int
+    lib.mhc_run_step.argtypes = [ctypes.c_void_p, STEP, ctypes.c_int]
     return lib
+
+
+STEP = ctypes.CFUNCTYPE(None)  # a step, as mhc_run_step calls it
+
+
+class StepScope:
+    """Decode steps run each in one parallel region of the kernel (qgemv.cpp, "a decode step in one parallel region"):
+    the step on this thread, the kernel's loops shared with the region's other threads, the first of which reads the
+    weights of each GEMV call's successor ahead, in the gaps between the calls (what followed each call is kept from
+    step to step: a scope reads the weights of the calls made through it, so it must not outlive them: one lives with
+    a run's `Stepper`). `run(fn)` -> fn()'s result, or its exception raised again once the region has ended. Not made
+    where idle OpenMP threads sleep (`CpuKernel.reads_ahead`: OMP_WAIT_POLICY=passive), since its workers spin."""
+
+    def __init__(self, library: str, threads: int):
+        self.lib, self.threads = load_library(library), threads
+        self.handle = self.lib.mhc_scope_new()
+        if not self.handle:
+            raise MemoryError("mhc_scope_new")
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        out: list = []
+        err: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                out.append(fn())
+            except BaseException as e:  # raised again below: a callback's exception would be lost in ctypes
+                err.append(e)
+
+        self.lib.mhc_run_step(self.handle, STEP(step), self.threads)
+        if err:
+            raise err[0]
+        return out[0]
+
+    def read_ahead(self) -> int:
+        """The bytes this scope's steps have read ahead, in all."""
+        return self.lib.mhc_scope_read_ahead(self.handle)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.mhc_scope_free(self.handle)
+            self.handle = None
 
 
 def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
