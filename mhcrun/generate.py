@@ -152,6 +152,7 @@ class Stepper:
         cpu, threads = model.opts.cpu, torch.get_num_threads()
         self.scope = StepScope(cpu.library, threads) if model.device.type == "cpu" and cpu.on and cpu.reads_ahead \
             and threads > 1 and model.opts.tp.world == 1 else None
+        self.warm = decoder is None  # whether the decoder's last step compiled nothing (a compile runs outside a scope)
 
     def prefill(self, row: int, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
         """Row `row` starts the sequence `ids` -> logits [V] of its last token."""
@@ -161,9 +162,12 @@ class Stepper:
 
     def decode(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None = None) -> torch.Tensor:
         """Feed tokens[i] to row rows[i] at its next position -> logits [len(rows), V]."""
-        if self.scope is None:
-            return self.step(rows, tokens, probes)
-        return self.scope.run(lambda: self.step(rows, tokens, probes))
+        if self.scope is not None and self.warm:
+            return self.scope.run(lambda: self.step(rows, tokens, probes))
+        graphs = self.decoder.graph_count() if self.decoder is not None else 0
+        logits = self.step(rows, tokens, probes)
+        self.warm = self.decoder is None or self.decoder.graph_count() == graphs
+        return logits
 
     def step(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None) -> torch.Tensor:
         """`decode`'s step."""

@@ -256,6 +256,29 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
         assert torch.equal(g, w), f"step {step}"
 
 
+def test_a_decode_step_that_compiles_runs_outside_the_step_scope(tiny_fp8):
+    """A compiled-regions decode step whose graphs compile (the first here: no compile ahead) runs outside a step's
+    parallel region, where torch's compile has both cores, and so does the next (the decoder's last step compiled);
+    from then on the steps, which compile nothing, run inside."""
+    from mhcrun.generate import Stepper
+
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    model = models(tiny_fp8)[0]
+    model.opts.cpu = cpu_kernel()
+    model.setup_caches(1, 64)
+    decoder = RegionDecoder(model, "regions", "aot_eager")
+    st, scoped = Stepper(model, 8, decoder), []
+    st.scope = qgemv.StepScope(model.opts.cpu.library, 2)
+    run = st.scope.run
+    st.scope.run = lambda fn: scoped.append(decoder.graph_count()) or run(fn)
+    with torch.inference_mode():
+        st.prefill(0, [0, 5, 6])
+        for t in range(4):
+            st.decode([0], [t + 7])
+    assert scoped == [decoder.graph_count()] * 2 and decoder.graph_count() > 0
+
+
 def test_a_step_scope_raises_its_steps_error_after_the_region_and_runs_on():
     """A step's exception leaves `StepScope.run` as it was raised, once the parallel region has ended (no hang), and
     the scope runs the next step; a step within a step runs as it is (on the one region's threads)."""
