@@ -162,7 +162,9 @@ class Stepper:
 
     def decode(self, rows: list[int], tokens: list[int], probes: dict[int, Probe] | None = None) -> torch.Tensor:
         """Feed tokens[i] to row rows[i] at its next position -> logits [len(rows), V]."""
-        if self.scope is not None and self.warm:
+        if self.scope is None:
+            return self.step(rows, tokens, probes)
+        if self.warm:
             return self.scope.run(lambda: self.step(rows, tokens, probes))
         graphs = self.decoder.graph_count() if self.decoder is not None else 0
         logits = self.step(rows, tokens, probes)

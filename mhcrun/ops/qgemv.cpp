@@ -2500,26 +2500,6 @@ inline void head_group(bool wide, int hn, const float* q, const float* kv, const
     }
 }
 
-// Inside a parallel region: the (query row, head group) tasks of `rows` queries of h heads shared among its threads,
-// call(row, h0, hn, sc) each (heads [h0, h0 + hn), sc: this thread's scratch for HG * nk scores); oom set where the
-// scratch cannot be had, and no task runs once oom or flush is set.
-template <class F>
-void head_group_tasks(int64_t rows, int64_t h, int64_t nk, int& oom, int flush, F call) {
-    std::vector<float> sc;
-    try {
-        sc.resize(HG * nk);
-    } catch (const std::bad_alloc&) {
-        oom = 1;
-    }
-    const int64_t groups = (h + HG - 1) / HG;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < rows * groups; t++) {
-        if (oom || flush) continue;
-        const int64_t row = t / groups, h0 = t % groups * HG;
-        call(row, h0, h - h0 < HG ? int(h - h0) : HG, sc.data());
-    }
-}
-
 }  // namespace attend
 
 // ---------------------------------------------------------------- GEMV jobs: one weight and its rows of x
@@ -2735,6 +2715,27 @@ int for_each_index(int64_t count, int threads, F f) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : flags)
     for (int64_t i = 0; i < count; i++) flags |= f(i);
     return flags;
+}
+
+// The (query row, head group) tasks of `rows` queries of h heads on `threads` threads (`for_each_index`), each
+// call(row, h0, hn, sc) (heads [h0, h0 + hn); sc: the running thread's scratch for HG * nk scores, kept from call to
+// call) where the thread takes the calling thread's subnormal mode (`caller`) and that mode does not flush -> the OR
+// of 1 where it flushes (no task ran) and 2 where a scratch could not be had.
+template <class F>
+int head_group_tasks(int64_t rows, int64_t h, int64_t nk, unsigned caller, int threads, F call) {
+    const int64_t groups = (h + attend::HG - 1) / attend::HG;
+    return for_each_index(rows * groups, threads, [&](int64_t t) {
+        if (take_caller_mode(caller)) return 1;
+        thread_local std::vector<float> sc;
+        try {
+            if (static_cast<int64_t>(sc.size()) < attend::HG * nk) sc.resize(attend::HG * nk);
+        } catch (const std::bad_alloc&) {
+            return 2;
+        }
+        const int64_t row = t / groups, h0 = t % groups * attend::HG;
+        call(row, h0, h - h0 < attend::HG ? int(h - h0) : attend::HG, sc.data());
+        return 0;
+    });
 }
 
 // After a GEMV call of a step: what it read is what follows the call before it; what followed it last time is read
@@ -3234,20 +3235,15 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
                const float* sink, float* o, int64_t b, int64_t s, int64_t h, int64_t n, int64_t k, int64_t d,
                float scale, int isa, int threads) {
     if (isa < 1 || isa > mhc_qgemv_isa()) return 3;
-    int oom = 0, flush = 0;
     const int64_t nk = n + k;
     const unsigned caller = _mm_getcsr();
-#pragma omp parallel num_threads(threads) reduction(| : oom, flush)
-    {
-        flush |= take_caller_mode(caller);
-        attend::head_group_tasks(b * s, h, nk, oom, flush, [&](int64_t row, int64_t h0, int hn, float* sc) {
-            const int64_t bi = row / s;  // row: query (bi, si)
-            attend::head_group(isa >= 2, hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
-                               k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale,
-                               d, sc, o + (row * h + h0) * d);
-        });
-    }
-    return oom ? 4 : flush ? 5 : 0;
+    const int r = head_group_tasks(b * s, h, nk, caller, threads, [&](int64_t row, int64_t h0, int hn, float* sc) {
+        const int64_t bi = row / s;  // row: query (bi, si)
+        attend::head_group(isa >= 2, hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
+                           k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale, d, sc,
+                           o + (row * h + h0) * d);
+    });
+    return r & 2 ? 4 : r & 1 ? 5 : 0;
 }
 
 // Eager decode's attention of one token a row (mhcrun.model.Attention.forward, s = 1) in one call, over the window
@@ -3304,21 +3300,13 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
             return flushes;
         }))
         return 5;
-    const int64_t groups = (h + attend::HG - 1) / attend::HG;
-    return for_each_index(b * groups, threads, [&](int64_t t) {  // each row's heads, HG at a time
-        thread_local std::vector<float> scores;  // this thread's, kept from call to call
-        try {
-            if (static_cast<int64_t>(scores.size()) < attend::HG * nk) scores.resize(attend::HG * nk);
-        } catch (const std::bad_alloc&) {
-            return 4;
-        }
-        const int64_t i = t / groups, h0 = t % groups * attend::HG;
+    const int r = head_group_tasks(b, h, nk, caller, threads, [&](int64_t i, int64_t h0, int hn, float* sc) {
         const float* rk = keys.get() + i * nk * d;
-        attend::head_group(isa >= 2, h - h0 < attend::HG ? int(h - h0) : attend::HG, q + (i * h + h0) * d, rk,
-                           mask.data() + i * win, win, k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk,
-                           sink + h0, scale, d, scores.data(), o + (i * h + h0) * d);
-        return 0;
+        attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,
+                           k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc,
+                           o + (i * h + h0) * d);
     });
+    return r & 2 ? 4 : r & 1 ? 5 : 0;
 }
 
 // mhcrun.ops.moe's gate_scores and route for t rows (decode's few) in one call: x [t, d], weight [e, d] fp32; the
