@@ -177,6 +177,11 @@ inline __mmask16 lanes16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0x
 // (PREFETCH_NEAR): a decode step's GEMVs (2 MB pages, 2 threads, AMX VM) 0.93x the time of 8 KB ahead, fp4 rows 2 KB
 // ahead 1.06x (BENCHMARKS.md).
 constexpr int64_t PREFETCH_BYTES = 8192, PREFETCH_NEAR = 2048;
+// Every line of the bytes [p, p + n) asked for (prefetcht0): the few lines of a cache entry, before it is decoded.
+inline void ask_lines(const void* p, int64_t n) {
+    for (int64_t a = 0; a < n; a += 64) _mm_prefetch(static_cast<const char*>(p) + a, _MM_HINT_T0);
+}
+
 template <int64_t AHEAD = PREFETCH_BYTES>
 INLINE void prefetch_ahead(const uint8_t* p) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + AHEAD, _MM_HINT_T0);
@@ -2615,8 +2620,9 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
 // kernels: ~4-6 ms of an ~18-23 ms step of the mid-size config on a 2-core CPU) while OpenMP's other threads wait and
 // the memory idles. mhc_run_step runs a step (a callback) on the calling thread inside one parallel region whose other
 // threads (workers) join the step's parallel loops (`for_each_index`: run_jobs's units, the mHC mixes, the routing
-// logits, the decode attention) and, between them, the first worker reads the first READ_AHEAD bytes of the weights
-// the next GEMV call will read: those the call read that followed this call's weight at the previous step
+// logits, the decode attention, the indexer's entries) and, between them, the first worker reads the first READ_AHEAD
+// bytes of the weights the next call will read (a GEMV's, or a site's mHC mixes or the router's: note_read): those
+// the call read that followed this call's weight at the previous step
 // (BENCHMARKS.md: 55-100 MB a step so, in the gaps, on 2 threads). A loop's index computes the same wherever it runs
 // and reads ahead change no value. The calling thread waits only for workers inside its loop: an absent (descheduled)
 // worker costs speed, never a hang. Workers spin while a step runs, as OpenMP's do between its regions (a run whose
@@ -2719,8 +2725,9 @@ int for_each_index(int64_t count, int threads, F f) {
 
 // The (query row, head group) tasks of `rows` queries of h heads on `threads` threads (`for_each_index`), each
 // call(row, h0, hn, sc) (heads [h0, h0 + hn); sc: the running thread's scratch for HG * nk scores, kept from call to
-// call) where the thread takes the calling thread's subnormal mode (`caller`) and that mode does not flush -> the OR
-// of 1 where it flushes (no task ran) and 2 where a scratch could not be had.
+// call; it returns 0, or 2 where it could not have scratch of its own) where the thread takes the calling thread's
+// subnormal mode (`caller`) and that mode does not flush -> the OR of 1 where it flushes (no task ran) and 2 where a
+// scratch could not be had.
 template <class F>
 int head_group_tasks(int64_t rows, int64_t h, int64_t nk, unsigned caller, int threads, F call) {
     const int64_t groups = (h + attend::HG - 1) / attend::HG;
@@ -2733,26 +2740,32 @@ int head_group_tasks(int64_t rows, int64_t h, int64_t nk, unsigned caller, int t
             return 2;
         }
         const int64_t row = t / groups, h0 = t % groups * attend::HG;
-        call(row, h0, h - h0 < attend::HG ? int(h - h0) : attend::HG, sc.data());
-        return 0;
+        return call(row, h0, h - h0 < attend::HG ? int(h - h0) : attend::HG, sc.data());
     });
 }
 
-// After a GEMV call of a step: what it read is what follows the call before it; what followed it last time is read
-// ahead now.
-void plan_next(StepScope& sc, const std::vector<Job>& jobs) {
-    if (jobs.empty()) return;
-    Ranges mine;
-    for (const Job& j : jobs)
-        if (mine.n < MAX_RANGES) mine.at[mine.n] = j.w, mine.bytes[mine.n++] = j.n * j.row_bytes;
+// After a call of a step that read weights `mine` (a GEMV's jobs, or note_read's): they are what follows the call
+// before it; what followed this call last time is read ahead now.
+void plan_next(StepScope& sc, const Ranges& mine) {
     if (sc.last != nullptr) sc.next_of[sc.last] = mine;
-    sc.last = jobs[0].w;
+    sc.last = mine.at[0];
     const auto it = sc.next_of.find(sc.last);
     if (it == sc.next_of.end()) return;
     const int64_t v = sc.version.load(std::memory_order_relaxed);
     sc.version.store(v + 1, std::memory_order_release);
     sc.plan[((v >> 1) + 1) & 1] = it->second;
     sc.version.store(v + 2, std::memory_order_release);
+}
+
+// A step's call that read the bytes [p, p + n) of weights that stay from step to step apart from the GEMVs (a site's
+// mHC mixes, the router's logits), outside a step's region nothing: noted as a GEMV call's weights are, so that at the
+// next step the gap before the call reads them ahead (a mixes' 786 KB then took ~18 us a site where it took ~42: the
+// 2-core AMX VM, BENCHMARKS.md).
+void note_read(const void* p, int64_t n) {
+    if (step_scope == nullptr || n <= 0) return;
+    Ranges mine;
+    mine.n = 1, mine.at[0] = static_cast<const uint8_t*>(p), mine.bytes[0] = n;
+    plan_next(*step_scope, mine);
 }
 
 // Every job's rows, in one parallel region: units of contiguous rows (about UNIT_BYTES of weights, but at least
@@ -2795,7 +2808,12 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         }
         return flushes;
     });
-    if (step_scope != nullptr) plan_next(*step_scope, jobs);
+    if (step_scope != nullptr && !jobs.empty()) {
+        Ranges mine;
+        for (const Job& j : jobs)
+            if (mine.n < MAX_RANGES) mine.at[mine.n] = j.w, mine.bytes[mine.n++] = j.n * j.row_bytes;
+        plan_next(*step_scope, mine);
+    }
     return flush ? 5 : 0;
 }
 
@@ -2919,6 +2937,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
             m[j] = dot(xf, fn + j * k, k, isa) * rs;
             return 0;
         });
+        if (r == 0) note_read(fn, mix * k * int64_t(sizeof(float)));
         float pre[64];
         for (int64_t i = 0; i < n; i++) pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
         if (!post) {  // the head: the collapse alone
@@ -3016,10 +3035,10 @@ int mhc_kv_fp4_decode(const uint8_t* packed, const float* scale, float* out, int
 // [b, s, kk] (bool bytes), kk = min(topk, n), as select_topk gives them: by rank key (the score's order, -0.0 as 0.0,
 // then the lower entry first), largest first; an invalid slot is entry 0, not valid. Returns 6 for a row or n outside
 // the cache, 7 for a NaN score (the caller then takes torch's path, whose keys order NaN), 4 out of memory, 5 where the
-// thread flushes subnormals.
+// thread flushes subnormals. The entries' decoding and scoring go to `threads` threads, KEY_RUN entries a task.
 int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const float* scale, const int64_t* rows,
                    const int64_t* closed, int64_t* entries, uint8_t* valid, int64_t b, int64_t s, int64_t h, int64_t d,
-                   int64_t n_rows, int64_t len, int64_t n, int64_t topk, int64_t block, int isa) {
+                   int64_t n_rows, int64_t len, int64_t n, int64_t topk, int64_t block, int isa, int threads) {
     if (isa < 0 || isa > mhc_qgemv_isa()) return 3;
     if (flushes_denormals()) return 5;
     if (n < 1 || n > len || d % 2) return 6;
@@ -3027,26 +3046,52 @@ int mhc_index_topk(const float* q, const float* w, const uint8_t* packed, const 
         if (rows[i] < 0 || rows[i] >= n_rows) return 6;
     const int64_t sb = (d + block - 1) / block, kk = topk < n ? topk : n;
     constexpr int64_t INVALID = INT64_MIN, LOW = 0xFFFFFFFFLL;
-    std::unique_ptr<float[]> keys(new (std::nothrow) float[n * d]);  // every value written below: not zeroed
+    // KEY_RUN entries a task: their lines asked for together, decoded into the thread's own scratch, scored for each
+    // of the row's s queries (scores [s, n]: the same operations as one entry at a time); then each query's top-k on
+    // the calling thread. A decode step's call after 1,024 tokens ~140 -> ~80 us (2-core AMX VM, BENCHMARKS.md).
+    constexpr int64_t KEY_RUN = 16;
     std::vector<int64_t> rank;
+    std::vector<float> scores;
     try {
-        rank.resize(n);
+        rank.resize(n), scores.resize(s * n);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    if (!keys) return 4;
+    const unsigned caller = _mm_getcsr();
     for (int64_t i = 0; i < b; i++) {
         const int64_t row = rows[i] * len;
-        for (int64_t j = 0; j < n; j++)
-            decode_fp4_entry(packed + (row + j) * (d / 2), scale + (row + j) * sb, keys.get() + j * d, d, block, isa);
+        const int r = for_each_index((n + KEY_RUN - 1) / KEY_RUN, threads, [&](int64_t u) {
+            take_caller_mode(caller);  // the caller does not flush (above)
+            thread_local std::vector<float> keys;
+            try {
+                if (static_cast<int64_t>(keys.size()) < KEY_RUN * d) keys.resize(KEY_RUN * d);
+            } catch (const std::bad_alloc&) {
+                return 4;
+            }
+            const int64_t j0 = u * KEY_RUN, j1 = std::min(j0 + KEY_RUN, n);
+            for (int64_t j = j0; j < j1; j++)
+                ask_lines(packed + (row + j) * (d / 2), d / 2), ask_lines(scale + (row + j) * sb, sb * 4);
+            for (int64_t j = j0; j < j1; j++)
+                decode_fp4_entry(packed + (row + j) * (d / 2), scale + (row + j) * sb, keys.data() + (j - j0) * d, d,
+                                 block, isa);
+            for (int64_t t = 0; t < s; t++) {
+                const int64_t qi = i * s + t;
+                for (int64_t j = j0; j < j1; j++) {
+                    float score = 0.0f;
+                    for (int64_t hh = 0; hh < h; hh++) {
+                        const float dp = dot(q + (qi * h + hh) * d, keys.data() + (j - j0) * d, d, isa);
+                        score += (dp < 0.0f ? 0.0f : dp) * w[qi * h + hh];  // relu, NaN kept
+                    }
+                    scores[t * n + j] = score;
+                }
+            }
+            return 0;
+        });
+        if (r) return 4;
         for (int64_t t = 0; t < s; t++) {
             const int64_t qi = i * s + t;
             for (int64_t j = 0; j < n; j++) {
-                float score = 0.0f;
-                for (int64_t hh = 0; hh < h; hh++) {
-                    const float dp = dot(q + (qi * h + hh) * d, keys.get() + j * d, d, isa);
-                    score += (dp < 0.0f ? 0.0f : dp) * w[qi * h + hh];  // relu, NaN kept
-                }
+                const float score = scores[t * n + j];
                 if (std::isnan(score)) return 7;
                 const int32_t bits = static_cast<int32_t>(bits_of(score + 0.0f));  // + 0.0 turns -0.0 into 0.0
                 const int32_t order = bits ^ ((bits >> 31) & 0x7FFFFFFF);  // in the floats' order
@@ -3242,6 +3287,7 @@ int mhc_attend(const float* q, const float* kv, const uint8_t* mask, const float
         attend::head_group(isa >= 2, hn, q + (row * h + h0) * d, kv + bi * n * d, mask + row * n, n,
                            k ? sel + row * k * d : nullptr, k ? smask + row * k : nullptr, nk, sink + h0, scale, d, sc,
                            o + (row * h + h0) * d);
+        return 0;
     });
     return r & 2 ? 4 : r & 1 ? 5 : 0;
 }
@@ -3275,36 +3321,58 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
     }
     for (int64_t i = 0; i < b * d; i++)
         if (!std::isfinite(kv[i])) return 1;
-    std::unique_ptr<float[]> keys(new (std::nothrow) float[b * nk * d]);  // every value written below: not zeroed
     std::vector<uint8_t> mask;
     try {
         mask.resize(b * win);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    if (!keys) return 4;
     for (int64_t i = 0; i < b; i++) {
         const int64_t at = rows[i] * win + start[i] % win;
         encode_fp8_entry(kv + i * d, rcodes + at * nope, rscale + at * sb, rrope + at * rd, nope, block, rd);
         for (int64_t j = 0; j < win; j++) mask[i * win + j] = start[i] - ((start[i] - j) % win + win) % win >= 0;
     }
     const unsigned caller = _mm_getcsr();
-    if (for_each_index(b * nk, threads, [&](int64_t t) {  // each key decoded once
-            const int flushes = take_caller_mode(caller);
-            const int64_t i = t / nk, j = t % nk;
-            const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
-            const uint8_t* c = j < win ? rcodes : ccodes;
-            const float* sc = j < win ? rscale : cscale;
-            const float* rp = j < win ? rrope : crope;
-            decode_fp8_entry(c + e * nope, sc + e * sb, rp + e * rd, keys.get() + t * d, nope, block, rd, isa);
-            return flushes;
-        }))
-        return 5;
+    // Each (row, head group) task decodes its row's nk keys into its thread's own scratch (thread_local, kept from call
+    // to call), then attends: its scores and sums read keys in this core's caches, where keys decoded once for both
+    // groups, half by each thread, left half of every group's reads to the other core's; a key's lines (its codes,
+    // scales and rope lie in three arrays) are asked for KEY_RUN keys at a time before they are decoded, where one key
+    // at a time waited for each of its misses. A decode step's call of the mid-size config ~118 -> ~64 us (2-core
+    // AMX VM, BENCHMARKS.md).
+    constexpr int64_t KEY_RUN = 8;
     const int r = head_group_tasks(b, h, nk, caller, threads, [&](int64_t i, int64_t h0, int hn, float* sc) {
-        const float* rk = keys.get() + i * nk * d;
+        thread_local std::vector<float> keys;
+        try {
+            if (static_cast<int64_t>(keys.size()) < nk * d) keys.resize(nk * d);
+        } catch (const std::bad_alloc&) {
+            return 2;
+        }
+        auto entry = [&](int64_t j, const uint8_t*& c, const float*& ks, const float*& rp) {
+            const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
+            c = (j < win ? rcodes : ccodes) + e * nope;
+            ks = (j < win ? rscale : cscale) + e * sb;
+            rp = (j < win ? rrope : crope) + e * rd;
+        };
+        for (int64_t j0 = 0; j0 < nk; j0 += KEY_RUN) {
+            const int64_t j1 = std::min(j0 + KEY_RUN, nk);
+            for (int64_t j = j0; j < j1; j++) {
+                const uint8_t* c;
+                const float *ks, *rp;
+                entry(j, c, ks, rp);
+                ask_lines(c, nope), ask_lines(ks, sb * 4), ask_lines(rp, rd * 4);
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                const uint8_t* c;
+                const float *ks, *rp;
+                entry(j, c, ks, rp);
+                decode_fp8_entry(c, ks, rp, keys.data() + j * d, nope, block, rd, isa);
+            }
+        }
+        const float* rk = keys.data();
         attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,
                            k ? rk + win * d : nullptr, k ? cvalid + i * k : nullptr, nk, sink + h0, scale, d, sc,
                            o + (i * h + h0) * d);
+        return 0;
     });
     return r & 2 ? 4 : r & 1 ? 5 : 0;
 }
@@ -3332,6 +3400,7 @@ int mhc_route(const float* x, const float* w, const float* bias, const int64_t* 
         scores[j] = dot(x + j / e * d, w + j % e * d, d, isa);
         return 0;
     });
+    note_read(w, e * d * int64_t(sizeof(float)));
     std::vector<int64_t> order(e);
     for (int64_t r = 0; r < t; r++) {
         float* sc = scores.data() + r * e;

@@ -597,7 +597,7 @@ class CpuKernel:
                                                        scale.data_ptr(), rows.data_ptr(), closed.data_ptr(),
                                                        entries.data_ptr(), valid.data_ptr(), b, s, h, d,
                                                        packed.shape[0], packed.shape[1], n, topk, block,
-                                                       min(self.isa, 2))
+                                                       min(self.isa, 2), torch.get_num_threads())
         return None if rc else (entries, valid)
 
     def kv_fp4_encode(self, x: Tensor, block: int) -> dict[str, Tensor] | None:
@@ -859,7 +859,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_kv_fp4_decode.restype = ctypes.c_int
     lib.mhc_kv_fp4_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_index_topk.restype = ctypes.c_int
-    lib.mhc_index_topk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int]
+    lib.mhc_index_topk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int] * 2
     lib.mhc_close_group.restype = ctypes.c_int
     lib.mhc_close_group.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6
     lib.mhc_compress_step.restype = ctypes.c_int

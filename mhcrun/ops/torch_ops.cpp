@@ -231,7 +231,7 @@ at::Tensor attend_native(const at::Tensor& q, const at::Tensor& kv, const at::Te
 
 using IndexTopkFn = int (*)(const float*, const float*, const uint8_t*, const float*, const int64_t*, const int64_t*,
                             int64_t*, uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, int);
+                            int64_t, int, int);
 using Two = std::tuple<at::Tensor, at::Tensor>;
 
 Two python_index_topk(const at::Tensor& q, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale,
@@ -268,7 +268,7 @@ Two index_topk_native(const at::Tensor& q, const at::Tensor& w, const at::Tensor
     if (call(qc.data_ptr<float>(), wc.data_ptr<float>(), pc.data_ptr<uint8_t>(), sc.data_ptr<float>(),
              rc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), entries.data_ptr<int64_t>(),
              reinterpret_cast<uint8_t*>(valid.data_ptr<bool>()), b, s, h, d, packed.size(0), packed.size(1), n, topk,
-             block, static_cast<int>(std::min<int64_t>(isa, 2))))
+             block, static_cast<int>(std::min<int64_t>(isa, 2)), at::get_num_threads()))
         return fallback();
     return {entries, valid};
 }
