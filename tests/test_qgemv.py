@@ -1529,19 +1529,22 @@ def fp8_cache(n_rows: int, length: int, nope: int, rd: int, g: torch.Generator) 
     ("csa", [9, 70]), ("csa", [33]),  # top-k entries, some invalid
     ("hca", [7]), ("hca", [31, 64]),  # every closed entry: none yet, and rows with different counts
 ])
-def test_attend_decode_is_the_chunk_path(isa, layer, starts):
+@pytest.mark.parametrize("h", [5, 12])
+def test_attend_decode_is_the_chunk_path(isa, layer, starts, h):
     """`CpuKernel.attend_decode` (a decode step's attention reading the caches where they lie) against the model's
     chunk path: the token's kv encoded into its ring slot bitwise (the other slots and rows untouched), and o within
     rounding of sparse_attn over the ring as it was plus the token's own kv (window_mask) and the compressor's entries
     (top-k by index with invalid slots, or every closed entry), on rows out of order at window-edge positions, a
-    partial fp8 block (nope 100 of block 64), 5 heads (a partial head group). It declines a non-finite kv (writing
-    nothing), a row twice, an entry outside the cache, other formats and the kernel off."""
+    partial fp8 block (nope 100 of block 64), 5 heads (a partial head group) or 12 (a whole group and a partial one,
+    each decoding the row's keys: on one thread the second reuses the first's, and o is bitwise two threads'). It
+    declines a non-finite kv (writing nothing), a row twice, an entry outside the cache, other formats and the kernel
+    off."""
     from mhcrun.ops import kvcache
     from mhcrun.ops.attention import closed_mask, window_mask
 
     kern = kernel_in(isa)
     g = gen(300 + sum(starts))
-    win, nope, rd, h, n_rows, c_len = 16, 100, 32, 5, 3, 20
+    win, nope, rd, n_rows, c_len = 16, 100, 32, 3, 20
     d, fmt = nope + rd, kvcache.CacheFormat("fp8", nope + rd, rd, True)
     b, start, rows = len(starts), torch.tensor(starts), torch.tensor([2, 0][:len(starts)])
     ring, comp = fp8_cache(n_rows, win, nope, rd, g), fp8_cache(n_rows, c_len, nope, rd, g)
@@ -1575,6 +1578,17 @@ def test_attend_decode_is_the_chunk_path(isa, layer, starts):
     assert got is not None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(ring[p].view(torch.uint8), want_ring[p].view(torch.uint8)) for p in ring)
+    # another token's kv on one thread and on the default threads, each into a copy of the cache as it was: bitwise
+    # the same (keys a thread decoded for an earlier call are not taken for this one's)
+    kv2, outs, threads = torch.randn(b, 1, d, generator=g), [], torch.get_num_threads()
+    for n_threads in (1, threads):
+        try:
+            torch.set_num_threads(n_threads)
+            cache = {p: t.clone() for p, t in before.items()}
+            outs.append(kern.attend_decode(q, kv2, cache, rows, start, c, idx, valid, sink, 0.3, 64))
+        finally:
+            torch.set_num_threads(threads)
+    assert outs[0] is not None and torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], got)
     assert kern.attend_decode(q[:1].expand(2, 1, h, d), kv[:1].expand(2, 1, d), ring, torch.tensor([1, 1]),
                               start[:1].expand(2), None, None, None, sink, 0.3, 64) is None  # a row twice
     if idx is not None and idx.numel():

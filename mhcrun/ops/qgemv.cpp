@@ -3339,21 +3339,29 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
     // scales and rope lie in three arrays) are asked for KEY_RUN keys at a time before they are decoded, where one key
     // at a time waited for each of its misses. A decode step's call of the mid-size config ~118 -> ~64 us (2-core
     // AMX VM, BENCHMARKS.md).
+    // A thread that takes two groups of a row (one thread, or the other absent) decodes its keys once: the calls are
+    // numbered (`calls`, the process's), and a thread's scratch says which call's row it holds.
     constexpr int64_t KEY_RUN = 8;
+    static std::atomic<uint64_t> calls{0};
+    const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
     const int r = head_group_tasks(b, h, nk, caller, threads, [&](int64_t i, int64_t h0, int hn, float* sc) {
         thread_local std::vector<float> keys;
+        thread_local uint64_t held_call = 0;  // the call and row whose keys `keys` holds
+        thread_local int64_t held_row = -1;
         try {
             if (static_cast<int64_t>(keys.size()) < nk * d) keys.resize(nk * d);
         } catch (const std::bad_alloc&) {
             return 2;
         }
+        const bool held = held_call == call && held_row == i;
+        held_call = call, held_row = i;
         auto entry = [&](int64_t j, const uint8_t*& c, const float*& ks, const float*& rp) {
             const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
             c = (j < win ? rcodes : ccodes) + e * nope;
             ks = (j < win ? rscale : cscale) + e * sb;
             rp = (j < win ? rrope : crope) + e * rd;
         };
-        for (int64_t j0 = 0; j0 < nk; j0 += KEY_RUN) {
+        for (int64_t j0 = 0; j0 < nk && !held; j0 += KEY_RUN) {
             const int64_t j1 = std::min(j0 + KEY_RUN, nk);
             for (int64_t j = j0; j < j1; j++) {
                 const uint8_t* c;
