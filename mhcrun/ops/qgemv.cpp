@@ -2760,7 +2760,9 @@ void plan_next(StepScope& sc, const Ranges& mine) {
 // A step's call that read the bytes [p, p + n) of weights that stay from step to step apart from the GEMVs (a site's
 // mHC mixes, the router's logits), outside a step's region nothing: noted as a GEMV call's weights are, so that at the
 // next step the gap before the call reads them ahead (a mixes' 786 KB then took ~18 us a site where it took ~42: the
-// 2-core AMX VM, BENCHMARKS.md).
+// 2-core AMX VM, BENCHMARKS.md). As a GEMV's weights, the bytes must outlive the scope: the callers hand the model's
+// own tensors over (CpuKernel.hc_post_pre's fn, CpuKernel.route's weight, and their C++ ops': fp32 and contiguous as
+// loaded, so `.contiguous()` copies nothing).
 void note_read(const void* p, int64_t n) {
     if (step_scope == nullptr || n <= 0) return;
     Ranges mine;
