@@ -3,6 +3,7 @@ the bad inputs of quantised checkpoints (scales, FP4 sizes, block size, memory b
 
 from __future__ import annotations
 
+import gc
 import json
 import warnings
 from dataclasses import replace
@@ -293,6 +294,19 @@ def test_a_step_scope_raises_its_steps_error_after_the_region_and_runs_on():
         scope.run(fails)
     assert scope.run(lambda: 5) == 5
     assert scope.run(lambda: scope.run(lambda: 7)) == 7
+
+
+def test_a_step_scope_frees_its_state_when_collected():
+    """A scope's C++ state (mhc_scope_new's) is freed once, when the scope is collected."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    scope = qgemv.StepScope(cpu_kernel().library, 2)
+    assert scope.run(lambda: 3) == 3
+    free = scope.free
+    assert free.alive
+    del scope
+    gc.collect()
+    assert not free.alive
 
 
 def test_threads_that_sleep_leave_the_step_scope_off(monkeypatch):

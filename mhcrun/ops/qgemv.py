@@ -45,6 +45,7 @@ import ctypes
 import functools
 import math
 import subprocess
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -905,6 +906,7 @@ class StepScope:
         self.handle = self.lib.mhc_scope_new()
         if not self.handle:
             raise MemoryError("mhc_scope_new")
+        self.free = weakref.finalize(self, self.lib.mhc_scope_free, self.handle)  # once: when collected or at exit
 
     def run(self, fn: Callable[[], Any]) -> Any:
         out: list = []
@@ -924,11 +926,6 @@ class StepScope:
     def read_ahead(self) -> int:
         """The bytes this scope's steps have read ahead, in all."""
         return self.lib.mhc_scope_read_ahead(self.handle)
-
-    def __del__(self) -> None:
-        if getattr(self, "handle", None):
-            self.lib.mhc_scope_free(self.handle)
-            self.handle = None
 
 
 def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
