@@ -2631,7 +2631,7 @@ constexpr int64_t READ_AHEAD = 4 << 20;
 constexpr int64_t READ_PIECE = 4096;  // read ahead between two looks for a loop
 constexpr int MAX_RANGES = 32;
 
-struct Ranges {  // the weights a GEMV call read: its jobs' rows
+struct Ranges {  // the weights a call read: a GEMV's jobs' rows, or what note_read was given
     int n = 0;
     const uint8_t* at[MAX_RANGES];
     int64_t bytes[MAX_RANGES];
@@ -2939,7 +2939,6 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
             m[j] = dot(xf, fn + j * k, k, isa) * rs;
             return 0;
         });
-        if (r == 0) note_read(fn, mix * k * int64_t(sizeof(float)));
         float pre[64];
         for (int64_t i = 0; i < n; i++) pre[i] = sigmoid(m[i] * scale[0] + base[i]) + eps;
         if (!post) {  // the head: the collapse alone
@@ -2983,6 +2982,7 @@ int mhc_hc_pre(int bf16, const void* x, const float* fn, const float* scale, con
         const float hs = 1.0f / std::sqrt(dot8_at(xf, xf, d, isa) / static_cast<float>(d) + norm_eps);
         for (int64_t e = 0; e < d; e++) act_put(h, bf16, r * d + e, weight[e] * (xf[e] * hs));
     }
+    note_read(fn, mix * k * int64_t(sizeof(float)));
     return 0;
 }
 
@@ -3357,26 +3357,19 @@ int mhc_attend_decode(const float* q, const float* kv, uint8_t* rcodes, float* r
         }
         const bool held = held_call == call && held_row == i;
         held_call = call, held_row = i;
-        auto entry = [&](int64_t j, const uint8_t*& c, const float*& ks, const float*& rp) {
-            const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
-            c = (j < win ? rcodes : ccodes) + e * nope;
-            ks = (j < win ? rscale : cscale) + e * sb;
-            rp = (j < win ? rrope : crope) + e * rd;
-        };
         for (int64_t j0 = 0; j0 < nk && !held; j0 += KEY_RUN) {
             const int64_t j1 = std::min(j0 + KEY_RUN, nk);
+            const uint8_t* c[KEY_RUN];  // key j's codes, scales and rope at [j - j0]
+            const float *ks[KEY_RUN], *rp[KEY_RUN];
             for (int64_t j = j0; j < j1; j++) {
-                const uint8_t* c;
-                const float *ks, *rp;
-                entry(j, c, ks, rp);
-                ask_lines(c, nope), ask_lines(ks, sb * 4), ask_lines(rp, rd * 4);
+                const int64_t e = j < win ? rows[i] * win + j : rows[i] * c_len + idx[i * k + j - win];
+                c[j - j0] = (j < win ? rcodes : ccodes) + e * nope;
+                ks[j - j0] = (j < win ? rscale : cscale) + e * sb;
+                rp[j - j0] = (j < win ? rrope : crope) + e * rd;
+                ask_lines(c[j - j0], nope), ask_lines(ks[j - j0], sb * 4), ask_lines(rp[j - j0], rd * 4);
             }
-            for (int64_t j = j0; j < j1; j++) {
-                const uint8_t* c;
-                const float *ks, *rp;
-                entry(j, c, ks, rp);
-                decode_fp8_entry(c, ks, rp, keys.data() + j * d, nope, block, rd, isa);
-            }
+            for (int64_t j = j0; j < j1; j++)
+                decode_fp8_entry(c[j - j0], ks[j - j0], rp[j - j0], keys.data() + j * d, nope, block, rd, isa);
         }
         const float* rk = keys.data();
         attend::head_group(isa >= 2, hn, q + (i * h + h0) * d, rk, mask.data() + i * win, win,

@@ -896,10 +896,11 @@ STEP = ctypes.CFUNCTYPE(None)  # a step, as mhc_run_step calls it
 class StepScope:
     """Decode steps run each in one parallel region of the kernel (qgemv.cpp, "a decode step in one parallel region"):
     the step on this thread, the kernel's loops shared with the region's other threads, the first of which reads the
-    weights of each GEMV call's successor ahead, in the gaps between the calls (what followed each call is kept from
-    step to step: a scope reads the weights of the calls made through it, so it must not outlive them: one lives with
-    a run's `Stepper`). `run(fn)` -> fn()'s result, or its exception raised again once the region has ended. Not made
-    where idle OpenMP threads sleep (`CpuKernel.reads_ahead`: OMP_WAIT_POLICY=passive), since its workers spin."""
+    weights of each call's successor ahead (a GEMV's, a site's mHC mixes, the router's), in the gaps between the calls
+    (what followed each call is kept from step to step: a scope reads the weights of the calls made through it, so it
+    must not outlive them: one lives with a run's `Stepper`). `run(fn)` -> fn()'s result, or its exception raised
+    again once the region has ended. Not made where idle OpenMP threads sleep (`CpuKernel.reads_ahead`:
+    OMP_WAIT_POLICY=passive), since its workers spin."""
 
     def __init__(self, library: str, threads: int):
         self.lib, self.threads = load_library(library), threads
