@@ -4,7 +4,8 @@
 
 Loads the model (kept quantised, its weights placed as a run places them), prefills 128 tokens, then decodes
 `--steps` eager steps with every GEMV call of the CPU kernel recorded (`CpuKernel.linear`, `qgemv`, `moe_routed`:
-their arguments, results and wall time in the step) and `--steps` more unrecorded for the step's time. Then,
+their arguments, results and wall time in the step; the modules' own calls, which the layer steps in one call make
+too) and `--steps` more unrecorded for the step's time. Then,
 alternating `--rounds` rounds, it replays the recorded calls back to back (each result checked against the step's)
 and reads the bytes each call reads (its weight and scales; a routed call's experts, those its routes chose) with
 benchmarks/read_stream.cpp's loop on the same threads, a call at a time. Prints, per call kind and weight format:
@@ -112,7 +113,11 @@ def call_regions(c: Call, weights: dict[int, QWeight]) -> list[tuple[int, int]]:
 
 
 def record(kernel: CpuKernel, stepper: Stepper, tokens: list[int]) -> list[Call]:
-    """Decode `tokens` (one a step, row 0) with the kernel's GEMV methods recorded."""
+    """Decode `tokens` (one a step, row 0) with the kernel's GEMV methods recorded. The steps take the modules' own
+    calls (a hook watches every module: `first_nonfinite_op`), so that the layer steps that make several calls in one
+    (`CpuKernel.attn_project`, `moe_step`, ...) show their GEMVs one by one: the same calls."""
+    from mhcrun.probes import first_nonfinite_op
+
     weights = weights_by_address(stepper.model)
     calls: list[Call] = []
     originals = {name: getattr(CpuKernel, name) for name in GEMV_CALLS}
@@ -131,8 +136,9 @@ def record(kernel: CpuKernel, stepper: Stepper, tokens: list[int]) -> list[Call]
     try:
         for name in GEMV_CALLS:
             setattr(CpuKernel, name, recorded(name))
-        for t in tokens:
-            stepper.decode([0], [t])
+        with first_nonfinite_op(stepper.model):
+            for t in tokens:
+                stepper.decode([0], [t])
     finally:
         for name, fn in originals.items():
             setattr(CpuKernel, name, fn)

@@ -41,7 +41,7 @@ from mhcrun.ops.index import entry_step, index_scores, select_topk_sliced
 from mhcrun.ops.kvcache import CacheFormat, index_format, kv_format
 from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
-from mhcrun.ops.qgemv import MAX_ROWS, CpuKernel, ExpertSet, expert_set
+from mhcrun.ops.qgemv import MAX_ROWS, CpuKernel, ExpertSet, expert_set, moe_table, weight_table
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
 from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard, hadamard_matrix
 from mhcrun.ops.qweight import QWeight
@@ -143,6 +143,25 @@ class Cache(nn.Module):
         kvcache.store(self.parts(), index, encoded)
 
 
+def watched(*modules: nn.Module) -> bool:
+    """Whether a forward hook watches any of these modules (`probes.first_nonfinite_op`): a kernel call doing their
+    work in one would pass their hooks by."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def learnt_table(module: nn.Module, name: str, *lins: Linear) -> torch.Tensor | None:
+    """The `weight_table` of these Linears' weights (None where the run's kernel does not take them all), learnt once
+    into `module.tables` under `name`: the weights stay for the model's life."""
+    if name not in module.tables:
+        module.tables[name] = weight_table(*(lin.w for lin in lins)) if module.opts.cpu.on else None
+    return module.tables[name]
+
+
+def act_blocks(opts: RunOptions, *lins: Linear) -> tuple[int, ...]:
+    """Each Linear's activation rounding as the kernel's calls take it: its block where it rounds, else 0."""
+    return tuple(ACT_FP8_BLOCK if lin.act_quant and opts.quant_sim else 0 for lin in lins)
+
+
 def eager_first(fast: Callable[[], T | None], ref: Callable[[], T]) -> T:
     """fast() outside graphs where it applies, else ref(): `fast` is the run's CPU kernel doing a reference op in one
     call (a `CpuKernel` method, None where it does not apply); graphs trace the reference, which inductor fuses."""
@@ -208,6 +227,7 @@ class Compressor(nn.Module):
         self.n_entries = 0
         self.keep_chunk = False  # a speculative verify: keep each chunk's kv, score to rewind the open group
         self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tables: dict[str, torch.Tensor | None] = {}  # forward's `weight_table`, learnt once
 
     def allocate(self, batch: int, max_seq: int, dtype: torch.dtype, device: torch.device | str,
                  fmt: CacheFormat) -> None:
@@ -227,11 +247,16 @@ class Compressor(nn.Module):
         only the groups closed are finished (in decode most steps close none); with `static` every group of the
         buffer is, an open one (no entry yet) into the spare last slot."""
         r, s = self.ratio, x.size(1)
-        kv, raw = self.wkv(x.float()), self.wgate(x.float())
         opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
         fast = not self.keep_chunk and not torch.compiler.is_compiling()  # the run's kernel may do a step in one call
+        lins, lead = (self.wkv, self.wgate), r if self.overlap else 0
+        if opens and fast and not watched(*lins) and self.opts.cpu.compress_open(  # the calls below, in one
+                x.float(), learnt_table(self, "open", *lins), act_blocks(self.opts, *lins), self.kv_state,
+                self.score_state, rows, self.ape, start, r, lead):
+            return
+        kv, raw = self.wkv(x.float()), self.wgate(x.float())
         if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
-                                                       start, r, r if self.overlap else 0):
+                                                       start, r, lead):
             return
         one = s == 1 and not opens and (fast or static and not self.keep_chunk)  # a decode step: the kernel's call
         closed = self.close_step(rows, kv, raw, start, static) if one else None
@@ -384,6 +409,7 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.ratio, self.head_dim, opts)
         if self.ratio == 4:
             self.indexer = Indexer(cfg, opts)
+        self.tables: dict[str, torch.Tensor | None] = {}  # project's and output's `weight_table`s, learnt once
 
     def compressors(self) -> list[Compressor]:
         return ([self.compressor] if self.ratio else []) + ([self.indexer.compressor] if self.ratio == 4 else [])
@@ -402,7 +428,17 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); cos, sin [b, s, rd/2]."""
+        """-> qr [b,s,q_lora], q [b,s,H,hd], kv [b,s,hd] (before storage rounds it); cos, sin [b, s, rd/2]. In CPU eager
+        decode the run's kernel makes the calls below in one (`CpuKernel.attn_project`: the same calls, the same
+        values) where no hook watches the modules."""
+        lins = (self.wq_a, self.wq_b, self.wkv)
+        if not torch.compiler.is_compiling() and self.eps == self.q_norm.eps == self.kv_norm.eps \
+                and not watched(*lins, self.q_norm, self.kv_norm):
+            out = self.opts.cpu.attn_project(x, learnt_table(self, "project", *lins), act_blocks(self.opts, *lins),
+                                             self.q_norm.weight, self.kv_norm.weight, self.eps, cos, sin, self.n_heads,
+                                             self.rope_dim)
+            if out is not None:
+                return out
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = eager_first(lambda: self.opts.cpu.rms_norm(q, None, self.eps),  # weightless per-head norm, in q's dtype
@@ -414,6 +450,11 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """De-rotate, then the grouped low-rank output: o [b,s,H,hd] -> [b,s,d]."""
         b, s = o.shape[:2]
+        if not torch.compiler.is_compiling() and not watched(self.wo_b):  # as `project`: the kernel's calls in one
+            y = self.opts.cpu.attn_output(o, learnt_table(self, "output", self.wo_a, self.wo_b),
+                                          act_blocks(self.opts, self.wo_b)[0], cos, sin, self.n_groups, self.rope_dim)
+            if y is not None:
+                return all_reduce(y, self.opts.tp)
         o = rotate(self.opts.cpu, o, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim, inverse=True)
         o = o.reshape(b, s, self.n_groups, -1)
         o = qlinear_grouped(o, self.wo_a.w, self.n_groups, self.opts.cpu)  # [b, s, G, o_lora_rank]
@@ -560,6 +601,7 @@ class MoE(nn.Module):
         self.gathered: dict[str, QWeight | ExpertSet] = {}  # made by gather_experts for the static path
         self.in_place: bool | None = None  # whether the run's CPU kernel reads every expert where it lies
         self.shared_in_place: tuple[ExpertSet, ...] | None = None  # the shared expert's w1, w3, w2 so (() where not)
+        self.tables: dict[str, torch.Tensor | None] = {}  # forward's `moe_table`, learnt once
 
     def gather_experts(self) -> None:
         """Make the static path's view of this rank's experts, once per model, per weight name (w1, w2, w3): where
@@ -671,11 +713,44 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, idx = self.gate(x, token_ids.reshape(-1))
-        y = self.routed(x, weights, idx, static)
-        y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
-        y += self.shared(x)
+        y = None if static or torch.compiler.is_compiling() else self.forward_in_one_call(x, token_ids.reshape(-1))
+        if y is None:
+            weights, idx = self.gate(x, token_ids.reshape(-1))
+            y = self.routed(x, weights, idx, static)
+            y = all_reduce(y, self.opts.tp)  # every rank's experts; the shared expert is added once, after
+            y += self.shared(x)
         return y.type_as(x).view(shape)
+
+    def forward_in_one_call(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """forward's calls for CPU eager decode rows x [T, d] on one rank, by the run's kernel in one
+        (`CpuKernel.moe_step`: the router's, the routed experts' and the shared expert's calls in forward's order, and
+        its sum: the same values), where `step_args` gives them; None where it does not apply."""
+        args = self.step_args(x.shape[0], token_ids)
+        return None if args is None else self.opts.cpu.moe_step(x, *args)
+
+    def step_args(self, rows: int, token_ids: torch.Tensor) -> tuple | None:
+        """`CpuKernel.moe_step`'s arguments after x for `rows` decode rows of these tokens [rows]: where the experts are
+        read in place, on one rank, and no hook watches the router; else None."""
+        if self.opts.tp.world > 1 or watched(self.gate) or not self.reads_in_place(rows) or not self.shared_sets():
+            return None
+        if "step" not in self.tables:
+            routed = tuple(self.gathered[name] for name in ("w1", "w3", "w2"))
+            self.tables["step"] = moe_table(routed, self.shared_in_place, self.dim)
+        g, sim = self.gate, self.opts.quant_sim
+        act = (ACT_FP8_BLOCK if self.experts[self.owned.start].w1.act_quant and sim else 0,
+               ACT_FP8_BLOCK if self.shared_experts.w1.act_quant and sim else 0)
+        return (g.weight, None if g.hash else g.bias, g.tid2eid[token_ids] if g.hash else None, g.topk, g.route_scale,
+                g.score_func, self.tables["step"], act, self.limit)
+
+    def shared_sets(self) -> tuple[ExpertSet, ...]:
+        """The shared expert's w1, w3, w2 as the run's CPU kernel reads them in place, learnt once (nothing is copied;
+        one activation rounding for all three); () where it does not take them all."""
+        if self.shared_in_place is None:
+            lins = [getattr(self.shared_experts, name) for name in ("w1", "w3", "w2")]
+            sets = tuple(expert_set([lin.w]) for lin in lins)
+            same = len({lin.act_quant for lin in lins}) == 1
+            self.shared_in_place = sets if same and all(s is not None for s in sets) else ()
+        return self.shared_in_place
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert of x [T, d]; in CPU eager decode by the run's kernel in one call, as a routed expert of a
@@ -683,12 +758,7 @@ class MoE(nn.Module):
         def fast() -> torch.Tensor | None:
             if not self.opts.cpu.on:
                 return None
-            if self.shared_in_place is None:  # learnt once (one activation rounding for all three); nothing is copied
-                lins = [getattr(self.shared_experts, name) for name in ("w1", "w3", "w2")]
-                sets = tuple(expert_set([lin.w]) for lin in lins)
-                same = len({lin.act_quant for lin in lins}) == 1
-                self.shared_in_place = sets if same and all(s is not None for s in sets) else ()
-            if not self.shared_in_place:
+            if not self.shared_sets():
                 return None
             t, act = x.shape[0], self.shared_experts.w1.act_quant and self.opts.quant_sim
             return self.opts.cpu.moe_routed(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.int64),
@@ -758,8 +828,29 @@ class Block(nn.Module):
         return Carry(x, self.attn(h, rows, start, static), post, comb)
 
     def ffn_half(self, c: Carry, token_ids: torch.Tensor, static: bool = False) -> Carry:
+        out = None if static or torch.compiler.is_compiling() else self.ffn_half_in_one_call(c, token_ids)
+        if out is not None:
+            return out
         x, h, post, comb = self.enter(c, "ffn")
         return Carry(x, self.ffn(h, token_ids, static), post, comb)
+
+    def ffn_half_in_one_call(self, c: Carry, token_ids: torch.Tensor) -> Carry | None:
+        """ffn_half's calls for CPU eager decode rows by the run's kernel in one (`CpuKernel.ffn_half`: the post+pre
+        step's call, then the MoE's `moe_step`: the same calls, the same values), where the kernel would make each
+        (`hc_ops.post_pre_native`, `MoE.step_args`) and no hook watches the MoE; None where it does not apply."""
+        cfg, hc = self.cfg, self.opts.hc
+        b, s = c.y.shape[:2]
+        if watched(self.ffn) or not hc_ops.post_pre_native(b * s, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                                            cfg.norm_eps, c.x.device.type, hc):
+            return None
+        moe = self.ffn.step_args(b * s, token_ids.reshape(-1))
+        out = None if moe is None else hc.cpu.ffn_half(c.y, c.x, c.post, c.comb, self.hc_ffn_fn, self.hc_ffn_scale,
+                                                       self.hc_ffn_base, self.ffn_norm.weight, cfg.hc_sinkhorn_iters,
+                                                       cfg.hc_eps, cfg.norm_eps, moe)
+        if out is None:
+            return None
+        hc.count("hc_post_pre", "cpu")
+        return Carry(*out)
 
 
 class MTPBlock(Block):

@@ -257,6 +257,98 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
         assert torch.equal(g, w), f"step {step}"
 
 
+LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step")
+
+
+@pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
+@pytest.mark.parametrize("case", ["tiny", "mid"])
+def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, mid2, monkeypatch, case, quant_sim,
+                                                                      hc):
+    """In CPU eager decode the attention's projections and its output, a compressor's step that closes no group and the
+    MoE half (the post+pre step, then router, routed and shared experts, their sum) are one kernel call each
+    (`mhc_attn_project`, `mhc_attn_output`, `mhc_compress_open`, `mhc_ffn_half`; the MoE alone, `mhc_moe_step`, where
+    the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks
+    on the modules bring back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with
+    2 rows at different positions (tiny), on the mid-size config's shapes too; each call was made, and none under the
+    hooks."""
+    from mhcrun.generate import Stepper
+    from mhcrun.probes import first_nonfinite_op
+
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    path, steps, layers, prompts = ((tiny_fp8, 20, None, DECODE_PROMPTS) if case == "tiny" else
+                                    (mid2, 6, 2, [[0, 5, 6, 7], list(range(1, 11))]))
+    model = models(path, layers)[0]
+    model.opts.cpu, model.opts.quant_sim = cpu_kernel(), quant_sim
+    model.opts.hc = replace(model.opts.hc, torch_only=hc == "torch")
+    lib = qgemv.load_library(model.opts.cpu.library)
+    calls = dict.fromkeys(LAYER_STEPS, 0)
+
+    def counted(name: str, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    for name in LAYER_STEPS:
+        monkeypatch.setattr(lib, name, counted(name, getattr(lib, name)))
+
+    def run() -> list[torch.Tensor]:
+        model.setup_caches(len(prompts), 64)
+        st = Stepper(model, 8)
+        for row, ids in enumerate(prompts):
+            st.prefill(row, ids)
+        rows = list(range(len(prompts)))
+        return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
+
+    with torch.inference_mode():
+        got = run()
+        made = dict(calls)
+        calls.update(dict.fromkeys(LAYER_STEPS, 0))
+        with first_nonfinite_op(model):
+            want = run()
+    unused = "mhc_ffn_half" if hc == "torch" else "mhc_moe_step"  # the MoE half's call makes the MoE's
+    assert all(made[name] for name in LAYER_STEPS if name != unused), made
+    assert not any(calls.values()), calls
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}"
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a tensor that is not contiguous (every other float of a buffer twice t's size)."""
+    out = torch.empty(*t.shape, 2, dtype=t.dtype).select(-1, 0)
+    out.copy_(t)
+    assert not out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_steps_take_strided_inputs(tiny_fp8, rows):
+    """The MoE half (`CpuKernel.ffn_half`) and the MoE (`moe_step`) in one call read strided carried streams, mixes and
+    x through contiguous copies that live through the call: the results of contiguous inputs, bit for bit, each from a
+    call the kernel made."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    from mhcrun.model import Carry
+
+    model = models(tiny_fp8)[0]
+    model.opts.cpu = cpu_kernel()
+    block, d, n = model.layers[1], model.cfg.dim, model.cfg.hc_mult
+    g = torch.Generator().manual_seed(rows)
+    c = Carry(torch.randn(rows, 1, n, d, generator=g), torch.randn(rows, 1, d, generator=g),
+              torch.rand(rows, 1, n, generator=g), torch.rand(rows, 1, n, n, generator=g) / n)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows, 1), generator=g)
+    with torch.inference_mode():
+        want = block.ffn_half_in_one_call(c, ids)
+        got = block.ffn_half_in_one_call(Carry(*(strided(t) for t in c)), ids)
+        assert want is not None and got is not None
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        x = torch.randn(rows, d, generator=g)
+        want = block.ffn.forward_in_one_call(x, ids.view(-1))
+        got = block.ffn.forward_in_one_call(strided(x), ids.view(-1))
+        assert want is not None and got is not None and torch.equal(got, want)
+
+
 def test_a_decode_step_that_compiles_runs_outside_the_step_scope(tiny_fp8):
     """A compiled-regions decode step whose graphs compile (the first here: no compile ahead) runs outside a step's
     parallel region, where torch's compile has both cores, and so does the next (the decoder's last step compiled);
@@ -327,9 +419,17 @@ ROUNDING_STEPS = ("attend", "attend_decode", "index_topk", "compress_step", "rou
 KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS, *ROUNDING_STEPS)}  # as defined
 
 
+# the layer steps whose one call makes a one-call step's call among its own (`CpuKernel.ffn_half`, ...): off with it
+CONTAINING = {"route": ("moe_step", "ffn_half"), "moe_routed": ("moe_step", "ffn_half"),
+              "rope_tail": ("attn_project", "attn_output")}
+
+
 def small_steps(monkeypatch, names: tuple[str, ...], on: bool) -> dict[str, int]:
-    """The CPU kernel's one-call steps `names` counted as they run (on), or declining so that torch runs (off)."""
+    """The CPU kernel's one-call steps `names` counted as they run (on), or declining so that torch runs (off; the
+    layer steps that contain one decline too, so that the modules make their calls)."""
     calls = dict.fromkeys(names, 0)
+    for layer_step in {c for name in names if not on for c in CONTAINING.get(name, ())}:
+        monkeypatch.setattr(qgemv.CpuKernel, layer_step, lambda self, *args, **kw: None)
     for name in names:
         def counted(self, *args, _f=KERNEL_STEPS[name], _n=name, **kw):
             out = _f(self, *args, **kw) if on else None

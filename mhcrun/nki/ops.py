@@ -550,6 +550,15 @@ def site_kernels(rows: int) -> tuple[str, ...]:
     return ("hc_post_pre",) if rows <= DECODE_MAX_T else ("hc_post", "hc_pre")
 
 
+def post_pre_native(rows: int, n: int, iters: int, eps: float, norm_eps: float, device_type: str,
+                    hc: HcBackend | None) -> bool:
+    """Whether an eager `hc_post_pre` of `rows` rows on `device_type` runs the run's CPU kernel (`HcBackend.cpu`), where
+    it takes the call: one kernel for the site (`site_kernels`), the constants the kernels bake in, the "cpu" path. A
+    caller that makes that call itself counts it (`HcBackend.count`)."""
+    return (hc is not None and len(site_kernels(rows)) == 1 and mixes_supported(n, iters, eps, norm_eps)
+            and hc.path(device_type) == "cpu")
+
+
 def hc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, fn_hi: Tensor | None,
                 fn_lo: Tensor | None, scale: Tensor, base: Tensor, weight: Tensor, n: int, iters: int, eps: float,
                 norm_eps: float, hc: HcBackend | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

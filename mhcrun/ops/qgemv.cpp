@@ -3587,6 +3587,85 @@ int mhc_qlinear(int fmt, const void* w, const void* s, int scale_kind, const flo
     return mhc_qgemv(fmt, w, s, scale_kind, x, y, m, n, k, block, 1, isa, threads);
 }
 
+// A weight as the layer-step entry points below take it: int64 [format, its bytes' address, its scales' address (0:
+// none), scale kind, rows n, inputs k, block] (mhcrun.ops.qgemv.weight_table).
+constexpr int WEIGHT_FIELDS = 7;
+
+// mhc_qlinear of the weight at t (WEIGHT_FIELDS) with `groups` groups of rows (act_block 0 then, as mhc_qgemv).
+int qlinear_at(const int64_t* t, const float* x, float* y, int64_t m, int64_t act_block, int64_t groups, int isa,
+               int threads) {
+    const void* w = reinterpret_cast<const void*>(t[1]);
+    const void* s = reinterpret_cast<const void*>(t[2]);
+    if (groups > 1) return mhc_qgemv(int(t[0]), w, s, int(t[3]), x, y, m, t[4], t[5], t[6], groups, isa, threads);
+    return mhc_qlinear(int(t[0]), w, s, int(t[3]), x, y, m, t[4], t[5], t[6], act_block, isa, threads);
+}
+
+// Attention.project of m decode rows in one call: the kernel calls its eager path makes, in its order, so the same
+// values (python: CpuKernel.attn_project). qr = rms_norm(wq_a x, q_norm); q = rope(rms_norm of each head of wq_b qr, no
+// weight); kv = rope(rms_norm(wkv x, kv_norm)). weights: wq_a, wq_b, wkv (3 x WEIGHT_FIELDS); act_*: their activation
+// blocks (0: x as given); x [m, d]; cos, sin [m, rd / 2] -> qr [m, wq_a rows], q [m, heads, hd], kv [m, hd]. The first
+// non-zero code of those calls (then nothing is to be used), 4 out of memory.
+int mhc_attn_project(const int64_t* weights, int64_t act_a, int64_t act_b, int64_t act_kv, const float* x,
+                     const float* q_norm, const float* kv_norm, float eps, const float* cos, const float* sin, float* qr,
+                     float* q, float* kv, int64_t m, int64_t heads, int64_t hd, int64_t rd, int isa, int threads) {
+    const int64_t *wa = weights, *wb = weights + WEIGHT_FIELDS, *wk = weights + 2 * WEIGHT_FIELDS;
+    std::vector<float> t;
+    try {
+        t.resize(m * (wa[4] + 2 * wb[4] + 2 * hd));
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    float *ta = t.data(), *tb = ta + m * wa[4], *tq = tb + m * wb[4], *tk = tq + m * wb[4], *tkn = tk + m * hd;
+    if (int rc = qlinear_at(wa, x, ta, m, act_a, 1, isa, threads)) return rc;
+    if (int rc = mhc_rms_norm(ta, q_norm, qr, m, wa[4], eps, isa)) return rc;
+    if (int rc = qlinear_at(wb, qr, tb, m, act_b, 1, isa, threads)) return rc;
+    if (int rc = mhc_rms_norm(tb, nullptr, tq, m * heads, hd, eps, isa)) return rc;
+    mhc_rope_tail(tq, cos, sin, q, m, heads, hd, rd, 0, threads);
+    if (int rc = qlinear_at(wk, x, tk, m, act_kv, 1, isa, threads)) return rc;
+    if (int rc = mhc_rms_norm(tk, kv_norm, tkn, m, hd, eps, isa)) return rc;
+    mhc_rope_tail(tkn, cos, sin, kv, m, 1, hd, rd, 0, threads);
+    return 0;
+}
+
+// Attention.output of m decode rows in one call, as mhc_attn_project (python: CpuKernel.attn_output): o [m, heads, hd]
+// rotated back (inverse rope by cos, sin [m, rd / 2]), wo_a's grouped product of it as [m, groups, heads * hd /
+// groups], then wo_b of that (its activation block act_b) -> out [m, wo_b rows].
+int mhc_attn_output(const int64_t* weights, int64_t act_b, const float* o, const float* cos, const float* sin,
+                    float* out, int64_t m, int64_t heads, int64_t hd, int64_t rd, int64_t groups, int isa,
+                    int threads) {
+    const int64_t *wa = weights, *wb = weights + WEIGHT_FIELDS;
+    std::vector<float> t;
+    try {
+        t.resize(m * (heads * hd + wa[4]));
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    float *to = t.data(), *ta = to + m * heads * hd;
+    mhc_rope_tail(o, cos, sin, to, m, heads, hd, rd, 1, threads);
+    if (int rc = qlinear_at(wa, to, ta, m, 0, groups, isa, threads)) return rc;
+    return qlinear_at(wb, ta, out, m, act_b, 1, isa, threads);
+}
+
+// Compressor.forward of decode tokens that close no group, in one call, as mhc_attn_project (python:
+// CpuKernel.compress_open): kv = wkv x, score = wgate x (act_*: their activation blocks), then mhc_open_group of them.
+// weights: wkv, wgate (2 x WEIGHT_FIELDS, c rows each); x [b, s, d]; the rest as mhc_open_group's. Codes as those
+// calls', 4 out of memory.
+int mhc_compress_open(const int64_t* weights, int64_t act_kv, int64_t act_gate, const float* x, float* kv_state,
+                      float* score_state, const int64_t* rows, const float* ape, const int64_t* start, int64_t b,
+                      int64_t s, int64_t n_rows, int64_t len, int64_t ratio, int64_t lead, int isa, int threads) {
+    const int64_t *wk = weights, *wg = weights + WEIGHT_FIELDS, c = wk[4], m = b * s;
+    std::vector<float> t;
+    try {
+        t.resize(2 * m * c);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    float *kv = t.data(), *score = kv + m * c;
+    if (int rc = qlinear_at(wk, x, kv, m, act_kv, 1, isa, threads)) return rc;
+    if (int rc = qlinear_at(wg, x, score, m, act_gate, 1, isa, threads)) return rc;
+    return mhc_open_group(kv_state, score_state, rows, kv, score, ape, start, b, s, c, n_rows, len, ratio, lead);
+}
+
 // Whether every index of idx [count] names one of `experts` experts.
 inline bool in_set(const int64_t* idx, int64_t count, int64_t experts) {
     for (int64_t p = 0; p < count; p++)
@@ -3816,6 +3895,53 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
             y[r * d + e] = acc;
         }
     return 0;
+}
+
+// MoE.forward of t decode rows on one rank in one call (python: CpuKernel.moe_step): mhc_route (gate [e, d], bias [e]
+// or null, hash [t, k] or null, score_func, route_scale), the routed experts' mhc_moe_routed, the shared expert's
+// (mhc_moe_routed of its one expert, weighted 1), then their sum -> y [t, d]: the calls of the module's eager path in
+// its order, and its sum, so the same values. sets: int64 [2, 8], the routed experts then the shared one: [the
+// addresses of the sets w1, w3, w2 (each [experts, 2] as mhc_qgemv_experts'), format, scale kind, experts, inter,
+// block]; act_*: their activation blocks. Codes as those calls', 4 out of memory.
+int mhc_moe_step(const float* x, const float* gate, const float* bias, const int64_t* hash, int64_t e, int64_t k,
+                 int score_func, float route_scale, const int64_t* sets, int64_t act_routed, int64_t act_shared,
+                 float limit, float* y, int64_t t, int64_t d, int isa, int threads) {
+    std::vector<float> weights, ys, ones;
+    std::vector<int64_t> idx, zeros;
+    try {
+        weights.resize(t * k), idx.resize(t * k), ys.resize(t * d), ones.assign(t, 1.0f), zeros.assign(t, 0);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (int rc = mhc_route(x, gate, bias, hash, weights.data(), idx.data(), t, d, e, k, score_func, route_scale, isa,
+                           threads))
+        return rc;
+    const auto set = [](int64_t at) { return reinterpret_cast<const int64_t*>(at); };
+    const int64_t *r = sets, *sh = sets + 8;
+    if (int rc = mhc_moe_routed(int(r[3]), set(r[0]), set(r[1]), set(r[2]), r[5], int(r[4]), idx.data(),
+                                weights.data(), x, y, t, k, d, r[6], r[7], limit, act_routed, isa, threads))
+        return rc;
+    if (int rc = mhc_moe_routed(int(sh[3]), set(sh[0]), set(sh[1]), set(sh[2]), sh[5], int(sh[4]), zeros.data(),
+                                ones.data(), x, ys.data(), t, 1, d, sh[6], sh[7], limit, act_shared, isa, threads))
+        return rc;
+    for (int64_t i = 0; i < t * d; i++) y[i] += ys[i];
+    return 0;
+}
+
+// Block.ffn_half of decode rows in one call (python: CpuKernel.ffn_half): mhc_hc_post_pre (its arguments), then
+// mhc_moe_step (its arguments; its x the h the first writes), as the block's eager calls make them. Their codes.
+int mhc_ffn_half(int bf16, const void* y, const void* res, const float* post, const float* comb, void* x_new,
+                 const float* fn, const float* scale, const float* base, const float* weight, void* h, float* post_out,
+                 float* comb_out, int64_t t, int64_t n, int64_t d, int64_t iters, float eps, float norm_eps,
+                 float* work, int isa, int threads, const float* x, const float* gate, const float* bias,
+                 const int64_t* hash, int64_t e, int64_t k, int score_func, float route_scale, const int64_t* sets,
+                 int64_t act_routed, int64_t act_shared, float limit, float* out, int64_t rows, int64_t dim,
+                 int moe_isa, int moe_threads) {
+    if (int rc = mhc_hc_post_pre(bf16, y, res, post, comb, x_new, fn, scale, base, weight, h, post_out, comb_out, t, n,
+                                 d, iters, eps, norm_eps, work, isa, threads))
+        return rc;
+    return mhc_moe_step(x, gate, bias, hash, e, k, score_func, route_scale, sets, act_routed, act_shared, limit, out,
+                        rows, dim, moe_isa, moe_threads);
 }
 
 // DeepSeek's activation quantisation as simulated by mhcrun.ops.quant.fp8_simulate(x, block, pow2_scale=True),

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from mhcrun.ops import native
+from mhcrun.ops.qweight import FORMATS as WEIGHT_FORMATS
 from mhcrun.ops.qweight import QWeight
 from mhcrun.settings import CPU_KERNEL_CAPS, Env
 
@@ -65,7 +66,8 @@ MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequant
 HEAD_ROWS = 128  # rows a token may bring to a per-head step (its heads: V4's 128 at most)
 AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
 ROUTED_CALL_BYTES = 128 << 20  # a routed call's transients where its panels take a prefill's many routes
-FORMATS = {"fp8": 0, "fp4": 1, "float": 2}  # float: bf16 only (QWeight.kernel)
+FORMATS = {name: i for i, name in enumerate(WEIGHT_FORMATS)}  # the C++ codes (`QWeight.operands`); float: bf16 only
+SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # the router's score functions (qgemv.cpp's mhc_route)
 # qgemv.cpp's instruction sets; MHCRUN_CPU_KERNEL=<name> caps them there. avx512bf16: AVX-512 that multiplies FP8/FP4
 # weights by BF16 dot products where x is exact in bf16 (after the FP8 activation rounding), else as avx512
 ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
@@ -127,27 +129,26 @@ class CpuKernel:
         m = x3.shape[0]
         if not self.takes(w, m):
             return None
-        scale, kind = _scale_arg(w)
-        s_ptr = None if scale is None else scale.data_ptr()
-        y = self.gemv_at(FORMATS[w.fmt], w.data.data_ptr(), s_ptr, kind, x3, w.out_features, w.block)
-        return None if y is None else y.view(m, groups, w.out_features // groups)
+        o = w.operands
+        y = self.gemv_at(o.fmt, o.data, o.scale, o.fp32_scale, x3, o.out_features, w.block)
+        return None if y is None else y.view(m, groups, o.out_features // groups)
 
     def linear(self, x: Tensor, w: QWeight, act_block: int) -> Tensor | None:
         """`qlinear` of an eager decode step in one call: y [..., out] fp32 = x [..., in] (fp32; first rounded to FP8 in
         blocks of `act_block` when it is not 0, bitwise as `act_quant_fp8`) times a weight the kernel takes, for the few
         rows of x the GEMV rows take (`takes`, not `gemm_first`); None where it does not apply or declines (then the
         caller takes its usual path)."""
-        k = w.in_features
-        rows = x.numel() // k if k else 0
-        if not rows or x.dtype != torch.float32 or not x.is_cpu or not self.takes(w, rows) \
-                or self.gemm_first(rows):
+        if x.dtype != torch.float32 or not x.is_cpu:
             return None
-        scale, kind = _scale_arg(w)
+        o = w.operands
+        k = o.in_features
+        rows = x.numel() // k if k and x.shape[-1] == k else 0  # x of another width: the caller's error
+        if not rows or not self.takes(w, rows) or self.gemm_first(rows):
+            return None
         xf = x.contiguous()
-        y = torch.empty(*x.shape[:-1], w.out_features)
-        rc = load_library(self.library).mhc_qlinear(FORMATS[w.fmt], w.data.data_ptr(),
-                                                    None if scale is None else scale.data_ptr(), kind, xf.data_ptr(),
-                                                    y.data_ptr(), rows, w.out_features, k, w.block, act_block, self.isa,
+        y = torch.empty(*x.shape[:-1], o.out_features)
+        rc = load_library(self.library).mhc_qlinear(o.fmt, o.data, o.scale, o.fp32_scale, xf.data_ptr(), y.data_ptr(),
+                                                    rows, o.out_features, k, w.block, act_block, self.isa,
                                                     torch.get_num_threads())
         return None if rc else y
 
@@ -229,12 +230,12 @@ class CpuKernel:
         if not self.gemm or not w.kernel or w.fmt == "float" or not x2.is_cpu:
             return None
         m, k = x2.shape
-        scale, kind = _scale_arg(w)
+        o = w.operands
         x = x2.float().contiguous()
-        y = torch.empty(m, w.out_features, dtype=torch.float32)
-        rc = load_library(self.library).mhc_qgemm_bf16(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
-                                                       x.data_ptr(), y.data_ptr(), m, w.out_features, k, w.block,
-                                                       self.gemm, torch.get_num_threads())
+        y = torch.empty(m, o.out_features, dtype=torch.float32)
+        rc = load_library(self.library).mhc_qgemm_bf16(o.fmt, o.data, o.scale, o.fp32_scale, x.data_ptr(),
+                                                       y.data_ptr(), m, o.out_features, k, w.block, self.gemm,
+                                                       torch.get_num_threads())
         return None if rc else y
 
     def takes_bf16(self, x: Tensor) -> bool:
@@ -276,10 +277,10 @@ class CpuKernel:
         caller decodes with torch). AVX-512 where the GEMVs run it, else AVX2."""
         if not self.decodes(w):
             return False
-        scale, kind = _scale_arg(w)
-        rc = load_library(self.library).mhc_decode_rows(FORMATS[w.fmt], w.data.data_ptr(), scale.data_ptr(), kind,
-                                                        out.data_ptr(), r0, r1, w.out_features, w.in_features,
-                                                        w.block, self.isa, torch.get_num_threads())
+        o = w.operands
+        rc = load_library(self.library).mhc_decode_rows(o.fmt, o.data, o.scale, o.fp32_scale, out.data_ptr(), r0, r1,
+                                                        o.out_features, o.in_features, w.block, self.isa,
+                                                        torch.get_num_threads())
         return rc == 0
 
     def act_quant_fp8(self, x: Tensor, block: int) -> Tensor | None:
@@ -368,6 +369,18 @@ class CpuKernel:
         if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
             return None if y is None or not self.ops else torch.ops.mhcrun.hc_post_pre_native(
                 y, x, post, comb, fn, scale, base, weight, iters, eps, norm_eps, self.library, self.isa)
+        args, out, held = self._post_pre_call(y, x, post, comb, fn, scale, base, weight, iters, eps, norm_eps)
+        rc = load_library(self.library).mhc_hc_post_pre(*args)
+        del held  # what the call read: alive through it
+        return None if rc else out
+
+    def _post_pre_call(self, y: Tensor | None, x: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
+                       scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
+                       norm_eps: float) -> tuple[list, tuple[Tensor, Tensor, Tensor, Tensor], tuple]:
+        """`mhc_hc_post_pre`'s arguments for `hc_post_pre`'s (checked there), the results it writes (the streams, h,
+        post, comb) and the tensors whose addresses the arguments hold (contiguous copies among them), which the caller
+        keeps until the call returns."""
+        n, d = x.shape[-2], x.shape[-1]
         lead, t = x.shape[:-2], x.numel() // (n * d)
         x, fn, scale, base, weight = (v.contiguous() for v in (x, fn, scale, base, weight))
         h = x.new_empty((*lead, d))
@@ -376,11 +389,35 @@ class CpuKernel:
             y, post, comb = (v.contiguous() for v in (y, post, comb))
         streams = x if y is None else torch.empty_like(x)
         ptrs = [None if v is None else v.data_ptr() for v in (y, x, post, comb, None if y is None else streams)]
-        rc = load_library(self.library).mhc_hc_post_pre(
-            int(x.dtype == torch.bfloat16), *ptrs, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), weight.data_ptr(),
-            h.data_ptr(), post_out.data_ptr(), comb_out.data_ptr(), t, n, d, iters, eps, norm_eps, None, self.isa,
-            torch.get_num_threads())
-        return None if rc else (streams, h, post_out, comb_out)
+        return ([int(x.dtype == torch.bfloat16), *ptrs, fn.data_ptr(), scale.data_ptr(), base.data_ptr(),
+                 weight.data_ptr(), h.data_ptr(), post_out.data_ptr(), comb_out.data_ptr(), t, n, d, iters, eps,
+                 norm_eps, None, self.isa, torch.get_num_threads()], (streams, h, post_out, comb_out),
+                (y, x, post, comb, fn, scale, base, weight))
+
+    def ffn_half(self, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
+                 base: Tensor, weight: Tensor, iters: int, eps: float, norm_eps: float,
+                 moe: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """`Block.ffn_half` of CPU eager decode rows in one call (`mhc_ffn_half`): `hc_post_pre` of the carried streams
+        and the MoE site's mixes (its arguments), then `moe_step` of its h (moe: `moe_step`'s arguments after x), as
+        the block's calls make them, so the same values -> (the streams [b, s, n, d], the MoE's y [b, s, d], post,
+        comb); None where either does not apply or declines."""
+        if not self.hc_takes(residual, fn, scale, base, weight, post, comb) or y.dtype != residual.dtype \
+                or not cpu_fp32(fn, scale, base, weight, post, comb):
+            return None
+        b, s, n, d = residual.shape if residual.dim() == 4 else (0, 0, 0, 0)
+        m = (2 + n) * n
+        if not b or fn.shape != (m, n * d) or scale.numel() != 3 or base.numel() != m or weight.numel() != d \
+                or y.shape != (b, s, d) or post.shape != (b, s, n) or comb.shape != (b, s, n, n):
+            return None
+        args, (streams, h, post_out, comb_out), held = self._post_pre_call(y, residual, post, comb, fn, scale, base,
+                                                                           weight, iters, eps, norm_eps)
+        step = self._moe_step_call(h.view(b * s, d), *moe)
+        if step is None:
+            return None
+        moe_args, out, moe_held = step
+        rc = load_library(self.library).mhc_ffn_half(*args, *moe_args)
+        del held, moe_held  # what the call read: alive through it
+        return None if rc else (streams, out.view(b, s, d), post_out, comb_out)
 
     def attend(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, sel: Tensor | None = None,
                sel_mask: Tensor | None = None) -> Tensor | None:
@@ -469,17 +506,10 @@ class CpuKernel:
         None), hash_ids [T, k] int64 (or None) -> (weights [T, k] fp32, expert ids [T, k] int64), the scores within
         rounding of torch's, exact ties to the lower expert; for decode's few rows (at most MAX_ROWS); None where it
         does not apply (a NaN score included)."""
-        funcs = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-        ts = (x, weight) if bias is None else (x, weight, bias)
-        if not self.on or score_func not in funcs or x.dim() != 2 or weight.dim() != 2 \
-                or any(t.dtype != torch.float32 or not t.is_cpu for t in ts):
+        if not self.routes(x, weight, bias, hash_ids, topk, score_func):
             return None
         t, d = x.shape
         e = weight.shape[0]
-        if not 0 < t <= MAX_ROWS or weight.shape[1] != d or not 0 < topk <= e \
-                or (bias is not None and bias.shape != (e,)) \
-                or (hash_ids is not None and (hash_ids.shape != (t, topk) or hash_ids.dtype != torch.int64)):
-            return None
         x, weight = x.contiguous(), weight.contiguous()
         bias = None if bias is None else bias.contiguous()
         hash_ids = None if hash_ids is None else hash_ids.contiguous()
@@ -487,9 +517,56 @@ class CpuKernel:
         rc = load_library(self.library).mhc_route(x.data_ptr(), weight.data_ptr(),
                                                   None if bias is None else bias.data_ptr(),
                                                   None if hash_ids is None else hash_ids.data_ptr(),
-                                                  weights.data_ptr(), idx.data_ptr(), t, d, e, topk, funcs[score_func],
-                                                  route_scale, min(self.isa, 2), torch.get_num_threads())
+                                                  weights.data_ptr(), idx.data_ptr(), t, d, e, topk,
+                                                  SCORE_FUNCS[score_func], route_scale, min(self.isa, 2),
+                                                  torch.get_num_threads())
         return None if rc else (weights, idx)
+
+    def routes(self, x: Tensor, weight: Tensor, bias: Tensor | None, hash_ids: Tensor | None, topk: int,
+               score_func: str) -> bool:
+        """Whether `route` takes these arguments (its shapes and dtypes, decode's few rows, the kernel on)."""
+        if not self.on or score_func not in SCORE_FUNCS or x.dim() != 2 or weight.dim() != 2 \
+                or not cpu_fp32(x, weight) or (bias is not None and not cpu_fp32(bias)):
+            return False
+        t, d = x.shape
+        e = weight.shape[0]
+        return (0 < t <= MAX_ROWS and weight.shape[1] == d and 0 < topk <= e
+                and (bias is None or bias.shape == (e,))
+                and (hash_ids is None or (hash_ids.shape == (t, topk) and hash_ids.dtype == torch.int64)))
+
+    def moe_step(self, x: Tensor, gate: Tensor, bias: Tensor | None, hash_ids: Tensor | None, topk: int,
+                 route_scale: float, score_func: str, sets: Tensor | None, act: tuple[int, int],
+                 limit: float) -> Tensor | None:
+        """`MoE.forward` of decode rows on one rank in one call (`mhc_moe_step`: the calls of its eager path, `route`,
+        `moe_routed` of the routed experts and of the shared one, in its order, and its sum: the same values): x [T, d]
+        fp32, the layer's router gate [E, d], bias and hash_ids as `route`'s, `sets` the layer's experts on rows of d
+        (`moe_table`), act the routed and the shared experts' activation blocks -> y [T, d] fp32; None where it does not
+        apply or a call declines (the caller's calls one by one then say why)."""
+        step = self._moe_step_call(x, gate, bias, hash_ids, topk, route_scale, score_func, sets, act, limit)
+        if step is None:
+            return None
+        args, y, held = step
+        rc = load_library(self.library).mhc_moe_step(*args)
+        del held  # what the call read: alive through it
+        return None if rc else y
+
+    def _moe_step_call(self, x: Tensor, gate: Tensor, bias: Tensor | None, hash_ids: Tensor | None, topk: int,
+                       route_scale: float, score_func: str, sets: Tensor | None, act: tuple[int, int],
+                       limit: float) -> tuple[list, Tensor, tuple] | None:
+        """`mhc_moe_step`'s arguments for `moe_step`'s, the y it writes and the tensors whose addresses the arguments
+        hold, which the caller keeps until the call returns; None where it does not apply (x's values are not read
+        here: `ffn_half` hands over the h its call writes first)."""
+        if sets is None or not self.routes(x, gate, bias, hash_ids, topk, score_func):
+            return None
+        t, d = x.shape
+        x, gate = x.contiguous(), gate.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        hash_ids = None if hash_ids is None else hash_ids.contiguous()
+        y = torch.empty(t, d)
+        return ([x.data_ptr(), gate.data_ptr(), None if bias is None else bias.data_ptr(),
+                 None if hash_ids is None else hash_ids.data_ptr(), gate.shape[0], topk, SCORE_FUNCS[score_func],
+                 route_scale, sets.data_ptr(), *act, limit, y.data_ptr(), t, d, self.isa, torch.get_num_threads()], y,
+                (x, gate, bias, hash_ids, sets))
 
     def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor | None:
         """mhcrun.ops.norm.rms_norm in one call (`mhc_rms_norm`) for fp32 CPU x [..., d] of decode's few rows (at most
@@ -530,6 +607,55 @@ class CpuKernel:
                                                  x.numel() // (rows * x.shape[-1]), x.shape[-1], rope_dim,
                                                  int(inverse), torch.get_num_threads())
         return out
+
+    def attn_project(self, x: Tensor, table: Tensor, act: tuple[int, int, int], q_norm: Tensor, kv_norm: Tensor,
+                     eps: float, cos: Tensor, sin: Tensor, heads: int,
+                     rope_dim: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """`Attention.project` of decode rows in one call (`mhc_attn_project`: the calls of its eager path, in its
+        order, so the same values): x [b, s, d] fp32, `table` the weights wq_a, wq_b, wkv (`weight_table`), act their
+        activation blocks (0: none), q_norm [q_lora] and kv_norm [hd] fp32 (eps: theirs, the heads' norm's too), cos,
+        sin [b, s, rope_dim / 2] -> (qr [b, s, q_lora], q [b, s, heads, hd], kv [b, s, hd]); None where it does not
+        apply (as `linear` for any of the weights, or a call declining)."""
+        b, s, d = x.shape if x.dim() == 3 else (0, 0, 0)
+        m = b * s
+        if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or x.dtype != torch.float32 \
+                or not x.is_cpu:
+            return None
+        (_, _, _, _, q_lora, k_a, _), (_, _, _, _, n_q, k_b, _), (_, _, _, _, hd, k_kv, _) = table.tolist()
+        if k_a != d or k_kv != d or k_b != q_lora or n_q != heads * hd or q_norm.shape != (q_lora,) \
+                or kv_norm.shape != (hd,) or cos.shape != (b, s, rope_dim // 2) or sin.shape != cos.shape \
+                or not 0 < rope_dim <= hd or rope_dim % 2 \
+                or not cpu_fp32(q_norm, kv_norm, cos, sin):
+            return None
+        x, q_norm, kv_norm, cos, sin = (t.contiguous() for t in (x, q_norm, kv_norm, cos, sin))
+        qr, q, kv = torch.empty(b, s, q_lora), torch.empty(b, s, heads, hd), torch.empty(b, s, hd)
+        rc = load_library(self.library).mhc_attn_project(
+            table.data_ptr(), *act, x.data_ptr(), q_norm.data_ptr(), kv_norm.data_ptr(), eps, cos.data_ptr(),
+            sin.data_ptr(), qr.data_ptr(), q.data_ptr(), kv.data_ptr(), m, heads, hd, rope_dim, self.isa,
+            torch.get_num_threads())
+        return None if rc else (qr, q, kv)
+
+    def attn_output(self, o: Tensor, table: Tensor, act_b: int, cos: Tensor, sin: Tensor, groups: int,
+                    rope_dim: int) -> Tensor | None:
+        """`Attention.output` of decode rows before its reduction across ranks, in one call (`mhc_attn_output`, as
+        `attn_project`): o [b, s, heads, hd] fp32 rotated back by cos, sin [b, s, rope_dim / 2], wo_a's grouped product
+        in `groups` groups, wo_b's (its activation block act_b: 0 none) -> [b, s, wo_b rows]; `table`: wo_a, wo_b
+        (`weight_table`). None where it does not apply."""
+        b, s, h, hd = o.shape if o.dim() == 4 else (0, 0, 0, 0)
+        m = b * s
+        if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or groups < 1 \
+                or (h * hd) % groups or o.dtype != torch.float32 or not o.is_cpu:
+            return None
+        (_, _, _, _, n_a, k_a, _), (_, _, _, _, n_b, k_b, _) = table.tolist()
+        if k_a * groups != h * hd or n_a % groups or k_b != n_a or cos.shape != (b, s, rope_dim // 2) \
+                or sin.shape != cos.shape or not 0 < rope_dim <= hd or rope_dim % 2 or not cpu_fp32(cos, sin):
+            return None
+        o, cos, sin = o.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty(b, s, n_b)
+        rc = load_library(self.library).mhc_attn_output(table.data_ptr(), act_b, o.data_ptr(), cos.data_ptr(),
+                                                         sin.data_ptr(), out.data_ptr(), m, h, hd, rope_dim, groups,
+                                                         self.isa, torch.get_num_threads())
+        return None if rc else out
 
     def kv_fp8(self, codes: Tensor, scale: Tensor, rope: Tensor, block: int) -> Tensor | None:
         """mhcrun.ops.kvcache.decode of the fp8 format in fp32, bitwise, in one call (`mhc_kv_fp8_decode`): codes
@@ -626,17 +752,45 @@ class CpuKernel:
         ratio] (p: each token's position start [b] + [0, s)), then `compress.add_to_open_group` of kv and that score
         into rows `rows` [b] of the state buffers [B, len, c] at slots lead + start % ratio + [0, s). False where it
         does not apply (then nothing was written)."""
-        ts = (kv_state, score_state, kv, score, ape)
-        if not self.on or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in ts) \
-                or rows.dtype != torch.int64 or start.dtype != torch.int64 or kv.dim() != 3 or score.shape != kv.shape \
-                or kv_state.shape != score_state.shape or kv_state.shape[-1] != kv.shape[-1] \
-                or ape.shape != (ratio, kv.shape[-1]) or rows.numel() != kv.shape[0] or start.numel() != kv.shape[0]:
+        if kv.dim() != 3 or score.shape != kv.shape or not cpu_fp32(kv, score) or not kv.is_contiguous() \
+                or not score.is_contiguous() or not self.opens_group(kv_state, score_state, rows, ape, start, kv.shape,
+                                                                     ratio):
             return False
         b, s, c = kv.shape
         rows, start = rows.contiguous(), start.contiguous()
         return load_library(self.library).mhc_open_group(
             kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(), kv.data_ptr(), score.data_ptr(),
             ape.data_ptr(), start.data_ptr(), b, s, c, kv_state.shape[0], kv_state.shape[1], ratio, lead) == 0
+
+    def opens_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, ape: Tensor, start: Tensor,
+                    shape: tuple[int, ...], ratio: int) -> bool:
+        """Whether `open_group` takes the state buffers, rows, bias and positions for kv and score of `shape` [b, s, c]
+        (the kernel on, fp32 contiguous CPU buffers of c channels, int64 rows and start of b)."""
+        b, _, c = shape
+        return (self.on and cpu_fp32(kv_state, score_state, ape) and kv_state.is_contiguous()
+                and score_state.is_contiguous() and ape.is_contiguous() and rows.dtype == torch.int64
+                and start.dtype == torch.int64 and kv_state.shape == score_state.shape and kv_state.shape[-1] == c
+                and ape.shape == (ratio, c) and rows.numel() == b and start.numel() == b)
+
+    def compress_open(self, x: Tensor, table: Tensor | None, act: tuple[int, int], kv_state: Tensor,
+                      score_state: Tensor, rows: Tensor, ape: Tensor, start: Tensor, ratio: int, lead: int) -> bool:
+        """`Compressor.forward` of decode tokens that close no group in one call (`mhc_compress_open`: the calls of its
+        eager path, its wkv's and wgate's `linear` (act their activation blocks) and `open_group`, in its order, so the
+        same values): x [b, s, d] fp32, `table` wkv and wgate (`weight_table`), the rest as `open_group`'s. False
+        where it does not apply (then nothing was written)."""
+        b, s, d = x.shape if x.dim() == 3 else (0, 0, 0)
+        m = b * s
+        if table is None or not m or m > MAX_ROWS or self.gemm_first(m) or not cpu_fp32(x):
+            return False
+        (_, _, _, _, c, k_kv, _), (_, _, _, _, c_gate, k_gate, _) = table.tolist()
+        if k_kv != d or k_gate != d or c_gate != c \
+                or not self.opens_group(kv_state, score_state, rows, ape, start, (b, s, c), ratio):
+            return False
+        x, rows, start = x.contiguous(), rows.contiguous(), start.contiguous()
+        return load_library(self.library).mhc_compress_open(
+            table.data_ptr(), *act, x.data_ptr(), kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(),
+            ape.data_ptr(), start.data_ptr(), b, s, kv_state.shape[0], kv_state.shape[1], ratio, lead, self.isa,
+            torch.get_num_threads()) == 0
 
     def close_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
                     ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
@@ -851,6 +1005,19 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.mhc_rope_tail.restype = ctypes.c_int
     lib.mhc_rope_tail.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    lib.mhc_attn_project.restype = ctypes.c_int
+    lib.mhc_attn_project.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + \
+        [ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    lib.mhc_moe_step.restype = ctypes.c_int
+    lib.mhc_moe_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_float] + \
+        [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
+        [ctypes.c_int] * 2
+    lib.mhc_compress_open.restype = ctypes.c_int
+    lib.mhc_compress_open.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6 + \
+        [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
+    lib.mhc_attn_output.restype = ctypes.c_int
+    lib.mhc_attn_output.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + \
+        [ctypes.c_int] * 2
     lib.mhc_kv_fp8_decode.restype = ctypes.c_int
     lib.mhc_kv_fp8_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.mhc_kv_fp8_encode.restype = ctypes.c_int
@@ -878,6 +1045,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_hc_post_pre.restype = ctypes.c_int
     lib.mhc_hc_post_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.mhc_ffn_half.restype = ctypes.c_int
+    lib.mhc_ffn_half.argtypes = lib.mhc_hc_post_pre.argtypes + lib.mhc_moe_step.argtypes
     lib.mhc_hc_pre.restype = ctypes.c_int
     lib.mhc_hc_pre.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -929,16 +1098,6 @@ class StepScope:
         return self.lib.mhc_scope_read_ahead(self.handle)
 
 
-def _scale_arg(w: QWeight) -> tuple[Tensor | None, int]:
-    """The weight's scales as the C++ side reads them: (contiguous fp32, 1) or (contiguous e8m0 bytes, 0); (None, 0)
-    for a bf16 weight. The caller keeps the tensor alive through the call."""
-    if w.scale is None:
-        return None, 0
-    if w.scale.dtype == torch.float32:
-        return w.scale.contiguous(), 1
-    return w.scale.view(torch.uint8).contiguous(), 0
-
-
 # ---------------------------------------------------------------- routed experts read in place
 
 
@@ -970,6 +1129,40 @@ def routed_result(rc: int, y: Tensor, ids: Tensor, experts: int) -> Tensor | Non
     return None if rc else y
 
 
+def weight_table(*weights: QWeight) -> Tensor | None:
+    """The weights as the layer-step entry points read them (qgemv.cpp's WEIGHT_FIELDS a weight: format, the bytes' and
+    the scales' addresses, scale kind, out and in features, block) -> int64 [len(weights), 7], or None unless the kernel
+    takes every one (`QWeight.kernel`). The weights hold the bytes: they must outlive the table."""
+    if not all(w.kernel for w in weights):
+        return None
+    return torch.tensor([[o.fmt, o.data, o.scale or 0, o.fp32_scale, o.out_features, o.in_features, w.block]
+                         for w in weights for o in (w.operands,)], dtype=torch.int64)
+
+
+def moe_table(routed: tuple[ExpertSet, ...], shared: tuple[ExpertSet, ...], d: int) -> Tensor | None:
+    """The routed experts' sets w1, w3, w2 and the shared expert's as `mhc_moe_step` reads them -> int64 [2, 8]: per
+    group, the addresses of the sets' [experts, 2] tables, format, scale kind, experts, inter, block; None unless each
+    group's three sets share a layout and fit together (as `moe_routed` asks) on rows of d values. The sets hold the
+    addresses: they must outlive the table."""
+    rows = []
+    for w1, w3, w2 in (routed, shared):
+        sets = (w1, w3, w2)
+        if len({(s.fmt, s.kind, s.block, s.ptrs.shape) for s in sets}) != 1 or w1.out_features != w3.out_features \
+                or w2.in_features != w1.out_features or w1.in_features != d or w2.out_features != d \
+                or not all(s.ptrs.dtype == torch.int64 and s.ptrs.is_contiguous() for s in sets):
+            return None
+        rows.append([*(s.ptrs.data_ptr() for s in sets), w1.fmt, w1.kind, w1.ptrs.shape[0], w1.out_features, w1.block])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def cpu_fp32(*ts: Tensor) -> bool:
+    """Whether every tensor is an fp32 CPU tensor."""
+    for t in ts:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
+
+
 def check_routes(s: ExpertSet, idx: Tensor, width: int) -> None:
     """ValueError unless x of `width` inputs fits the set's experts; the C++ side checks idx against the set."""
     if width != s.in_features:
@@ -983,7 +1176,7 @@ def expert_set(weights: list[QWeight]) -> ExpertSet | None:
     if first.fmt == "float" or not all(_same_layout(w, first) for w in weights):
         return None
     ptrs = torch.tensor([[w.data.data_ptr(), w.scale.data_ptr()] for w in weights], dtype=torch.int64)
-    return ExpertSet(ptrs, FORMATS[first.fmt], _scale_arg(first)[1], first.block, first.out_features,
+    return ExpertSet(ptrs, FORMATS[first.fmt], first.operands.fp32_scale, first.block, first.out_features,
                      first.in_features)
 
 

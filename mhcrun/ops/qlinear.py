@@ -502,16 +502,16 @@ def qlinear(x: Tensor, w: QWeight, act_quant: bool = False, scaled_mm: ScaledMM 
     act_quant, which is a plain F.linear in that dtype; a "float" weight of another dtype than x and fp32 is
     converted chunk by chunk, which can change the fp32 summation order.
     """
+    if x.is_cpu and not torch.compiler.is_compiling():  # an eager decode step: one call, where it applies
+        y = cpu.linear(x, w, ACT_BLOCK if act_quant else 0)
+        if y is not None:
+            return y
     if x.shape[-1] != w.in_features:
         raise ValueError(f"qlinear: x has {x.shape[-1]} features, the weight takes {w.in_features}")
     if w.fmt == "float" and not act_quant and w.data.dtype == x.dtype:
         return F.linear(x, w.data)
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], w.out_features)
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # an eager decode step: one call, where it applies
-        y = cpu.linear(x, w, ACT_BLOCK if act_quant else 0)
-        if y is not None:
-            return y
     if act_quant:
         if w.fmt == "fp8" and x.is_cuda and scaled_mm and scaled_mm.working and not torch.compiler.is_compiling():
             y = _scaled_mm_fp8(x, w, scaled_mm)

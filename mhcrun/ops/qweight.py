@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,6 +42,18 @@ def format_of(dtype: torch.dtype) -> str:
     if dtype.is_floating_point:
         return "float"
     raise ValueError(f"no weight format is stored as {dtype}")
+
+
+class Operands(NamedTuple):
+    """A weight as the fused CPU kernel's entry points take it (`QWeight.operands`)."""
+
+    fmt: int  # its format's index in FORMATS
+    data: int  # the address of its bytes
+    scale: int | None  # the address of its scales (contiguous), None for a float weight
+    fp32_scale: int  # 1: fp32 scales, 0: e8m0 bytes (or none)
+    out_features: int
+    in_features: int
+    held: Tensor | None  # the contiguous scales whose address `scale` is (a copy where the scale is not contiguous)
 
 
 @dataclass(eq=False)
@@ -64,6 +78,17 @@ class QWeight:
     @property
     def in_features(self) -> int:
         return self.data.shape[-1] * (2 if self.fmt == "fp4" else 1)
+
+    @cached_property
+    def operands(self) -> Operands:
+        """What the fused CPU kernel's calls read, worked out once (eager calls only: a graph never asks): the bytes
+        stay where they are while this weight holds them, and a scale that is not contiguous is copied once, here."""
+        scale = self.scale
+        if scale is not None:
+            scale = (scale if scale.dtype == torch.float32 else scale.view(torch.uint8)).contiguous()
+        return Operands(FORMATS.index(self.fmt), self.data.data_ptr(), None if scale is None else scale.data_ptr(),
+                        int(scale is not None and scale.dtype == torch.float32), self.out_features, self.in_features,
+                        scale)
 
     @property
     def parts(self) -> list[Tensor]:

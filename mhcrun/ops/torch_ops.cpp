@@ -92,7 +92,7 @@ at::Tensor qgemv_native(const at::Tensor& x3, const at::Tensor& data, const std:
     int kind = 0;
     if (scale.has_value()) {
         s = scale->contiguous();
-        kind = s.scalar_type() == at::kFloat ? 1 : 0;  // fp32 scales, else e8m0 bytes (mhcrun.ops.qgemv._scale_arg)
+        kind = s.scalar_type() == at::kFloat ? 1 : 0;  // fp32 scales, else e8m0 bytes (mhcrun.ops.qweight.QWeight.operands)
     }
     at::Tensor y = at::empty({m, n}, x3.options().dtype(at::kFloat));
     auto fn = reinterpret_cast<QgemvFn>(entry(std::string(library), "mhc_qgemv"));
