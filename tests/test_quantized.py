@@ -204,12 +204,17 @@ BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "kv_fp4_encod
 
 
 def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: bool = True) -> list[torch.Tensor]:
-    """Each decode step's logits [rows, V] of the kept-quantised model on the run's CPU kernel, every row fed the same
-    teacher-forced tokens after its own prompt (rows at different positions)."""
-    from mhcrun.generate import Stepper
-
+    """`teacher_forced` of the kept-quantised model on the run's CPU kernel."""
     model, _ = models(path)
     model.opts.cpu, model.opts.quant_sim = cpu_kernel(), quant_sim
+    return teacher_forced(model, prompts, steps)
+
+
+def teacher_forced(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Each decode step's logits [rows, V] of `model` on fresh caches, every row fed the same teacher-forced tokens
+    after its own prompt (rows at different positions)."""
+    from mhcrun.generate import Stepper
+
     model.setup_caches(len(prompts), 64)
     st = Stepper(model, 8)
     for row, ids in enumerate(prompts):
@@ -271,7 +276,6 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
     on the modules bring back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with
     2 rows at different positions (tiny), on the mid-size config's shapes too; each call was made, and none under the
     hooks."""
-    from mhcrun.generate import Stepper
     from mhcrun.probes import first_nonfinite_op
 
     if not cpu_kernel().on:
@@ -293,20 +297,12 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
     for name in LAYER_STEPS:
         monkeypatch.setattr(lib, name, counted(name, getattr(lib, name)))
 
-    def run() -> list[torch.Tensor]:
-        model.setup_caches(len(prompts), 64)
-        st = Stepper(model, 8)
-        for row, ids in enumerate(prompts):
-            st.prefill(row, ids)
-        rows = list(range(len(prompts)))
-        return [st.decode(rows, [(7 * t + 3) % 200 + 5] * len(rows)) for t in range(steps)]
-
     with torch.inference_mode():
-        got = run()
+        got = teacher_forced(model, prompts, steps)
         made = dict(calls)
         calls.update(dict.fromkeys(LAYER_STEPS, 0))
         with first_nonfinite_op(model):
-            want = run()
+            want = teacher_forced(model, prompts, steps)
     unused = "mhc_ffn_half" if hc == "torch" else "mhc_moe_step"  # the MoE half's call makes the MoE's
     assert all(made[name] for name in LAYER_STEPS if name != unused), made
     assert not any(calls.values()), calls

@@ -608,7 +608,7 @@ class CpuKernel:
                                                  int(inverse), torch.get_num_threads())
         return out
 
-    def attn_project(self, x: Tensor, table: Tensor, act: tuple[int, int, int], q_norm: Tensor, kv_norm: Tensor,
+    def attn_project(self, x: Tensor, table: Tensor | None, act: tuple[int, int, int], q_norm: Tensor, kv_norm: Tensor,
                      eps: float, cos: Tensor, sin: Tensor, heads: int,
                      rope_dim: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """`Attention.project` of decode rows in one call (`mhc_attn_project`: the calls of its eager path, in its
@@ -635,7 +635,7 @@ class CpuKernel:
             torch.get_num_threads())
         return None if rc else (qr, q, kv)
 
-    def attn_output(self, o: Tensor, table: Tensor, act_b: int, cos: Tensor, sin: Tensor, groups: int,
+    def attn_output(self, o: Tensor, table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor, groups: int,
                     rope_dim: int) -> Tensor | None:
         """`Attention.output` of decode rows before its reduction across ranks, in one call (`mhc_attn_output`, as
         `attn_project`): o [b, s, heads, hd] fp32 rotated back by cos, sin [b, s, rope_dim / 2], wo_a's grouped product
