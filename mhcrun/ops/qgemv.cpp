@@ -3913,8 +3913,8 @@ int mhc_moe_step(const float* x, const float* gate, const float* bias, const int
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    if (int rc = mhc_route(x, gate, bias, hash, weights.data(), idx.data(), t, d, e, k, score_func, route_scale, isa,
-                           threads))
+    if (int rc = mhc_route(x, gate, bias, hash, weights.data(), idx.data(), t, d, e, k, score_func, route_scale,
+                           std::min(isa, 2), threads))  // the isa CpuKernel.route gives it
         return rc;
     const auto set = [](int64_t at) { return reinterpret_cast<const int64_t*>(at); };
     const int64_t *r = sets, *sh = sets + 8;
