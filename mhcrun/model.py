@@ -817,10 +817,15 @@ class Block(nn.Module):
         x [b, s, n, d], h [b, s, d], post [b, s, n], comb [b, s, n, n]). The norm's epsilon is the mixes' (both
         `cfg.norm_eps`)."""
         cfg = self.cfg
+        fn, scale, base, norm = self.mixes(site)
+        return hc_ops.hc_post_pre(c.y, c.x, c.post, c.comb, fn, *self.fn_split[site], scale, base, norm, cfg.hc_mult,
+                                  cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, self.opts.hc)
+
+    def mixes(self, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A site's ("attn" or "ffn") mHC parameters and its sublayer's norm weight: (fn, scale, base, norm)."""
         norm = self.attn_norm if site == "attn" else self.ffn_norm
-        return hc_ops.hc_post_pre(c.y, c.x, c.post, c.comb, getattr(self, f"hc_{site}_fn"), *self.fn_split[site],
-                                  getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), norm.weight,
-                                  cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, self.opts.hc)
+        return getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base"), \
+            norm.weight
 
     def attn_half(self, c: Carry, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> Carry:
         # streams at positions start [b] + [0, s)
@@ -844,9 +849,8 @@ class Block(nn.Module):
                                                             cfg.norm_eps, c.x.device.type, hc):
             return None
         moe = self.ffn.step_args(b * s, token_ids.reshape(-1))
-        out = None if moe is None else hc.cpu.ffn_half(c.y, c.x, c.post, c.comb, self.hc_ffn_fn, self.hc_ffn_scale,
-                                                       self.hc_ffn_base, self.ffn_norm.weight, cfg.hc_sinkhorn_iters,
-                                                       cfg.hc_eps, cfg.norm_eps, moe)
+        out = None if moe is None else hc.cpu.ffn_half(c.y, c.x, c.post, c.comb, *self.mixes("ffn"),
+                                                       cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, moe)
         if out is None:
             return None
         hc.count("hc_post_pre", "cpu")

@@ -355,16 +355,7 @@ class CpuKernel:
         comb); with y None, `hc_pre` of residual alone (the streams returned as they are). None where either does not
         apply."""
         x = residual
-        if not self.hc_takes(x, fn, scale, base, weight) or any(t.dtype != torch.float32 for t in (fn, scale, base,
-                                                                                                    weight)):
-            return None
-        if y is not None and (y.dtype != x.dtype or post.dtype != torch.float32 or comb.dtype != torch.float32
-                              or not self.hc_takes(x, post, comb)):
-            return None
-        n, d, m = x.shape[-2], x.shape[-1], (2 + x.shape[-2]) * x.shape[-2]  # the C++ reads these shapes as they are
-        if fn.shape != (m, n * d) or scale.numel() != 3 or base.numel() != m or weight.numel() != d \
-                or (y is not None and (y.shape != x.shape[:-2] + (d,) or post.shape != x.shape[:-1]
-                                       or comb.shape != x.shape[:-1] + (n,))):
+        if not self.post_pre_fits(y, x, post, comb, fn, scale, base, weight):
             return None
         if torch.compiler.is_compiling():  # a graph calls the op whose C++ makes this call (torch_ops.cpp)
             return None if y is None or not self.ops else torch.ops.mhcrun.hc_post_pre_native(
@@ -373,6 +364,18 @@ class CpuKernel:
         rc = load_library(self.library).mhc_hc_post_pre(*args)
         del held  # what the call read: alive through it
         return None if rc else out
+
+    def post_pre_fits(self, y: Tensor | None, x: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
+                      scale: Tensor, base: Tensor, weight: Tensor) -> bool:
+        """Whether `hc_post_pre` takes these (`hc_takes`, fp32 mixes, the shapes the C++ reads as they are)."""
+        if not self.hc_takes(x, fn, scale, base, weight) or not cpu_fp32(fn, scale, base, weight):
+            return False
+        if y is not None and (y.dtype != x.dtype or not cpu_fp32(post, comb) or not self.hc_takes(x, post, comb)):
+            return False
+        n, d, m = x.shape[-2], x.shape[-1], (2 + x.shape[-2]) * x.shape[-2]
+        return (fn.shape == (m, n * d) and scale.numel() == 3 and base.numel() == m and weight.numel() == d
+                and (y is None or (y.shape == x.shape[:-2] + (d,) and post.shape == x.shape[:-1]
+                                   and comb.shape == x.shape[:-1] + (n,))))
 
     def _post_pre_call(self, y: Tensor | None, x: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
                        scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
@@ -401,14 +404,9 @@ class CpuKernel:
         and the MoE site's mixes (its arguments), then `moe_step` of its h (moe: `moe_step`'s arguments after x), as
         the block's calls make them, so the same values -> (the streams [b, s, n, d], the MoE's y [b, s, d], post,
         comb); None where either does not apply or declines."""
-        if not self.hc_takes(residual, fn, scale, base, weight, post, comb) or y.dtype != residual.dtype \
-                or not cpu_fp32(fn, scale, base, weight, post, comb):
+        if residual.dim() != 4 or not self.post_pre_fits(y, residual, post, comb, fn, scale, base, weight):
             return None
-        b, s, n, d = residual.shape if residual.dim() == 4 else (0, 0, 0, 0)
-        m = (2 + n) * n
-        if not b or fn.shape != (m, n * d) or scale.numel() != 3 or base.numel() != m or weight.numel() != d \
-                or y.shape != (b, s, d) or post.shape != (b, s, n) or comb.shape != (b, s, n, n):
-            return None
+        b, s, _, d = residual.shape
         args, (streams, h, post_out, comb_out), held = self._post_pre_call(y, residual, post, comb, fn, scale, base,
                                                                            weight, iters, eps, norm_eps)
         step = self._moe_step_call(h.view(b * s, d), *moe)
@@ -621,7 +619,7 @@ class CpuKernel:
         if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or x.dtype != torch.float32 \
                 or not x.is_cpu:
             return None
-        (_, _, _, _, q_lora, k_a, _), (_, _, _, _, n_q, k_b, _), (_, _, _, _, hd, k_kv, _) = table.tolist()
+        (q_lora, k_a), (n_q, k_b), (hd, k_kv) = table_shapes(table)
         if k_a != d or k_kv != d or k_b != q_lora or n_q != heads * hd or q_norm.shape != (q_lora,) \
                 or kv_norm.shape != (hd,) or cos.shape != (b, s, rope_dim // 2) or sin.shape != cos.shape \
                 or not 0 < rope_dim <= hd or rope_dim % 2 \
@@ -646,7 +644,7 @@ class CpuKernel:
         if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or groups < 1 \
                 or (h * hd) % groups or o.dtype != torch.float32 or not o.is_cpu:
             return None
-        (_, _, _, _, n_a, k_a, _), (_, _, _, _, n_b, k_b, _) = table.tolist()
+        (n_a, k_a), (n_b, k_b) = table_shapes(table)
         if k_a * groups != h * hd or n_a % groups or k_b != n_a or cos.shape != (b, s, rope_dim // 2) \
                 or sin.shape != cos.shape or not 0 < rope_dim <= hd or rope_dim % 2 or not cpu_fp32(cos, sin):
             return None
@@ -782,7 +780,7 @@ class CpuKernel:
         m = b * s
         if table is None or not m or m > MAX_ROWS or self.gemm_first(m) or not cpu_fp32(x):
             return False
-        (_, _, _, _, c, k_kv, _), (_, _, _, _, c_gate, k_gate, _) = table.tolist()
+        (c, k_kv), (c_gate, k_gate) = table_shapes(table)
         if k_kv != d or k_gate != d or c_gate != c \
                 or not self.opens_group(kv_state, score_state, rows, ape, start, (b, s, c), ratio):
             return False
@@ -1153,6 +1151,11 @@ def moe_table(routed: tuple[ExpertSet, ...], shared: tuple[ExpertSet, ...], d: i
             return None
         rows.append([*(s.ptrs.data_ptr() for s in sets), w1.fmt, w1.kind, w1.ptrs.shape[0], w1.out_features, w1.block])
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def table_shapes(table: Tensor) -> list[tuple[int, int]]:
+    """Each weight's (out, in) features as a `weight_table` holds them."""
+    return [(row[4], row[5]) for row in table.tolist()]
 
 
 def cpu_fp32(*ts: Tensor) -> bool:
