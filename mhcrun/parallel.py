@@ -153,7 +153,7 @@ def env_shard(env: Env) -> Shard | None:
 
 def init_workers(shard: Shard, device: str, local_rank: int | None = None) -> None:
     """Join the process group (gloo on cpu, nccl on cuda, TorchNeuron's `neuron` backend on neuron: wired, not run on
-    a device here); a peer that never comes ends this rank in 60 s."""
+    a device here); a peer that never comes ends this rank in 60 s. No rank returns before every rank has joined."""
     import datetime
 
     import torch.distributed as dist
@@ -167,6 +167,11 @@ def init_workers(shard: Shard, device: str, local_rank: int | None = None) -> No
         import torch_neuronx  # noqa: F401
     dist.init_process_group(backend, rank=shard.rank, world_size=shard.world,
                             timeout=datetime.timedelta(seconds=60))
+    if backend == "gloo":
+        # every rank leaves the set-up together: a rank that fails at once after it (a tensor missing from its
+        # share) would otherwise close its connections while a peer still makes them, and gloo then writes its
+        # own line ("connectFullMesh failed") on that peer's stderr, rank 0's being the user's
+        dist.barrier()
 
 
 ECHO = 4  # the exit code of a rank whose collective lost a peer (`peer_lost`)
