@@ -43,7 +43,7 @@ from mhcrun.ops.moe import gate_scores, route, swiglu
 from mhcrun.ops.norm import rms_norm
 from mhcrun.ops.qgemv import MAX_ROWS, CpuKernel, ExpertSet, expert_set, moe_table, weight_table
 from mhcrun.ops.qlinear import ScaledMM, qlinear, qlinear_gathered, qlinear_grouped, round_activation
-from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard, hadamard_matrix
+from mhcrun.ops.quant import ACT_FP8_BLOCK, INDEX_FP4_BLOCK, KV_FP8_BLOCK, fp4_simulate, hadamard
 from mhcrun.ops.qweight import QWeight
 from mhcrun.ops.rope import apply_rope_tail, precompute_freqs_cis
 from mhcrun.parallel import SINGLE, Shard, all_reduce, gather_vocab
@@ -217,7 +217,6 @@ class Compressor(nn.Module):
         self.ratio, self.head_dim, self.rope_dim = ratio, head_dim, cfg.rope_head_dim
         self.overlap = ratio == 4
         self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
-        self.rotation: torch.Tensor | None = None  # with rotate: the Hadamard matrix [hd, hd] (`allocate`)
         self.opts = opts
         self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
         self.wgate = Linear(opts)
@@ -238,8 +237,6 @@ class Compressor(nn.Module):
                              persistent=False)
         self.n_entries = max_seq // r
         self.cache.allocate(fmt, (batch, self.n_entries + 1), dtype, device)
-        if self.rotate:  # not a buffer: buffers are the state that snapshots take and clear_row zeroes
-            self.rotation = hadamard_matrix(hd, device)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> None:
         """x [b, s, d] at positions start [b] + [0, s): every group the chunk closes is pooled, normed, rotated
@@ -267,7 +264,8 @@ class Compressor(nn.Module):
         at, slot, first, pooled = closed
         cos, sin = self.rope.at(first)
         out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim), self.rotation)
+                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
+                           (lambda t: spin(self.opts.cpu, t)) if self.rotate else None)
         self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
 
     def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
@@ -321,13 +319,19 @@ def rotate(cpu: CpuKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        lambda: apply_rope_tail(x, cos, sin, rope_dim, inverse))
 
 
+def spin(cpu: CpuKernel, x: torch.Tensor) -> torch.Tensor:
+    """`hadamard` (the rotation of indexer queries and keys); in CPU eager the run's kernel does it in one call
+    (`CpuKernel.hadamard`, bitwise)."""
+    return eager_first(lambda: cpu.hadamard(x), lambda: hadamard(x))
+
+
 def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope,
-                 rotation: torch.Tensor | None) -> torch.Tensor:
+                 rotation: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
     """A pooled group -> its compressed entry before storage: norm, RoPE at the group's first position (`rope`),
-    and for indexer keys the Hadamard rotation (by `rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with
+    and for indexer keys the Hadamard rotation (`rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with
     the simulation on)."""
     out = rope(rms_norm(pooled, norm, eps))
-    return out if rotation is None else hadamard(out, rotation)
+    return out if rotation is None else rotation(out)
 
 
 class Indexer(nn.Module):
@@ -343,13 +347,21 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(opts)
         self.compressor = Compressor(cfg, 4, self.head_dim, opts, rotate=True)
         self.weight_scale = self.head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        self.tables: dict[str, torch.Tensor | None] = {}  # queries' `weight_table`, learnt once
 
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qr [b, s, q_lora] -> index queries [b, s, heads, ihd] as they are scored: RoPE on the tail, the
-        Hadamard rotation, and with the simulation on the reference's FP4 rounding."""
+        Hadamard rotation, and with the simulation on the reference's FP4 rounding. In CPU eager decode the run's kernel
+        makes the calls below in one (`CpuKernel.index_queries`: the same calls, the same values) where no hook watches
+        wq_b."""
+        if not torch.compiler.is_compiling() and not watched(self.wq_b):
+            q = self.opts.cpu.index_queries(qr, learnt_table(self, "queries", self.wq_b),
+                                            act_blocks(self.opts, self.wq_b)[0], cos, sin, self.n_heads, self.rope_dim,
+                                            INDEX_FP4_BLOCK if self.opts.quant_sim else 0)
+            if q is not None:
+                return q
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = hadamard(rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim),
-                     self.compressor.rotation)
+        q = spin(self.opts.cpu, rotate(self.opts.cpu, q, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_dim))
         if not self.opts.quant_sim:
             return q
         return eager_first(lambda: self.opts.cpu.fp4_simulate(q, INDEX_FP4_BLOCK),

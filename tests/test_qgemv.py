@@ -1782,6 +1782,48 @@ def test_rope_tail_declines_what_it_does_not_take():
     assert cpu_kernel("0").rope_tail(x, c, c, 32) is None
 
 
+# ---------------------------------------------------------------- Hadamard rotation of indexer queries and keys
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16, 128), (2, 1, 3, 128), (5, 1), (3, 2), (1, 8), (700, 256),
+                                   (1, 40, 16, 128)])
+def test_hadamard_is_the_reference_bitwise(shape):
+    """`CpuKernel.hadamard` equals quant.hadamard bit for bit (the butterflies in the reference's order, the product by
+    n**-0.5 as torch rounds it): decode's queries, a key, widths 1 .. 256, a prefill's queries split over the threads
+    (on one thread and on two), values from 2**-140 (subnormal sums) to 2**120 (sums that overflow to infinity), NaN
+    where the reference puts it."""
+    from mhcrun.ops.quant import hadamard
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    g = torch.Generator().manual_seed(17)
+    before = torch.get_num_threads()
+    try:
+        for trial in range(6):
+            x = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-140, 121, (*shape[:-1], 1), generator=g).float()
+            if trial == 5:
+                x.view(-1)[-1] = float("nan")
+            want = hadamard(x)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got = k.hadamard(x)
+                assert got is not None and torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32)), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_hadamard_declines_what_it_does_not_take():
+    """A last dim that is not a power of two, bf16, an empty x, the kernel off: None."""
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    x = torch.randn(2, 128)
+    assert k.hadamard(torch.randn(2, 12)) is None and k.hadamard(x.bfloat16()) is None
+    assert k.hadamard(torch.randn(0, 128)) is None and cpu_kernel("0").hadamard(x) is None
+
+
 # ---------------------------------------------------------------- fp8 kv cache entries
 
 

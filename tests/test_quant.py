@@ -401,6 +401,15 @@ def test_hadamard_preserves_dot_products_and_is_involution():
     assert hadamard(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_hadamard_butterflies_are_within_rounding_of_the_matrix_product():
+    """The butterflies give x times the Sylvester matrix over sqrt(n) (float64's product) within fp32 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 128, generator=gen, dtype=torch.float64)
+    h = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(128)] for i in range(128)], dtype=torch.float64)
+    want = x @ h / math.sqrt(128)
+    assert torch.allclose(hadamard(x.float()).double(), want, rtol=0, atol=4e-6)
+
+
 def test_hadamard_rejects_non_power_of_two():
     with pytest.raises(ValueError):
         hadamard(torch.ones(3, 12))

@@ -262,17 +262,18 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
         assert torch.equal(g, w), f"step {step}"
 
 
-LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step")
+LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step",
+               "mhc_index_queries")
 
 
 @pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
 @pytest.mark.parametrize("case", ["tiny", "mid"])
 def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, mid2, monkeypatch, case, quant_sim,
                                                                       hc):
-    """In CPU eager decode the attention's projections and its output, a compressor's step that closes no group and the
-    MoE half (the post+pre step, then router, routed and shared experts, their sum) are one kernel call each
-    (`mhc_attn_project`, `mhc_attn_output`, `mhc_compress_open`, `mhc_ffn_half`; the MoE alone, `mhc_moe_step`, where
-    the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks
+    """In CPU eager decode the attention's projections and its output, the indexer's queries, a compressor's step that
+    closes no group and the MoE half (the post+pre step, then router, routed and shared experts, their sum) are one
+    kernel call each (`mhc_attn_project`, `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_ffn_half`;
+    the MoE alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks
     on the modules bring back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with
     2 rows at different positions (tiny), on the mid-size config's shapes too; each call was made, and none under the
     hooks."""

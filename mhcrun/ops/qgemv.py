@@ -267,6 +267,19 @@ class CpuKernel:
         return None if load_library(self.library).mhc_fp4_simulate(y.data_ptr(), y.numel() // k, k, block,
                                                                    torch.get_num_threads()) else y
 
+    def hadamard(self, x: Tensor) -> Tensor | None:
+        """mhcrun.ops.quant.hadamard(x), bitwise, in one call (`mhc_hadamard`: its butterflies in its order), for a CPU
+        fp32 x whose last dim is a power of two (indexer queries and keys; a prefill's rows over the run's threads);
+        None where it does not apply."""
+        n = x.shape[-1] if x.dim() else 0
+        if not self.on or x.dtype != torch.float32 or not x.is_cpu or n <= 0 or n & (n - 1) or not x.numel():
+            return None
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        rc = load_library(self.library).mhc_hadamard(x.data_ptr(), y.data_ptr(), x.numel() // n, n, n**-0.5,
+                                                     torch.get_num_threads())
+        return None if rc else y
+
     def decodes(self, w: QWeight) -> bool:
         """Whether `decode_rows` takes this weight (an fp8 / fp4 one the kernel takes, the kernel on)."""
         return w.kernel and w.fmt != "float" and self.on
@@ -632,6 +645,29 @@ class CpuKernel:
             sin.data_ptr(), qr.data_ptr(), q.data_ptr(), kv.data_ptr(), m, heads, hd, rope_dim, self.isa,
             torch.get_num_threads())
         return None if rc else (qr, q, kv)
+
+    def index_queries(self, qr: Tensor, table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor, heads: int,
+                      rope_dim: int, fp4_block: int) -> Tensor | None:
+        """`Indexer.queries` of decode rows in one call (`mhc_index_queries`, as `attn_project`): qr [b, s, q_lora]
+        fp32 through wq_b (`table`: `weight_table`; act_b its activation block, 0 none) as heads of hd, RoPE on their
+        tails by cos, sin [b, s, rope_dim / 2], the Hadamard rotation, then with fp4_block > 0 the FP4 rounding in
+        blocks of it -> q [b, s, heads, hd]; None where it does not apply or a call declines."""
+        b, s, d = qr.shape if qr.dim() == 3 else (0, 0, 0)
+        m = b * s
+        if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or qr.dtype != torch.float32 \
+                or not qr.is_cpu:
+            return None
+        ((n_q, k_b),) = table_shapes(table)
+        hd = n_q // heads if heads > 0 else 0
+        if k_b != d or not hd or hd * heads != n_q or hd & (hd - 1) or cos.shape != (b, s, rope_dim // 2) \
+                or sin.shape != cos.shape or not 0 < rope_dim <= hd or rope_dim % 2 or not cpu_fp32(cos, sin):
+            return None
+        qr, cos, sin = qr.contiguous(), cos.contiguous(), sin.contiguous()
+        q = torch.empty(b, s, heads, hd)
+        rc = load_library(self.library).mhc_index_queries(
+            table.data_ptr(), act_b, qr.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), m, heads, hd,
+            rope_dim, hd**-0.5, fp4_block, self.isa, torch.get_num_threads())
+        return None if rc else q
 
     def attn_output(self, o: Tensor, table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor, groups: int,
                     rope_dim: int) -> Tensor | None:
@@ -1013,6 +1049,11 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_compress_open.restype = ctypes.c_int
     lib.mhc_compress_open.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6 + \
         [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
+    lib.mhc_hadamard.restype = ctypes.c_int
+    lib.mhc_hadamard.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.mhc_index_queries.restype = ctypes.c_int
+    lib.mhc_index_queries.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
+        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64] + [ctypes.c_int] * 2
     lib.mhc_attn_output.restype = ctypes.c_int
     lib.mhc_attn_output.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + \
         [ctypes.c_int] * 2

@@ -186,26 +186,22 @@ def e4m3_to_float(codes: Tensor) -> Tensor:
     return out
 
 
-def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> Tensor:
-    """The Sylvester Hadamard matrix [n, n] fp32 (n a power of two): [[H, H], [H, -H]], so H[i, j] = (-1)**popcount(i &
-    j); symmetric. A module that rotates every step holds one (`mhcrun.model.Compressor.rotation`)."""
+def hadamard(x: Tensor) -> Tensor:
+    """Normalised Walsh-Hadamard transform along the last dim n (a power of two) in Sylvester's order (H = [[H', H'],
+    [H', -H']], so y[j] = sum_i (-1)**popcount(i & j) x[i] / sqrt(n)), computed in fp32 by butterflies: for h = 1, 2,
+    ..., n / 2 each pair (i, i + h) of a block of 2h becomes (a + b, a - b), then the product by n**-0.5. Each output
+    is one fixed tree of sums, which the CPU kernel computes in the same order (`CpuKernel.hadamard`, bitwise);
+    DeepSeek's reference (fast_hadamard_transform) is a butterfly transform too."""
+    n = x.shape[-1]
     if n <= 0 or n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
-    h = torch.ones(1, 1, dtype=torch.float32)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return h.to(device)
-
-
-def hadamard(x: Tensor, h: Tensor | None = None) -> Tensor:
-    """Normalised Walsh-Hadamard transform along the last dim (a power of two), computed in fp32, by the matrix h
-    (`hadamard_matrix` of that size; made here when None)."""
-    n = x.shape[-1]
-    if h is None:
-        h = hadamard_matrix(n, x.device)
-    elif h.shape != (n, n):
-        raise ValueError(f"hadamard: a [{n}, {n}] matrix rotates a last dim of {n}, not {list(h.shape)}")
-    return ((x.float() @ h) * n**-0.5).to(x.dtype)
+    y, h = x.float(), 1
+    while h < n:
+        pairs = y.unflatten(-1, (n // (2 * h), 2, h))  # [..., blocks, 2, h]: a = [..., 0, :], b = [..., 1, :]
+        a, b = pairs.unbind(-2)
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n**-0.5).to(x.dtype)
 
 
 def e8m0_to_float(t: Tensor) -> Tensor:
