@@ -40,7 +40,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <initializer_list>
 #include <functional>
 #include <immintrin.h>
 #include <memory>
@@ -3602,37 +3601,8 @@ int qlinear_at(const int64_t* t, const float* x, float* y, int64_t m, int64_t ac
     return mhc_qlinear(int(t[0]), w, s, int(t[3]), x, y, m, t[4], t[5], t[6], act_block, isa, threads);
 }
 
-// One of the GEMVs qlinears_at makes together: the weight at t (WEIGHT_FIELDS, one group of rows), x [m, t's inputs]
-// rounded to FP8 in blocks of act (0: as given) -> y [m, t's rows].
-struct Lin {
-    const int64_t* t;
-    const float* x;
-    float* y;
-    int64_t act;
-};
-
-// Independent GEMVs of the same m decode rows in one parallel region (run_jobs: their rows share its threads, one join
-// for all): each lin's product, the values mhc_qlinear gives it (a row's result does not depend on the region or the
-// thread it runs on), so a layer step's calls that read the same x (wq_a and wkv, a compressor's wkv and wgate) cost one
-// fork and join, not two. Codes as mhc_qlinear's, the first any of them gives (then no y is to be used).
-static int qlinears_at(std::initializer_list<Lin> lins, int64_t m, int isa, int threads) {
-    std::deque<std::vector<float>> xq;  // deques: the jobs point into each rounded x and prepared x, which stay put
-    std::deque<XBuf> own;
-    std::vector<Job> jobs;
-    for (const Lin& l : lins) {
-        const int64_t* t = l.t;
-        if (int rc = check_args(int(t[0]), t[6], isa)) return rc;
-        const float* x = l.x;
-        if (int rc = round_rows(x, m, t[5], l.act, isa, threads, xq.emplace_back())) return rc;
-        jobs.push_back(make_job(int(t[0]), int(t[3]), reinterpret_cast<const void*>(t[1]),
-                                reinterpret_cast<const void*>(t[2]), x, l.y, m, t[4], t[5], t[6], 1));
-        if (!prepare_x(jobs.back(), isa, own.emplace_back())) return 4;
-    }
-    return run_jobs(jobs, isa, threads);
-}
-
-// Attention.project of m decode rows in one call: the kernel calls its eager path makes (wq_a's and wkv's GEMVs together,
-// qlinears_at), so the same values (python: CpuKernel.attn_project). qr = rms_norm(wq_a x, q_norm); q = rope(rms_norm of each head of wq_b qr, no
+// Attention.project of m decode rows in one call: the kernel calls its eager path makes, in its order, so the same
+// values (python: CpuKernel.attn_project). qr = rms_norm(wq_a x, q_norm); q = rope(rms_norm of each head of wq_b qr, no
 // weight); kv = rope(rms_norm(wkv x, kv_norm)). weights: wq_a, wq_b, wkv (3 x WEIGHT_FIELDS); act_*: their activation
 // blocks (0: x as given); x [m, d]; cos, sin [m, rd / 2] -> qr [m, wq_a rows], q [m, heads, hd], kv [m, hd]. The first
 // non-zero code of those calls (then nothing is to be used), 4 out of memory.
@@ -3647,11 +3617,12 @@ int mhc_attn_project(const int64_t* weights, int64_t act_a, int64_t act_b, int64
         return 4;
     }
     float *ta = t.data(), *tb = ta + m * wa[4], *tq = tb + m * wb[4], *tk = tq + m * wb[4], *tkn = tk + m * hd;
-    if (int rc = qlinears_at({{wa, x, ta, act_a}, {wk, x, tk, act_kv}}, m, isa, threads)) return rc;
+    if (int rc = qlinear_at(wa, x, ta, m, act_a, 1, isa, threads)) return rc;
     if (int rc = mhc_rms_norm(ta, q_norm, qr, m, wa[4], eps, isa)) return rc;
     if (int rc = qlinear_at(wb, qr, tb, m, act_b, 1, isa, threads)) return rc;
     if (int rc = mhc_rms_norm(tb, nullptr, tq, m * heads, hd, eps, isa)) return rc;
     mhc_rope_tail(tq, cos, sin, q, m, heads, hd, rd, 0, threads);
+    if (int rc = qlinear_at(wk, x, tk, m, act_kv, 1, isa, threads)) return rc;
     if (int rc = mhc_rms_norm(tk, kv_norm, tkn, m, hd, eps, isa)) return rc;
     mhc_rope_tail(tkn, cos, sin, kv, m, 1, hd, rd, 0, threads);
     return 0;
@@ -3734,7 +3705,8 @@ int mhc_compress_open(const int64_t* weights, int64_t act_kv, int64_t act_gate, 
         return 4;
     }
     float *kv = t.data(), *score = kv + m * c;
-    if (int rc = qlinears_at({{wk, x, kv, act_kv}, {wg, x, score, act_gate}}, m, isa, threads)) return rc;
+    if (int rc = qlinear_at(wk, x, kv, m, act_kv, 1, isa, threads)) return rc;
+    if (int rc = qlinear_at(wg, x, score, m, act_gate, 1, isa, threads)) return rc;
     return mhc_open_group(kv_state, score_state, rows, kv, score, ape, start, b, s, c, n_rows, len, ratio, lead);
 }
 
@@ -3896,109 +3868,6 @@ int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64
     return rc;
 }
 
-// One set of experts' part of a call: mhc_moe_routed's arguments.
-struct Experts {
-    int fmt;
-    const int64_t *ptrs1, *ptrs3, *ptrs2;
-    int64_t experts;
-    int scale_kind;
-    const int64_t* idx;
-    const float *weights, *x;
-    float* y;
-    int64_t t, k, d, inter, block;
-    float limit;
-    int64_t act_block;
-};
-
-// mhc_moe_routed of each set of `sets` (the routed experts and the shared expert of one MoE: each set's values as a call
-// of its own gives them), their stages side by side: every set's w1 and w3 rows in one parallel region, then every
-// set's w2 rows in one (a row's result does not depend on the region or the thread it runs on): two joins a MoE where
-// a call a set took four. Codes as mhc_moe_routed's, the first any set gives (then no y is to be used).
-static int experts_together(std::initializer_list<Experts> sets, int isa, int threads) {
-    struct Work {  // a set's buffers and batches, which its jobs point into (a deque keeps each in place)
-        std::vector<float> xq;
-        Floats out;
-        ExpertBatch gate_up, down;
-        explicit Work(int threads) : gate_up(threads), down(threads) {}
-    };
-    std::deque<Work> works;
-    std::vector<Job> jobs;
-    for (const Experts& c : sets) {
-        if (!in_set(c.idx, c.t * c.k, c.experts)) return 8;
-        Work& w = works.emplace_back(threads);
-        try {
-            w.out.resize(c.t * c.k * c.d);
-        } catch (const std::bad_alloc&) {
-            return 4;
-        }
-        const float* xin = c.x;
-        if (int rc = round_rows(xin, c.t, c.d, c.act_block, isa, threads, w.xq)) return rc;
-        if (int rc = check_args(c.fmt, c.block, isa)) return rc;
-        // w1 and w3 on one prepared x; each expert's rows alike
-        if (w.gate_up.add(c.fmt, c.ptrs1, c.idx, c.scale_kind, xin, nullptr, c.t, c.k, 1, c.inter, c.d, c.block, isa) ||
-            w.gate_up.add(c.fmt, c.ptrs3, c.idx, c.scale_kind, xin, nullptr, c.t, c.k, 1, c.inter, c.d, c.block, isa))
-            return 4;
-        jobs.insert(jobs.end(), w.gate_up.jobs.begin(), w.gate_up.jobs.end());
-    }
-    if (int rc = run_jobs(jobs, isa, threads)) return rc;
-    jobs.clear();
-    auto work = works.begin();
-    for (const Experts& c : sets) {
-        Work& w = *work++;
-        const int64_t inter = c.inter;
-        const size_t used = w.gate_up.jobs.size() / 2;  // the experts in use: w1's jobs, then w3's in the same order
-        std::vector<std::pair<size_t, int64_t>> rows;  // (expert, row)
-        for (size_t e = 0; e < used; e++)
-            for (size_t r = 0; r < w.gate_up.parts[e].at.size(); r++) rows.emplace_back(e, int64_t(r));
-        const int64_t count = int64_t(rows.size());
-        // h into each expert's w1 rows, in place: weights * (silu(min(g, limit)) * clamp(u, -limit, limit)) in fp32,
-        // as torch's ops compute it but for exp (the C library's)
-#pragma omp parallel for schedule(static) num_threads(threads) if (count * inter >= PARALLEL_VALUES)
-        for (int64_t i = 0; i < count; i++) {
-            auto& g = w.gate_up.parts[rows[i].first];
-            const auto& u = w.gate_up.parts[used + rows[i].first];
-            const int64_t r = rows[i].second;
-            const float wt = c.weights[g.at[r]];
-            float* gr = g.y.data() + r * inter;
-            const float* ur = u.y.data() + r * inter;
-            for (int64_t e = 0; e < inter; e++) {
-                float a = gr[e], b = ur[e];
-                if (c.limit > 0) a = a > c.limit ? c.limit : a, b = b < -c.limit ? -c.limit : b > c.limit ? c.limit : b;
-                gr[e] = wt * ((a / (1.0f + std::exp(-a))) * b);  // NaN kept by the clamps above
-            }
-        }
-        std::vector<const int64_t*> p2(used);
-        std::vector<float*> hs(used);
-        std::vector<std::vector<int64_t>> ats(used);
-        for (size_t e = 0; e < used; e++) {
-            auto& g = w.gate_up.parts[e];
-            if (c.act_block > 0 && mhc_act_quant_fp8(g.y.data(), g.y.data(), int64_t(g.at.size()), inter, c.act_block,
-                                                     isa, threads))
-                return 1;
-            p2[e] = c.ptrs2 + 2 * c.idx[g.at[0]], hs[e] = g.y.data(), ats[e] = g.at;
-        }
-        // w2 of each expert on its own h rows (in w1's order: its routes' order)
-        if (w.down.add_gathered(c.fmt, p2, c.scale_kind, hs, ats, w.out.data(), c.d, inter, c.block, isa)) return 4;
-        jobs.insert(jobs.end(), w.down.jobs.begin(), w.down.jobs.end());
-    }
-    if (int rc = run_jobs(jobs, isa, threads)) return rc;
-    work = works.begin();
-    for (const Experts& c : sets) {
-        Work& w = *work++;
-        w.down.scatter();
-        const float* out = w.out.data();
-        const int64_t t = c.t, k = c.k, d = c.d;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t * k * d >= PARALLEL_VALUES)
-        for (int64_t r = 0; r < t; r++)
-            for (int64_t e = 0; e < d; e++) {
-                float acc = out[(r * k) * d + e];
-                for (int64_t j = 1; j < k; j++) acc += out[(r * k + j) * d + e];
-                c.y[r * d + e] = acc;
-            }
-    }
-    return 0;
-}
-
 // The routed experts of decode rows in one call (mhcrun.model.MoE.routed_gathered over experts read in place): x [t, d]
 // rounded to FP8 (blocks of act_block; 0: as given), each row through its k experts idx [t, k] of the sets w1, w3 (ptrs
 // [E, 2] each, as mhc_qgemv_experts; [inter, d]), h = weights [t, k] * (silu(min(g, limit)) * clamp(u, -limit, limit))
@@ -4011,14 +3880,71 @@ int mhc_moe_routed(int fmt, const int64_t* ptrs1, const int64_t* ptrs3, const in
                    int scale_kind, const int64_t* idx, const float* weights, const float* x, float* y, int64_t t,
                    int64_t k, int64_t d, int64_t inter, int64_t block, float limit, int64_t act_block, int isa,
                    int threads) {
-    return experts_together({{fmt, ptrs1, ptrs3, ptrs2, experts, scale_kind, idx, weights, x, y, t, k, d, inter, block,
-                              limit, act_block}}, isa, threads);
+    if (!in_set(idx, t * k, experts)) return 8;
+    std::vector<float> xq;
+    Floats out;
+    try {
+        out.resize(t * k * d);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    const float* xin = x;
+    if (int rc = round_rows(xin, t, d, act_block, isa, threads, xq)) return rc;
+    if (int rc = check_args(fmt, block, isa)) return rc;
+    ExpertBatch gate_up(threads);  // w1 and w3 in one parallel region, on one prepared x; each expert's rows alike
+    if (gate_up.add(fmt, ptrs1, idx, scale_kind, xin, nullptr, t, k, 1, inter, d, block, isa) ||
+        gate_up.add(fmt, ptrs3, idx, scale_kind, xin, nullptr, t, k, 1, inter, d, block, isa))
+        return 4;
+    if (int rc = run_jobs(gate_up.jobs, isa, threads)) return rc;
+    const size_t used = gate_up.jobs.size() / 2;  // the experts in use: w1's jobs, then w3's in the same order
+    std::vector<std::pair<size_t, int64_t>> rows;  // (expert, row)
+    for (size_t e = 0; e < used; e++)
+        for (size_t r = 0; r < gate_up.parts[e].at.size(); r++) rows.emplace_back(e, int64_t(r));
+    const int64_t count = int64_t(rows.size());
+    // h into each expert's w1 rows, in place: weights * (silu(min(g, limit)) * clamp(u, -limit, limit)) in fp32, as
+    // torch's ops compute it but for exp (the C library's)
+#pragma omp parallel for schedule(static) num_threads(threads) if (count * inter >= PARALLEL_VALUES)
+    for (int64_t i = 0; i < count; i++) {
+        auto& g = gate_up.parts[rows[i].first];
+        const auto& u = gate_up.parts[used + rows[i].first];
+        const int64_t r = rows[i].second;
+        const float w = weights[g.at[r]];
+        float* gr = g.y.data() + r * inter;
+        const float* ur = u.y.data() + r * inter;
+        for (int64_t e = 0; e < inter; e++) {
+            float a = gr[e], b = ur[e];
+            if (limit > 0) a = a > limit ? limit : a, b = b < -limit ? -limit : b > limit ? limit : b;  // NaN kept
+            gr[e] = w * ((a / (1.0f + std::exp(-a))) * b);
+        }
+    }
+    std::vector<const int64_t*> p2(used);
+    std::vector<float*> hs(used);
+    std::vector<std::vector<int64_t>> ats(used);
+    for (size_t e = 0; e < used; e++) {
+        auto& g = gate_up.parts[e];
+        if (act_block > 0 && mhc_act_quant_fp8(g.y.data(), g.y.data(), int64_t(g.at.size()), inter, act_block, isa,
+                                               threads))
+            return 1;
+        p2[e] = ptrs2 + 2 * idx[g.at[0]], hs[e] = g.y.data(), ats[e] = g.at;
+    }
+    ExpertBatch down(threads);  // w2 of each expert on its own h rows (in w1's order: its routes' order)
+    if (down.add_gathered(fmt, p2, scale_kind, hs, ats, out.data(), d, inter, block, isa)) return 4;
+    if (int rc = run_jobs(down.jobs, isa, threads)) return rc;
+    down.scatter();
+#pragma omp parallel for schedule(static) num_threads(threads) if (t * k * d >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t e = 0; e < d; e++) {
+            float acc = out[(r * k) * d + e];
+            for (int64_t j = 1; j < k; j++) acc += out[(r * k + j) * d + e];
+            y[r * d + e] = acc;
+        }
+    return 0;
 }
 
 // MoE.forward of t decode rows on one rank in one call (python: CpuKernel.moe_step): mhc_route (gate [e, d], bias [e]
-// or null, hash [t, k] or null, score_func, route_scale), the routed experts' mhc_moe_routed and the shared expert's
-// (mhc_moe_routed of its one expert, weighted 1) side by side (experts_together), then their sum -> y [t, d]: the calls
-// of the module's eager path, and its sum, so the same values. sets: int64 [2, 8], the routed experts then the shared one: [the
+// or null, hash [t, k] or null, score_func, route_scale), the routed experts' mhc_moe_routed, the shared expert's
+// (mhc_moe_routed of its one expert, weighted 1), then their sum -> y [t, d]: the calls of the module's eager path in
+// its order, and its sum, so the same values. sets: int64 [2, 8], the routed experts then the shared one: [the
 // addresses of the sets w1, w3, w2 (each [experts, 2] as mhc_qgemv_experts'), format, scale kind, experts, inter,
 // block]; act_*: their activation blocks. Codes as those calls', 4 out of memory.
 int mhc_moe_step(const float* x, const float* gate, const float* bias, const int64_t* hash, int64_t e, int64_t k,
@@ -4036,11 +3962,11 @@ int mhc_moe_step(const float* x, const float* gate, const float* bias, const int
         return rc;
     const auto set = [](int64_t at) { return reinterpret_cast<const int64_t*>(at); };
     const int64_t *r = sets, *sh = sets + 8;
-    if (int rc = experts_together({{int(r[3]), set(r[0]), set(r[1]), set(r[2]), r[5], int(r[4]), idx.data(),
-                                    weights.data(), x, y, t, k, d, r[6], r[7], limit, act_routed},
-                                   {int(sh[3]), set(sh[0]), set(sh[1]), set(sh[2]), sh[5], int(sh[4]), zeros.data(),
-                                    ones.data(), x, ys.data(), t, 1, d, sh[6], sh[7], limit, act_shared}},
-                                  isa, threads))
+    if (int rc = mhc_moe_routed(int(r[3]), set(r[0]), set(r[1]), set(r[2]), r[5], int(r[4]), idx.data(),
+                                weights.data(), x, y, t, k, d, r[6], r[7], limit, act_routed, isa, threads))
+        return rc;
+    if (int rc = mhc_moe_routed(int(sh[3]), set(sh[0]), set(sh[1]), set(sh[2]), sh[5], int(sh[4]), zeros.data(),
+                                ones.data(), x, ys.data(), t, 1, d, sh[6], sh[7], limit, act_shared, isa, threads))
         return rc;
     for (int64_t i = 0; i < t * d; i++) y[i] += ys[i];
     return 0;
