@@ -262,11 +262,18 @@ class Compressor(nn.Module):
         if closed is None:
             return
         at, slot, first, pooled = closed
+        fmt = self.cache.fmt
+        kind = fmt.kind if fmt.kind == "fp4" or fmt.kind == "fp8" and fmt.pow2 else None
+        if not static and not torch.compiler.is_compiling() and kind and self.opts.cpu.store_entries(  # in one call
+                pooled.to(x.dtype), at, slot, first, self.norm.weight, self.norm.eps, self.rope.cos, self.rope.sin,
+                self.rope_dim, self.rotate, kind, KV_FP8_BLOCK if kind == "fp8" else INDEX_FP4_BLOCK,
+                self.cache.parts()):
+            return
         cos, sin = self.rope.at(first)
-        out = finish_entry(pooled.to(x.dtype), self.norm.weight, self.norm.eps,
+        out = finish_entry(self.opts.cpu, pooled.to(x.dtype), self.norm.weight, self.norm.eps,
                            lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
                            (lambda t: spin(self.opts.cpu, t)) if self.rotate else None)
-        self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
+        self.cache.store((at, slot), encode_entries(self.opts.cpu, fmt, out))
 
     def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
                    static: bool) -> tuple[torch.Tensor, ...] | None:
@@ -325,12 +332,12 @@ def spin(cpu: CpuKernel, x: torch.Tensor) -> torch.Tensor:
     return eager_first(lambda: cpu.hadamard(x), lambda: hadamard(x))
 
 
-def finish_entry(pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope,
+def finish_entry(cpu: CpuKernel, pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope,
                  rotation: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
-    """A pooled group -> its compressed entry before storage: norm, RoPE at the group's first position (`rope`),
-    and for indexer keys the Hadamard rotation (`rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with
-    the simulation on)."""
-    out = rope(rms_norm(pooled, norm, eps))
+    """A pooled group -> its compressed entry before storage: norm (in CPU eager decode by the run's kernel,
+    `CpuKernel.rms_norm`), RoPE at the group's first position (`rope`), and for indexer keys the Hadamard rotation
+    (`rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with the simulation on)."""
+    out = rope(eager_first(lambda: cpu.rms_norm(pooled, norm, eps), lambda: rms_norm(pooled, norm, eps)))
     return out if rotation is None else rotation(out)
 
 

@@ -1824,6 +1824,32 @@ def test_hadamard_declines_what_it_does_not_take():
     assert k.hadamard(torch.randn(0, 128)) is None and cpu_kernel("0").hadamard(x) is None
 
 
+def test_store_entries_declines_what_it_does_not_take():
+    """`CpuKernel.store_entries` (a compressor's closed groups finished and stored in one call; its values against the
+    module's calls: tests/test_quantized.py) writes nothing and says so for a cache row, an entry slot or a position
+    outside the buffers, a plain cache, parts of another width, and with the kernel off."""
+    from mhcrun.ops import kvcache
+
+    k = cpu_kernel()
+    if not k.on:
+        pytest.skip(k.status())
+    fmt = kvcache.CacheFormat("fp8", 128, 64)
+    parts = kvcache.make_parts(fmt, (2, 5), torch.float32, "cpu")
+    pooled, norm, cos, sin = torch.randn(1, 128), torch.rand(128), torch.rand(16, 32), torch.rand(16, 32)
+    one = torch.tensor([1])
+
+    def store(at=one, slot=one, first=one, kind="fp8", parts=parts, kernel=k):
+        return kernel.store_entries(pooled, at, slot, first, norm, 1e-6, cos, sin, 64, False, kind, 64, parts)
+
+    before = {n: p.clone() for n, p in parts.items()}
+    for bad in (dict(at=torch.tensor([2])), dict(slot=torch.tensor([5])), dict(first=torch.tensor([16])),
+                dict(at=torch.tensor([-1])), dict(kind="plain"), dict(kernel=cpu_kernel("0")),
+                dict(parts={**parts, "rope": torch.zeros(2, 5, 32)})):
+        assert not store(**bad), bad
+    assert all(torch.equal(p.view(torch.uint8), before[n].view(torch.uint8)) for n, p in parts.items())
+    assert store() and not torch.equal(parts["scale"], before["scale"])  # the same call in range writes its entry
+
+
 # ---------------------------------------------------------------- fp8 kv cache entries
 
 

@@ -273,10 +273,10 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
     """In CPU eager decode the attention's projections and its output, the indexer's queries, a compressor's step that
     closes no group and the MoE half (the post+pre step, then router, routed and shared experts, their sum) are one
     kernel call each (`mhc_attn_project`, `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_ffn_half`;
-    the MoE alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks
-    on the modules bring back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with
-    2 rows at different positions (tiny), on the mid-size config's shapes too; each call was made, and none under the
-    hooks."""
+    the MoE alone, `mhc_moe_step`, where the hc steps take
+    torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks on the modules bring
+    back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with 2 rows at different
+    positions (tiny), on the mid-size config's shapes too; each call was made, and none under the hooks."""
     from mhcrun.probes import first_nonfinite_op
 
     if not cpu_kernel().on:
@@ -309,6 +309,41 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
     assert not any(calls.values()), calls
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}"
+
+
+@pytest.mark.parametrize("quant_sim", [True, False])
+@pytest.mark.parametrize("case", ["tiny", "mid"])
+def test_closed_groups_stored_in_one_call_are_the_modules_entries(tiny_fp8, mid2, monkeypatch, case, quant_sim):
+    """A compressor's groups closed in a decode step are finished and stored in one kernel call (`mhc_store_entries`:
+    norm, RoPE at the group's first position, for indexer keys the Hadamard rotation, the FP8 / FP4 encoding, the
+    store): the decode's logits and every cache and state buffer equal, bit for bit, those of the calls the module
+    otherwise makes (the call turned off), across the compressors' group edges, 2 rows at different positions (tiny);
+    with the simulation off (plain caches) the call declines and nothing changes."""
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    path, steps, layers, prompts = ((tiny_fp8, 20, None, DECODE_PROMPTS) if case == "tiny" else
+                                    (mid2, 9, 2, [[0, 5, 6, 7], list(range(1, 11))]))
+    model = models(path, layers)[0]
+    model.opts.cpu, model.opts.quant_sim = cpu_kernel(), quant_sim
+    made = [0]
+    store = qgemv.CpuKernel.store_entries
+
+    def counted(self, *args):
+        ok = store(self, *args)
+        made[0] += ok
+        return ok
+
+    with torch.inference_mode():
+        monkeypatch.setattr(qgemv.CpuKernel, "store_entries", counted)
+        got = teacher_forced(model, prompts, steps)
+        got_state = {k: v.clone() for k, v in model.state().items()}
+        monkeypatch.setattr(qgemv.CpuKernel, "store_entries", lambda self, *args: False)
+        want = teacher_forced(model, prompts, steps)
+    assert made[0] > 0 if quant_sim else made[0] == 0, made
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}"
+    for name, t in model.state().items():
+        assert torch.equal(got_state[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

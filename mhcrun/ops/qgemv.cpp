@@ -54,6 +54,10 @@
 
 extern "C" int mhc_qgemv_isa(void);
 extern "C" int mhc_fp4_simulate(float* x, int64_t rows, int64_t k, int64_t block, int threads);
+extern "C" int mhc_kv_fp8_encode(const float* x, uint8_t* codes, float* scales, float* rope, int64_t rows,
+                                 int64_t nope, int64_t block, int64_t rd);
+extern "C" int mhc_kv_fp4_encode(const float* x, uint8_t* packed, float* scales, int64_t rows, int64_t k,
+                                 int64_t block);
 extern "C" int mhc_act_quant_fp8(const float* x, float* y, int64_t rows, int64_t k, int64_t block, int isa,
                                  int threads);
 extern "C" int mhc_qgemv_experts(int fmt, const int64_t* ptrs, int64_t experts, const int64_t* idx, int scale_kind,
@@ -3708,6 +3712,59 @@ int mhc_compress_open(const int64_t* weights, int64_t act_kv, int64_t act_gate, 
     if (int rc = qlinear_at(wk, x, kv, m, act_kv, 1, isa, threads)) return rc;
     if (int rc = qlinear_at(wg, x, score, m, act_gate, 1, isa, threads)) return rc;
     return mhc_open_group(kv_state, score_state, rows, kv, score, ape, start, b, s, c, n_rows, len, ratio, lead);
+}
+
+// A compressor's closed groups finished and stored in one call (python: CpuKernel.store_entries), as its eager calls
+// make them (mhcrun.model.Compressor.forward, finish_entry, encode_entries, Cache.store), so the same values: each of
+// the n pooled groups [n, hd] normed (mhc_rms_norm by norm [hd], eps), RoPE on its tail at its group's first position
+// (mhc_rope_tail by the rows first[i] of the tables cos, sin [positions, rd / 2]), with spin != 0 the Hadamard rotation
+// (mhc_hadamard by spin), encoded (kind 0: the kv cache's fp8 format, mhc_kv_fp8_encode with `rd` rope channels; 1:
+// the indexer keys' fp4, mhc_kv_fp4_encode; blocks of `block`) and written to entry slot[i] of cache row at[i]: codes
+// [n_rows, c_len, hd - rd] (fp8) or [.., hd / 2] (fp4), scales [.., ceil((hd - rd) / block)] (fp4: hd), rope [..,
+// rd] (fp8). Nothing is written where a call declines (its code; non-finite entries: 1) or a row, slot or position
+// lies outside the buffers (6); 4 out of memory.
+int mhc_store_entries(const float* pooled, const int64_t* at, const int64_t* slot, const int64_t* first, int64_t n,
+                      int64_t hd, const float* norm, float eps, const float* cos, const float* sin, int64_t positions,
+                      int64_t rd, float spin, int kind, uint8_t* codes, float* scales, float* rope, int64_t n_rows,
+                      int64_t c_len, int64_t block, int isa) {
+    const int64_t half = rd / 2, width = kind == 0 ? hd - rd : hd, code_bytes = kind == 0 ? width : hd / 2;
+    const int64_t sb = (width + block - 1) / block;
+    if ((kind != 0 && kind != 1) || rd % 2 || rd > hd || (kind == 1 && hd % 2) || block < 1) return 6;
+    for (int64_t i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= n_rows || slot[i] < 0 || slot[i] >= c_len || first[i] < 0 || first[i] >= positions)
+            return 6;
+    std::vector<float> t, tc, ts;
+    std::vector<uint8_t> tb;
+    try {
+        t.resize(2 * n * hd), tc.resize(n * half), ts.resize(n * half), tb.resize(n * code_bytes);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    float *normed = t.data(), *out = normed + n * hd;
+    for (int64_t i = 0; i < n; i++) {  // the tables' rows at the groups' first positions, as Rope.at gathers them
+        std::memcpy(tc.data() + i * half, cos + first[i] * half, sizeof(float) * half);
+        std::memcpy(ts.data() + i * half, sin + first[i] * half, sizeof(float) * half);
+    }
+    if (int rc = mhc_rms_norm(pooled, norm, normed, n, hd, eps, isa)) return rc;
+    mhc_rope_tail(normed, tc.data(), ts.data(), out, n, 1, hd, rd, 0, 1);
+    if (spin != 0.0f)
+        if (int rc = mhc_hadamard(out, out, n, hd, spin, 1)) return rc;
+    std::vector<float> sc, rp;
+    try {
+        sc.resize(n * sb), rp.resize(kind == 0 ? n * rd : 0);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (int rc = kind == 0 ? mhc_kv_fp8_encode(out, tb.data(), sc.data(), rp.data(), n, width, block, rd)
+                           : mhc_kv_fp4_encode(out, tb.data(), sc.data(), n, hd, block))
+        return rc;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t e = at[i] * c_len + slot[i];
+        std::memcpy(codes + e * code_bytes, tb.data() + i * code_bytes, code_bytes);
+        std::memcpy(scales + e * sb, sc.data() + i * sb, sizeof(float) * sb);
+        if (kind == 0) std::memcpy(rope + e * rd, rp.data() + i * rd, sizeof(float) * rd);
+    }
+    return 0;
 }
 
 // Whether every index of idx [count] names one of `experts` experts.

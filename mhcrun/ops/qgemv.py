@@ -826,6 +826,37 @@ class CpuKernel:
             ape.data_ptr(), start.data_ptr(), b, s, kv_state.shape[0], kv_state.shape[1], ratio, lead, self.isa,
             torch.get_num_threads()) == 0
 
+    def store_entries(self, pooled: Tensor, at: Tensor, slot: Tensor, first: Tensor, norm: Tensor, eps: float,
+                      cos: Tensor, sin: Tensor, rope_dim: int, spin: bool, kind: str, block: int,
+                      parts: dict[str, Tensor]) -> bool:
+        """A compressor's closed groups finished and stored in one call (`mhc_store_entries`: `rms_norm` by norm [hd]
+        and eps, `rope_tail` at their first positions `first` [n] (the rows of the tables cos, sin [positions,
+        rope_dim / 2]), with `spin` `hadamard`, then `kv_fp8_encode` (kind "fp8": the kv cache's format, power-of-two
+        scales, rope_dim rope channels) or `kv_fp4_encode` ("fp4": indexer keys), in blocks of `block`, into entry slot
+        [n] of cache rows at [n] of `parts` (the cache's), as the compressor's eager calls make them, so the same
+        values): pooled [n, hd] fp32. False where it does not apply (then nothing was written)."""
+        n, hd = pooled.shape if pooled.dim() == 2 else (0, 0)
+        names = {"fp8": ("fp8", "scale", "rope"), "fp4": ("fp4", "scale")}.get(kind)
+        if not self.on or not n or n > MAX_ROWS or names is None or set(parts) != set(names) or block < 1 \
+                or not cpu_fp32(pooled, norm, cos, sin, parts["scale"]) or norm.shape != (hd,) \
+                or cos.dim() != 2 or cos.shape[1] * 2 != rope_dim or sin.shape != cos.shape \
+                or any(t.dtype != torch.int64 or t.shape != (n,) for t in (at, slot, first)) \
+                or not all(p.is_cpu and p.is_contiguous() and p.dim() == 3 for p in parts.values()):
+            return False
+        width = hd - rope_dim if kind == "fp8" else hd
+        n_rows, c_len = parts["scale"].shape[:2]
+        want = {"fp8": (width, torch.float8_e4m3fn), "rope": (rope_dim, torch.float32), "fp4": (hd // 2, torch.uint8),
+                "scale": (-(-width // block), torch.float32)}
+        if any(p.shape != (n_rows, c_len, want[name][0]) or p.dtype != want[name][1] for name, p in parts.items()):
+            return False
+        pooled, norm, cos, sin, at, slot, first = (t.contiguous() for t in (pooled, norm, cos, sin, at, slot, first))
+        rope = parts.get("rope")
+        return load_library(self.library).mhc_store_entries(
+            pooled.data_ptr(), at.data_ptr(), slot.data_ptr(), first.data_ptr(), n, hd, norm.data_ptr(), eps,
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], rope_dim, hd**-0.5 if spin else 0.0, int(kind == "fp4"),
+            parts[names[0]].data_ptr(), parts["scale"].data_ptr(), None if rope is None else rope.data_ptr(), n_rows,
+            c_len, block, self.isa) == 0
+
     def close_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
                     ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
         """A compressor's decode step in which some row's token closes its group, in one call (`mhc_close_group`):
@@ -1054,6 +1085,10 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_index_queries.restype = ctypes.c_int
     lib.mhc_index_queries.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
         [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64] + [ctypes.c_int] * 2
+    lib.mhc_store_entries.restype = ctypes.c_int
+    lib.mhc_store_entries.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + \
+        [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
+        [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mhc_attn_output.restype = ctypes.c_int
     lib.mhc_attn_output.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + \
         [ctypes.c_int] * 2
