@@ -201,8 +201,10 @@ class Rope(nn.Module):
         self.cos, self.sin = cos, sin
 
     def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [...] -> cos, sin [..., rd/2]."""
-        return self.cos[pos], self.sin[pos]
+        """pos [...] -> cos, sin [..., rd/2] (by index_select, which in eager decode costs less than indexing)."""
+        p = pos.reshape(-1)
+        return (torch.index_select(self.cos, 0, p).view(*pos.shape, -1),
+                torch.index_select(self.sin, 0, p).view(*pos.shape, -1))
 
 
 class Compressor(nn.Module):
