@@ -200,7 +200,8 @@ def test_eager_decode_runs_the_shared_expert_in_one_call(tiny_fp8):
     assert off.layers[1].ffn.shared_in_place is None
 
 
-BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "kv_fp4_encode", "fp4_simulate", "window_mask")
+BITWISE_STEPS = ("rope_tail", "kv_fp8", "kv_fp8_encode", "kv_fp4", "kv_fp4_encode", "fp4_simulate", "window_mask",
+                 "hadamard")
 
 
 def decode_logits(path: Path, prompts: list[list[int]], steps: int, quant_sim: bool = True) -> list[torch.Tensor]:
@@ -453,14 +454,16 @@ KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS
 
 # the layer steps whose one call makes a one-call step's call among its own (`CpuKernel.ffn_half`, ...): off with it
 CONTAINING = {"route": ("moe_step", "ffn_half"), "moe_routed": ("moe_step", "ffn_half"),
-              "rope_tail": ("attn_project", "attn_output")}
+              "rope_tail": ("attn_project", "attn_output", "index_queries", "store_entries"),
+              "fp4_simulate": ("index_queries",), "hadamard": ("index_queries", "store_entries"),
+              "kv_fp8_encode": ("store_entries",), "kv_fp4_encode": ("store_entries",)}
 
 
 def small_steps(monkeypatch, names: tuple[str, ...], on: bool) -> dict[str, int]:
-    """The CPU kernel's one-call steps `names` counted as they run (on), or declining so that torch runs (off; the
-    layer steps that contain one decline too, so that the modules make their calls)."""
+    """The CPU kernel's one-call steps `names` counted as they run (on), or declining so that torch runs (off); either
+    way the layer steps that contain one decline, so that the modules make their calls."""
     calls = dict.fromkeys(names, 0)
-    for layer_step in {c for name in names if not on for c in CONTAINING.get(name, ())}:
+    for layer_step in {c for name in names for c in CONTAINING.get(name, ())}:
         monkeypatch.setattr(qgemv.CpuKernel, layer_step, lambda self, *args, **kw: None)
     for name in names:
         def counted(self, *args, _f=KERNEL_STEPS[name], _n=name, **kw):
