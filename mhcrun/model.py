@@ -266,14 +266,13 @@ class Compressor(nn.Module):
         at, slot, first, pooled = closed
         fmt = self.cache.fmt
         kind = fmt.kind if fmt.kind == "fp4" or fmt.kind == "fp8" and fmt.pow2 else None
+        normed = rms_norm(pooled.to(x.dtype), self.norm.weight, self.norm.eps)
         if not static and not torch.compiler.is_compiling() and kind and self.opts.cpu.store_entries(  # in one call
-                pooled.to(x.dtype), at, slot, first, self.norm.weight, self.norm.eps, self.rope.cos, self.rope.sin,
-                self.rope_dim, self.rotate, kind, KV_FP8_BLOCK if kind == "fp8" else INDEX_FP4_BLOCK,
-                self.cache.parts()):
+                normed, at, slot, first, self.rope.cos, self.rope.sin, self.rope_dim, self.rotate, kind,
+                KV_FP8_BLOCK if kind == "fp8" else INDEX_FP4_BLOCK, self.cache.parts()):
             return
         cos, sin = self.rope.at(first)
-        out = finish_entry(self.opts.cpu, pooled.to(x.dtype), self.norm.weight, self.norm.eps,
-                           lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
+        out = finish_entry(normed, lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
                            (lambda t: spin(self.opts.cpu, t)) if self.rotate else None)
         self.cache.store((at, slot), encode_entries(self.opts.cpu, fmt, out))
 
@@ -334,12 +333,11 @@ def spin(cpu: CpuKernel, x: torch.Tensor) -> torch.Tensor:
     return eager_first(lambda: cpu.hadamard(x), lambda: hadamard(x))
 
 
-def finish_entry(cpu: CpuKernel, pooled: torch.Tensor, norm: torch.Tensor, eps: float, rope,
-                 rotation: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
-    """A pooled group -> its compressed entry before storage: norm (in CPU eager decode by the run's kernel,
-    `CpuKernel.rms_norm`), RoPE at the group's first position (`rope`), and for indexer keys the Hadamard rotation
-    (`rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with the simulation on)."""
-    out = rope(eager_first(lambda: cpu.rms_norm(pooled, norm, eps), lambda: rms_norm(pooled, norm, eps)))
+def finish_entry(normed: torch.Tensor, rope, rotation: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """A pooled group, normed -> its compressed entry before storage: RoPE at the group's first position (`rope`),
+    and for indexer keys the Hadamard rotation (`rotation`, else none). Storing rounds it (FP8 kv / FP4 keys with
+    the simulation on)."""
+    out = rope(normed)
     return out if rotation is None else rotation(out)
 
 
@@ -494,6 +492,10 @@ class Attention(nn.Module):
             chosen, valid = self.indexer(x, qr, rows, start, cos, sin, static)
         if self.ratio:
             self.compressor(x, rows, start, static)
+        if not torch.compiler.is_compiling() and not watched(self.wo_b):  # in CPU eager decode: both in one call
+            y = self.attend_output(q, kv, rows, start, chosen, valid, cos, sin)
+            if y is not None:
+                return y
         o = eager_first(lambda: self.attend_one(q, kv, rows, start, chosen, valid),
                         lambda: self.attend_chunk(q, kv, rows, start, pos, chosen, valid, static))
         return self.output(o, cos, sin)
@@ -549,6 +551,24 @@ class Attention(nn.Module):
         """`attend_chunk` for a decode step (one token a row) by the run's kernel in one call, reading the caches
         where they lie (`CpuKernel.attend_decode`, within rounding of it); None where it does not apply (then nothing
         was written)."""
+        args = self.decode_args(q, kv, rows, start, chosen, valid)
+        return None if args is None else self.opts.cpu.attend_decode(*args)
+
+    def attend_output(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                      chosen: torch.Tensor | None, valid: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor | None:
+        """`attend_one`, then `output` of its o, by the run's kernel in one call (`CpuKernel.attend_output`: the calls
+        each makes, so the same values); None where either does not apply."""
+        args = self.decode_args(q, kv, rows, start, chosen, valid)
+        y = None if args is None else self.opts.cpu.attend_output(
+            *args, learnt_table(self, "output", self.wo_a, self.wo_b), act_blocks(self.opts, self.wo_b)[0], cos, sin,
+            self.n_groups, self.rope_dim)
+        return None if y is None else all_reduce(y, self.opts.tp)
+
+    def decode_args(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                    chosen: torch.Tensor | None, valid: torch.Tensor | None) -> tuple | None:
+        """`CpuKernel.attend_decode`'s arguments for a decode step (HCA: every closed entry chosen), or None where the
+        caches are not in its format."""
         if q.size(1) != 1 or self.ring.fmt.kind != "fp8" or not self.ring.fmt.pow2:
             return None
         comp = self.compressor.cache.parts() if self.ratio else None
@@ -556,8 +576,7 @@ class Attention(nn.Module):
             n = int((start + 1).max()) // self.ratio
             chosen = torch.arange(n, device=q.device).expand(q.size(0), 1, n)
             valid = closed_mask(start, 1, n, self.ratio)
-        return self.opts.cpu.attend_decode(q, kv, self.ring.parts(), rows, start, comp, chosen, valid, self.attn_sink,
-                                           self.scale, KV_FP8_BLOCK)
+        return (q, kv, self.ring.parts(), rows, start, comp, chosen, valid, self.attn_sink, self.scale, KV_FP8_BLOCK)
 
     def attend(self, *args) -> torch.Tensor:
         """`sparse_attn(*args)`; for CPU decode rows the run's kernel does it in one call (`CpuKernel.attend`, within

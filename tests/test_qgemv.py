@@ -1835,11 +1835,11 @@ def test_store_entries_declines_what_it_does_not_take():
         pytest.skip(k.status())
     fmt = kvcache.CacheFormat("fp8", 128, 64)
     parts = kvcache.make_parts(fmt, (2, 5), torch.float32, "cpu")
-    pooled, norm, cos, sin = torch.randn(1, 128), torch.rand(128), torch.rand(16, 32), torch.rand(16, 32)
+    normed, cos, sin = torch.randn(1, 128), torch.rand(16, 32), torch.rand(16, 32)
     one = torch.tensor([1])
 
     def store(at=one, slot=one, first=one, kind="fp8", parts=parts, kernel=k):
-        return kernel.store_entries(pooled, at, slot, first, norm, 1e-6, cos, sin, 64, False, kind, 64, parts)
+        return kernel.store_entries(normed, at, slot, first, cos, sin, 64, False, kind, 64, parts)
 
     before = {n: p.clone() for n, p in parts.items()}
     for bad in (dict(at=torch.tensor([2])), dict(slot=torch.tensor([5])), dict(first=torch.tensor([16])),

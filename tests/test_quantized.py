@@ -264,20 +264,21 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
 
 
 LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step",
-               "mhc_index_queries")
+               "mhc_index_queries", "mhc_attend_output")
 
 
 @pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
 @pytest.mark.parametrize("case", ["tiny", "mid"])
 def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, mid2, monkeypatch, case, quant_sim,
                                                                       hc):
-    """In CPU eager decode the attention's projections and its output, the indexer's queries, a compressor's step that
-    closes no group and the MoE half (the post+pre step, then router, routed and shared experts, their sum) are one
-    kernel call each (`mhc_attn_project`, `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_ffn_half`;
-    the MoE alone, `mhc_moe_step`, where the hc steps take
-    torch: MHCRUN_NKI_HC=0): bit for bit the logits of the modules' own calls, which forward hooks on the modules bring
-    back (`probes.first_nonfinite_op`), across the window's and the compressors' group edges with 2 rows at different
-    positions (tiny), on the mid-size config's shapes too; each call was made, and none under the hooks."""
+    """In CPU eager decode the attention's projections, its attention with its output (the output alone where the
+    caches are plain: the simulation off), the indexer's queries, a compressor's step that closes no group and the MoE
+    half (the post+pre step, then router, routed and shared experts, their sum) are one kernel call each
+    (`mhc_attn_project`, `mhc_attend_output` / `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`,
+    `mhc_ffn_half`; the MoE alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the
+    logits of the modules' own calls, which forward hooks on the modules bring back (`probes.first_nonfinite_op`),
+    across the window's and the compressors' group edges with 2 rows at different positions (tiny), on the mid-size
+    config's shapes too; each call was made, and none under the hooks."""
     from mhcrun.probes import first_nonfinite_op
 
     if not cpu_kernel().on:
@@ -305,8 +306,10 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
         calls.update(dict.fromkeys(LAYER_STEPS, 0))
         with first_nonfinite_op(model):
             want = teacher_forced(model, prompts, steps)
-    unused = "mhc_ffn_half" if hc == "torch" else "mhc_moe_step"  # the MoE half's call makes the MoE's
-    assert all(made[name] for name in LAYER_STEPS if name != unused), made
+    # the MoE half's call makes the MoE's; the attention's call makes its output's, which alone serves plain caches
+    unused = {"mhc_ffn_half" if hc == "torch" else "mhc_moe_step", "mhc_attn_output" if quant_sim else
+              "mhc_attend_output"}
+    assert all(made[name] for name in LAYER_STEPS if name not in unused), made
     assert not any(calls.values()), calls
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}"
@@ -315,11 +318,11 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
 @pytest.mark.parametrize("quant_sim", [True, False])
 @pytest.mark.parametrize("case", ["tiny", "mid"])
 def test_closed_groups_stored_in_one_call_are_the_modules_entries(tiny_fp8, mid2, monkeypatch, case, quant_sim):
-    """A compressor's groups closed in a decode step are finished and stored in one kernel call (`mhc_store_entries`:
-    norm, RoPE at the group's first position, for indexer keys the Hadamard rotation, the FP8 / FP4 encoding, the
-    store): the decode's logits and every cache and state buffer equal, bit for bit, those of the calls the module
-    otherwise makes (the call turned off), across the compressors' group edges, 2 rows at different positions (tiny);
-    with the simulation off (plain caches) the call declines and nothing changes."""
+    """A compressor's groups closed in a decode step are finished and stored in one kernel call after their norm
+    (`mhc_store_entries`: RoPE at the group's first position, for indexer keys the Hadamard rotation, the FP8 / FP4
+    encoding, the store): the decode's logits and every cache and state buffer equal, bit for bit, those of the calls
+    the module otherwise makes (the call turned off), across the compressors' group edges, 2 rows at different
+    positions (tiny); with the simulation off (plain caches) the call declines and nothing changes."""
     if not cpu_kernel().on:
         pytest.skip(f"CPU kernel {cpu_kernel().status()}")
     path, steps, layers, prompts = ((tiny_fp8, 20, None, DECODE_PROMPTS) if case == "tiny" else
@@ -454,7 +457,8 @@ KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS
 
 # the layer steps whose one call makes a one-call step's call among its own (`CpuKernel.ffn_half`, ...): off with it
 CONTAINING = {"route": ("moe_step", "ffn_half"), "moe_routed": ("moe_step", "ffn_half"),
-              "rope_tail": ("attn_project", "attn_output", "index_queries", "store_entries"),
+              "rope_tail": ("attn_project", "attn_output", "attend_output", "index_queries", "store_entries"),
+              "attend_decode": ("attend_output",),
               "fp4_simulate": ("index_queries",), "hadamard": ("index_queries", "store_entries"),
               "kv_fp8_encode": ("store_entries",), "kv_fp4_encode": ("store_entries",)}
 

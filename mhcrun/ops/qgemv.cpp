@@ -3694,6 +3694,29 @@ int mhc_attn_output(const int64_t* weights, int64_t act_b, const float* o, const
     return qlinear_at(wb, ta, out, m, act_b, 1, isa, threads);
 }
 
+// Attention.forward's attention and output of b decode rows (one token a row) in one call, as mhc_attn_project (python:
+// CpuKernel.attend_output): mhc_attend_decode (its arguments but o), then mhc_attn_output of its o (weights wo_a, wo_b,
+// act_b, cos, sin, groups; its isa and threads: out_isa, out_threads) -> out [b, wo_b rows]. Codes as those calls'
+// (where the second fails, the first has written the token's kv into the ring: the caller's calls write the same), 4
+// out of memory.
+int mhc_attend_output(const float* q, const float* kv, uint8_t* rcodes, float* rscale, float* rrope,
+                      const int64_t* rows, const int64_t* start, const uint8_t* ccodes, const float* cscale,
+                      const float* crope, const int64_t* idx, const uint8_t* cvalid, const float* sink, int64_t b,
+                      int64_t h, int64_t d, int64_t rd, int64_t block, int64_t n_rows, int64_t win, int64_t c_len,
+                      int64_t k, float scale, int isa, int threads, const int64_t* weights, int64_t act_b,
+                      const float* cos, const float* sin, float* out, int64_t groups, int out_isa, int out_threads) {
+    std::vector<float> o;
+    try {
+        o.resize(b * h * d);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (int rc = mhc_attend_decode(q, kv, rcodes, rscale, rrope, rows, start, ccodes, cscale, crope, idx, cvalid, sink,
+                                   o.data(), b, h, d, rd, block, n_rows, win, c_len, k, scale, isa, threads))
+        return rc;
+    return mhc_attn_output(weights, act_b, o.data(), cos, sin, out, b, h, d, rd, groups, out_isa, out_threads);
+}
+
 // Compressor.forward of decode tokens that close no group, in one call, as mhc_attn_project (python:
 // CpuKernel.compress_open): kv = wkv x, score = wgate x (act_*: their activation blocks), then mhc_open_group of them.
 // weights: wkv, wgate (2 x WEIGHT_FIELDS, c rows each); x [b, s, d]; the rest as mhc_open_group's. Codes as those
@@ -3716,47 +3739,45 @@ int mhc_compress_open(const int64_t* weights, int64_t act_kv, int64_t act_gate, 
 
 // A compressor's closed groups finished and stored in one call (python: CpuKernel.store_entries), as its eager calls
 // make them (mhcrun.model.Compressor.forward, finish_entry, encode_entries, Cache.store), so the same values: each of
-// the n pooled groups [n, hd] normed (mhc_rms_norm by norm [hd], eps), RoPE on its tail at its group's first position
-// (mhc_rope_tail by the rows first[i] of the tables cos, sin [positions, rd / 2]), with spin != 0 the Hadamard rotation
-// (mhc_hadamard by spin), encoded (kind 0: the kv cache's fp8 format, mhc_kv_fp8_encode with `rd` rope channels; 1:
-// the indexer keys' fp4, mhc_kv_fp4_encode; blocks of `block`) and written to entry slot[i] of cache row at[i]: codes
-// [n_rows, c_len, hd - rd] (fp8) or [.., hd / 2] (fp4), scales [.., ceil((hd - rd) / block)] (fp4: hd), rope [..,
-// rd] (fp8). Nothing is written where a call declines (its code; non-finite entries: 1) or a row, slot or position
-// lies outside the buffers (6); 4 out of memory.
-int mhc_store_entries(const float* pooled, const int64_t* at, const int64_t* slot, const int64_t* first, int64_t n,
-                      int64_t hd, const float* norm, float eps, const float* cos, const float* sin, int64_t positions,
-                      int64_t rd, float spin, int kind, uint8_t* codes, float* scales, float* rope, int64_t n_rows,
-                      int64_t c_len, int64_t block, int isa) {
+// the n normed groups [n, hd] with RoPE on its tail at its group's first position (mhc_rope_tail by the rows first[i]
+// of the tables cos, sin [positions, rd / 2]), with spin != 0 the Hadamard rotation (mhc_hadamard by spin), encoded
+// (kind 0: the kv cache's fp8 format, mhc_kv_fp8_encode with `rd` rope channels; 1: the indexer keys' fp4,
+// mhc_kv_fp4_encode; blocks of `block`) and written to entry slot[i] of cache row at[i]: codes [n_rows, c_len, hd - rd]
+// (fp8) or [.., hd / 2] (fp4), scales [.., ceil((hd - rd) / block)] (fp4: hd), rope [.., rd] (fp8). Nothing is
+// written where a call declines (its code; non-finite entries: 1) or a row, slot or position lies outside the buffers
+// (6); 4 out of memory.
+int mhc_store_entries(const float* normed, const int64_t* at, const int64_t* slot, const int64_t* first, int64_t n,
+                      int64_t hd, const float* cos, const float* sin, int64_t positions, int64_t rd, float spin,
+                      int kind, uint8_t* codes, float* scales, float* rope, int64_t n_rows, int64_t c_len,
+                      int64_t block, int isa) {
     const int64_t half = rd / 2, width = kind == 0 ? hd - rd : hd, code_bytes = kind == 0 ? width : hd / 2;
     const int64_t sb = (width + block - 1) / block;
     if ((kind != 0 && kind != 1) || rd % 2 || rd > hd || (kind == 1 && hd % 2) || block < 1) return 6;
     for (int64_t i = 0; i < n; i++)
         if (at[i] < 0 || at[i] >= n_rows || slot[i] < 0 || slot[i] >= c_len || first[i] < 0 || first[i] >= positions)
             return 6;
-    std::vector<float> t, tc, ts;
+    std::vector<float> out, tc, ts;
     std::vector<uint8_t> tb;
     try {
-        t.resize(2 * n * hd), tc.resize(n * half), ts.resize(n * half), tb.resize(n * code_bytes);
+        out.resize(n * hd), tc.resize(n * half), ts.resize(n * half), tb.resize(n * code_bytes);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    float *normed = t.data(), *out = normed + n * hd;
     for (int64_t i = 0; i < n; i++) {  // the tables' rows at the groups' first positions, as Rope.at gathers them
         std::memcpy(tc.data() + i * half, cos + first[i] * half, sizeof(float) * half);
         std::memcpy(ts.data() + i * half, sin + first[i] * half, sizeof(float) * half);
     }
-    if (int rc = mhc_rms_norm(pooled, norm, normed, n, hd, eps, isa)) return rc;
-    mhc_rope_tail(normed, tc.data(), ts.data(), out, n, 1, hd, rd, 0, 1);
+    mhc_rope_tail(normed, tc.data(), ts.data(), out.data(), n, 1, hd, rd, 0, 1);
     if (spin != 0.0f)
-        if (int rc = mhc_hadamard(out, out, n, hd, spin, 1)) return rc;
+        if (int rc = mhc_hadamard(out.data(), out.data(), n, hd, spin, 1)) return rc;
     std::vector<float> sc, rp;
     try {
         sc.resize(n * sb), rp.resize(kind == 0 ? n * rd : 0);
     } catch (const std::bad_alloc&) {
         return 4;
     }
-    if (int rc = kind == 0 ? mhc_kv_fp8_encode(out, tb.data(), sc.data(), rp.data(), n, width, block, rd)
-                           : mhc_kv_fp4_encode(out, tb.data(), sc.data(), n, hd, block))
+    if (int rc = kind == 0 ? mhc_kv_fp8_encode(out.data(), tb.data(), sc.data(), rp.data(), n, width, block, rd)
+                           : mhc_kv_fp4_encode(out.data(), tb.data(), sc.data(), n, hd, block))
         return rc;
     for (int64_t i = 0; i < n; i++) {
         const int64_t e = at[i] * c_len + slot[i];

@@ -472,6 +472,40 @@ class CpuKernel:
         the ring's window (window_mask's keys) and to the entries idx [b, 1, k] of the compressor's cache `comp` (the
         same format) that `valid` [b, 1, k] marks, as sparse_attn (within rounding of it) -> o [b, 1, h, d]. fp32 CPU
         tensors; None where it does not apply (a non-finite kv included: then nothing was written)."""
+        call = self._attend_decode_call(q, kv, ring, rows, start, comp, idx, valid, sink, scale, block)
+        if call is None:
+            return None
+        args, held = call
+        o = torch.empty_like(q)
+        rc = load_library(self.library).mhc_attend_decode(*args[:13], o.data_ptr(), *args[13:])
+        del held  # what the call read: alive through it
+        return None if rc else o
+
+    def attend_output(self, q: Tensor, kv: Tensor, ring: dict[str, Tensor], rows: Tensor, start: Tensor,
+                      comp: dict[str, Tensor] | None, idx: Tensor | None, valid: Tensor | None, sink: Tensor,
+                      scale: float, block: int, table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor,
+                      groups: int, rope_dim: int) -> Tensor | None:
+        """`attend_decode` (its arguments) and then `attn_output` of its o (its arguments after o) in one call
+        (`mhc_attend_output`: the same calls, so the same values) -> [b, 1, wo_b rows]; None where either does not
+        apply or a call declines (the token's kv may then be in the ring already: the caller's calls write the same)."""
+        call = self._attend_decode_call(q, kv, ring, rows, start, comp, idx, valid, sink, scale, block)
+        shape = (q.shape[0], 1, q.shape[2], q.shape[3]) if q.dim() == 4 else ()
+        out = None if call is None else self._attn_output_call(shape, table, act_b, cos, sin, groups, rope_dim)
+        if out is None or rope_dim != ring["rope"].shape[-1]:
+            return None
+        (args, held), (out_args, y, out_held) = call, out
+        table_ptr, act, cos_ptr, sin_ptr, y_ptr, _, _, _, _, _, isa, threads = out_args
+        rc = load_library(self.library).mhc_attend_output(*args, table_ptr, act, cos_ptr, sin_ptr, y_ptr, groups, isa,
+                                                          threads)
+        del held, out_held  # what the call read: alive through it
+        return None if rc else y
+
+    def _attend_decode_call(self, q: Tensor, kv: Tensor, ring: dict[str, Tensor], rows: Tensor, start: Tensor,
+                            comp: dict[str, Tensor] | None, idx: Tensor | None, valid: Tensor | None, sink: Tensor,
+                            scale: float, block: int) -> tuple[list, tuple] | None:
+        """`mhc_attend_decode`'s arguments but o (`attend_decode`'s, checked) and the tensors whose addresses they
+        hold (contiguous copies among them), which the caller keeps until the call returns; None where they do not
+        fit."""
         parts = [ring] if comp is None else [ring, comp]
         if not self.on or self.isa < 1 or q.dim() != 4 or q.shape[1] != 1 or kv.shape != (q.shape[0], 1, q.shape[3]) \
                 or any(t.dtype != torch.float32 or not t.is_cpu for t in (q, kv, sink)) \
@@ -498,18 +532,16 @@ class CpuKernel:
         q, kv, rows, start, sink = (t.contiguous() for t in (q, kv, rows, start, sink))
         if comp is not None:
             idx, valid = idx.contiguous(), valid.to(torch.bool).contiguous()
-        o = torch.empty_like(q)
         c = comp or {}
 
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        rc = load_library(self.library).mhc_attend_decode(
-            q.data_ptr(), kv.data_ptr(), ring["fp8"].data_ptr(), ring["scale"].data_ptr(), ring["rope"].data_ptr(),
-            rows.data_ptr(), start.data_ptr(), ptr(c.get("fp8")), ptr(c.get("scale")), ptr(c.get("rope")), ptr(idx),
-            ptr(valid), sink.data_ptr(), o.data_ptr(), b, h, d, rd, block, n_rows, win,
-            0 if comp is None else c["fp8"].shape[1], k, scale, min(self.isa, 2), torch.get_num_threads())
-        return None if rc else o
+        return ([q.data_ptr(), kv.data_ptr(), ring["fp8"].data_ptr(), ring["scale"].data_ptr(), ring["rope"].data_ptr(),
+                 rows.data_ptr(), start.data_ptr(), ptr(c.get("fp8")), ptr(c.get("scale")), ptr(c.get("rope")),
+                 ptr(idx), ptr(valid), sink.data_ptr(), b, h, d, rd, block, n_rows, win,
+                 0 if comp is None else c["fp8"].shape[1], k, scale, min(self.isa, 2), torch.get_num_threads()],
+                (q, kv, rows, start, sink, idx, valid))
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor | None, hash_ids: Tensor | None, topk: int,
               route_scale: float, score_func: str) -> tuple[Tensor, Tensor] | None:
@@ -675,21 +707,33 @@ class CpuKernel:
         `attn_project`): o [b, s, heads, hd] fp32 rotated back by cos, sin [b, s, rope_dim / 2], wo_a's grouped product
         in `groups` groups, wo_b's (its activation block act_b: 0 none) -> [b, s, wo_b rows]; `table`: wo_a, wo_b
         (`weight_table`). None where it does not apply."""
-        b, s, h, hd = o.shape if o.dim() == 4 else (0, 0, 0, 0)
+        call = self._attn_output_call(o.shape, table, act_b, cos, sin, groups, rope_dim)
+        if call is None or o.dtype != torch.float32 or not o.is_cpu:
+            return None
+        (table_ptr, *rest), out, held = call
+        o = o.contiguous()
+        rc = load_library(self.library).mhc_attn_output(table_ptr, rest[0], o.data_ptr(), *rest[1:])
+        del held  # what the call read: alive through it
+        return None if rc else out
+
+    def _attn_output_call(self, shape: tuple[int, ...], table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor,
+                          groups: int, rope_dim: int) -> tuple[list, Tensor, tuple] | None:
+        """`mhc_attn_output`'s arguments but o (of `shape`; `attn_output`'s, checked), its result and the tensors whose
+        addresses the arguments hold (contiguous copies among them), which the caller keeps until the call returns; None
+        where they do not fit."""
+        b, s, h, hd = shape if len(shape) == 4 else (0, 0, 0, 0)
         m = b * s
         if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or groups < 1 \
-                or (h * hd) % groups or o.dtype != torch.float32 or not o.is_cpu:
+                or (h * hd) % groups:
             return None
         (n_a, k_a), (n_b, k_b) = table_shapes(table)
         if k_a * groups != h * hd or n_a % groups or k_b != n_a or cos.shape != (b, s, rope_dim // 2) \
                 or sin.shape != cos.shape or not 0 < rope_dim <= hd or rope_dim % 2 or not cpu_fp32(cos, sin):
             return None
-        o, cos, sin = o.contiguous(), cos.contiguous(), sin.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty(b, s, n_b)
-        rc = load_library(self.library).mhc_attn_output(table.data_ptr(), act_b, o.data_ptr(), cos.data_ptr(),
-                                                         sin.data_ptr(), out.data_ptr(), m, h, hd, rope_dim, groups,
-                                                         self.isa, torch.get_num_threads())
-        return None if rc else out
+        return ([table.data_ptr(), act_b, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), m, h, hd, rope_dim, groups,
+                 self.isa, torch.get_num_threads()], out, (table, cos, sin))
 
     def kv_fp8(self, codes: Tensor, scale: Tensor, rope: Tensor, block: int) -> Tensor | None:
         """mhcrun.ops.kvcache.decode of the fp8 format in fp32, bitwise, in one call (`mhc_kv_fp8_decode`): codes
@@ -826,19 +870,18 @@ class CpuKernel:
             ape.data_ptr(), start.data_ptr(), b, s, kv_state.shape[0], kv_state.shape[1], ratio, lead, self.isa,
             torch.get_num_threads()) == 0
 
-    def store_entries(self, pooled: Tensor, at: Tensor, slot: Tensor, first: Tensor, norm: Tensor, eps: float,
-                      cos: Tensor, sin: Tensor, rope_dim: int, spin: bool, kind: str, block: int,
-                      parts: dict[str, Tensor]) -> bool:
-        """A compressor's closed groups finished and stored in one call (`mhc_store_entries`: `rms_norm` by norm [hd]
-        and eps, `rope_tail` at their first positions `first` [n] (the rows of the tables cos, sin [positions,
-        rope_dim / 2]), with `spin` `hadamard`, then `kv_fp8_encode` (kind "fp8": the kv cache's format, power-of-two
-        scales, rope_dim rope channels) or `kv_fp4_encode` ("fp4": indexer keys), in blocks of `block`, into entry slot
-        [n] of cache rows at [n] of `parts` (the cache's), as the compressor's eager calls make them, so the same
-        values): pooled [n, hd] fp32. False where it does not apply (then nothing was written)."""
-        n, hd = pooled.shape if pooled.dim() == 2 else (0, 0)
+    def store_entries(self, normed: Tensor, at: Tensor, slot: Tensor, first: Tensor, cos: Tensor, sin: Tensor,
+                      rope_dim: int, spin: bool, kind: str, block: int, parts: dict[str, Tensor]) -> bool:
+        """A compressor's closed groups, normed [n, hd] fp32, finished and stored in one call (`mhc_store_entries`:
+        `rope_tail` at their first positions `first` [n] (the rows of the tables cos, sin [positions, rope_dim / 2]),
+        with `spin` `hadamard`, then `kv_fp8_encode` (kind "fp8": the kv cache's format, power-of-two scales, rope_dim
+        rope channels) or `kv_fp4_encode` ("fp4": indexer keys), in blocks of `block`, into entry slot [n] of cache
+        rows at [n] of `parts` (the cache's), as the compressor's eager calls make them, so the same values). False
+        where it does not apply (then nothing was written)."""
+        n, hd = normed.shape if normed.dim() == 2 else (0, 0)
         names = {"fp8": ("fp8", "scale", "rope"), "fp4": ("fp4", "scale")}.get(kind)
         if not self.on or not n or n > MAX_ROWS or names is None or set(parts) != set(names) or block < 1 \
-                or not cpu_fp32(pooled, norm, cos, sin, parts["scale"]) or norm.shape != (hd,) \
+                or not cpu_fp32(normed, cos, sin, parts["scale"]) \
                 or cos.dim() != 2 or cos.shape[1] * 2 != rope_dim or sin.shape != cos.shape \
                 or any(t.dtype != torch.int64 or t.shape != (n,) for t in (at, slot, first)) \
                 or not all(p.is_cpu and p.is_contiguous() and p.dim() == 3 for p in parts.values()):
@@ -849,13 +892,12 @@ class CpuKernel:
                 "scale": (-(-width // block), torch.float32)}
         if any(p.shape != (n_rows, c_len, want[name][0]) or p.dtype != want[name][1] for name, p in parts.items()):
             return False
-        pooled, norm, cos, sin, at, slot, first = (t.contiguous() for t in (pooled, norm, cos, sin, at, slot, first))
+        normed, cos, sin, at, slot, first = (t.contiguous() for t in (normed, cos, sin, at, slot, first))
         rope = parts.get("rope")
         return load_library(self.library).mhc_store_entries(
-            pooled.data_ptr(), at.data_ptr(), slot.data_ptr(), first.data_ptr(), n, hd, norm.data_ptr(), eps,
-            cos.data_ptr(), sin.data_ptr(), cos.shape[0], rope_dim, hd**-0.5 if spin else 0.0, int(kind == "fp4"),
-            parts[names[0]].data_ptr(), parts["scale"].data_ptr(), None if rope is None else rope.data_ptr(), n_rows,
-            c_len, block, self.isa) == 0
+            normed.data_ptr(), at.data_ptr(), slot.data_ptr(), first.data_ptr(), n, hd, cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], rope_dim, hd**-0.5 if spin else 0.0, int(kind == "fp4"), parts[names[0]].data_ptr(),
+            parts["scale"].data_ptr(), None if rope is None else rope.data_ptr(), n_rows, c_len, block, self.isa) == 0
 
     def close_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
                     ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
@@ -1086,9 +1128,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_index_queries.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
         [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64] + [ctypes.c_int] * 2
     lib.mhc_store_entries.restype = ctypes.c_int
-    lib.mhc_store_entries.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + \
-        [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
-        [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mhc_store_entries.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + \
+        [ctypes.c_int]
     lib.mhc_attn_output.restype = ctypes.c_int
     lib.mhc_attn_output.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + \
         [ctypes.c_int] * 2
@@ -1109,6 +1151,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_attend_decode.restype = ctypes.c_int
     lib.mhc_attend_decode.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 9 + [ctypes.c_float] + \
         [ctypes.c_int] * 2
+    lib.mhc_attend_output.restype = ctypes.c_int
+    lib.mhc_attend_output.argtypes = lib.mhc_attend_decode.argtypes[:13] + lib.mhc_attend_decode.argtypes[14:] + \
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 2
     lib.mhc_route.restype = ctypes.c_int
     lib.mhc_route.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_float] + \
         [ctypes.c_int] * 2
