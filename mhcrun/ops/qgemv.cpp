@@ -3695,16 +3695,18 @@ int mhc_attn_output(const int64_t* weights, int64_t act_b, const float* o, const
 }
 
 // Attention.forward's attention and output of b decode rows (one token a row) in one call, as mhc_attn_project (python:
-// CpuKernel.attend_output): mhc_attend_decode (its arguments but o), then mhc_attn_output of its o (weights wo_a, wo_b,
-// act_b, cos, sin, groups; its isa and threads: out_isa, out_threads) -> out [b, wo_b rows]. Codes as those calls'
-// (where the second fails, the first has written the token's kv into the ring: the caller's calls write the same), 4
-// out of memory.
+// CpuKernel.attend_output): mhc_attend_decode (its arguments but o), then mhc_attn_output of its o (its arguments but
+// o: weights wo_a, wo_b, act_b, cos, sin, out [m, wo_b rows], m, heads, hd, rd, groups, out_isa, out_threads; m, heads,
+// hd, rd those of the attention, else 6). Codes as those calls' (where the second fails, the first has written the
+// token's kv into the ring: the caller's calls write the same), 4 out of memory.
 int mhc_attend_output(const float* q, const float* kv, uint8_t* rcodes, float* rscale, float* rrope,
                       const int64_t* rows, const int64_t* start, const uint8_t* ccodes, const float* cscale,
                       const float* crope, const int64_t* idx, const uint8_t* cvalid, const float* sink, int64_t b,
                       int64_t h, int64_t d, int64_t rd, int64_t block, int64_t n_rows, int64_t win, int64_t c_len,
                       int64_t k, float scale, int isa, int threads, const int64_t* weights, int64_t act_b,
-                      const float* cos, const float* sin, float* out, int64_t groups, int out_isa, int out_threads) {
+                      const float* cos, const float* sin, float* out, int64_t m, int64_t heads, int64_t hd,
+                      int64_t out_rd, int64_t groups, int out_isa, int out_threads) {
+    if (m != b || heads != h || hd != d || out_rd != rd) return 6;
     std::vector<float> o;
     try {
         o.resize(b * h * d);
@@ -3714,7 +3716,8 @@ int mhc_attend_output(const float* q, const float* kv, uint8_t* rcodes, float* r
     if (int rc = mhc_attend_decode(q, kv, rcodes, rscale, rrope, rows, start, ccodes, cscale, crope, idx, cvalid, sink,
                                    o.data(), b, h, d, rd, block, n_rows, win, c_len, k, scale, isa, threads))
         return rc;
-    return mhc_attn_output(weights, act_b, o.data(), cos, sin, out, b, h, d, rd, groups, out_isa, out_threads);
+    return mhc_attn_output(weights, act_b, o.data(), cos, sin, out, m, heads, hd, out_rd, groups, out_isa,
+                           out_threads);
 }
 
 // Compressor.forward of decode tokens that close no group, in one call, as mhc_attn_project (python:

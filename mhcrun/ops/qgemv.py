@@ -489,14 +489,11 @@ class CpuKernel:
         (`mhc_attend_output`: the same calls, so the same values) -> [b, 1, wo_b rows]; None where either does not
         apply or a call declines (the token's kv may then be in the ring already: the caller's calls write the same)."""
         call = self._attend_decode_call(q, kv, ring, rows, start, comp, idx, valid, sink, scale, block)
-        shape = (q.shape[0], 1, q.shape[2], q.shape[3]) if q.dim() == 4 else ()
-        out = None if call is None else self._attn_output_call(shape, table, act_b, cos, sin, groups, rope_dim)
-        if out is None or rope_dim != ring["rope"].shape[-1]:
+        out = None if call is None else self._attn_output_call(q.shape, table, act_b, cos, sin, groups, rope_dim)
+        if out is None:
             return None
-        (args, held), (out_args, y, out_held) = call, out
-        table_ptr, act, cos_ptr, sin_ptr, y_ptr, _, _, _, _, _, isa, threads = out_args
-        rc = load_library(self.library).mhc_attend_output(*args, table_ptr, act, cos_ptr, sin_ptr, y_ptr, groups, isa,
-                                                          threads)
+        (args, held), (before_o, after_o, y, out_held) = call, out
+        rc = load_library(self.library).mhc_attend_output(*args, *before_o, *after_o)
         del held, out_held  # what the call read: alive through it
         return None if rc else y
 
@@ -710,17 +707,17 @@ class CpuKernel:
         call = self._attn_output_call(o.shape, table, act_b, cos, sin, groups, rope_dim)
         if call is None or o.dtype != torch.float32 or not o.is_cpu:
             return None
-        (table_ptr, *rest), out, held = call
+        before_o, after_o, out, held = call
         o = o.contiguous()
-        rc = load_library(self.library).mhc_attn_output(table_ptr, rest[0], o.data_ptr(), *rest[1:])
+        rc = load_library(self.library).mhc_attn_output(*before_o, o.data_ptr(), *after_o)
         del held  # what the call read: alive through it
         return None if rc else out
 
     def _attn_output_call(self, shape: tuple[int, ...], table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor,
-                          groups: int, rope_dim: int) -> tuple[list, Tensor, tuple] | None:
-        """`mhc_attn_output`'s arguments but o (of `shape`; `attn_output`'s, checked), its result and the tensors whose
-        addresses the arguments hold (contiguous copies among them), which the caller keeps until the call returns; None
-        where they do not fit."""
+                          groups: int, rope_dim: int) -> tuple[list, list, Tensor, tuple] | None:
+        """`mhc_attn_output`'s arguments before o and after it (o of `shape`; `attn_output`'s, checked), its result and
+        the tensors whose addresses the arguments hold (contiguous copies among them), which the caller keeps until the
+        call returns; None where they do not fit."""
         b, s, h, hd = shape if len(shape) == 4 else (0, 0, 0, 0)
         m = b * s
         if not self.on or not m or m > MAX_ROWS or self.gemm_first(m) or table is None or groups < 1 \
@@ -732,8 +729,8 @@ class CpuKernel:
             return None
         cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty(b, s, n_b)
-        return ([table.data_ptr(), act_b, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), m, h, hd, rope_dim, groups,
-                 self.isa, torch.get_num_threads()], out, (table, cos, sin))
+        return ([table.data_ptr(), act_b], [cos.data_ptr(), sin.data_ptr(), out.data_ptr(), m, h, hd, rope_dim, groups,
+                                            self.isa, torch.get_num_threads()], out, (table, cos, sin))
 
     def kv_fp8(self, codes: Tensor, scale: Tensor, rope: Tensor, block: int) -> Tensor | None:
         """mhcrun.ops.kvcache.decode of the fp8 format in fp32, bitwise, in one call (`mhc_kv_fp8_decode`): codes
@@ -1153,7 +1150,7 @@ def load_library(path: str) -> ctypes.CDLL:
         [ctypes.c_int] * 2
     lib.mhc_attend_output.restype = ctypes.c_int
     lib.mhc_attend_output.argtypes = lib.mhc_attend_decode.argtypes[:13] + lib.mhc_attend_decode.argtypes[14:] + \
-        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 2
+        lib.mhc_attn_output.argtypes[:2] + lib.mhc_attn_output.argtypes[3:]
     lib.mhc_route.restype = ctypes.c_int
     lib.mhc_route.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_float] + \
         [ctypes.c_int] * 2
