@@ -169,13 +169,23 @@ def eager_first(fast: Callable[[], T | None], ref: Callable[[], T]) -> T:
     return ref() if out is None else out
 
 
+def kernel_coding(fmt: CacheFormat) -> tuple[str, int] | None:
+    """The cache formats whose entries the run's kernel encodes: (kind, block) of the fp8 format with power-of-two
+    scales and of the fp4 format; None for others."""
+    if fmt.kind == "fp8" and fmt.pow2:
+        return "fp8", KV_FP8_BLOCK
+    return ("fp4", INDEX_FP4_BLOCK) if fmt.kind == "fp4" else None
+
+
 def encode_entries(cpu: CpuKernel, fmt: CacheFormat, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """`kvcache.encode`; in CPU eager the run's kernel encodes fp32 entries of the fp8 format (power-of-two scales)
     and of the fp4 format in one call (`CpuKernel.kv_fp8_encode`, `CpuKernel.kv_fp4_encode`, bitwise)."""
     def fast() -> dict[str, torch.Tensor] | None:
-        if fmt.kind == "fp8" and fmt.pow2:
-            return cpu.kv_fp8_encode(x, fmt.rope_dim, KV_FP8_BLOCK)
-        return cpu.kv_fp4_encode(x, INDEX_FP4_BLOCK) if fmt.kind == "fp4" else None
+        coding = kernel_coding(fmt)
+        if coding is None:
+            return None
+        kind, block = coding
+        return cpu.kv_fp8_encode(x, fmt.rope_dim, block) if kind == "fp8" else cpu.kv_fp4_encode(x, block)
 
     return eager_first(fast, lambda: kvcache.encode(fmt, x))
 
@@ -265,11 +275,11 @@ class Compressor(nn.Module):
             return
         at, slot, first, pooled = closed
         fmt = self.cache.fmt
-        kind = fmt.kind if fmt.kind == "fp4" or fmt.kind == "fp8" and fmt.pow2 else None
+        coding = kernel_coding(fmt)
         normed = rms_norm(pooled.to(x.dtype), self.norm.weight, self.norm.eps)
-        if not static and not torch.compiler.is_compiling() and kind and self.opts.cpu.store_entries(  # in one call
-                normed, at, slot, first, self.rope.cos, self.rope.sin, self.rope_dim, self.rotate, kind,
-                KV_FP8_BLOCK if kind == "fp8" else INDEX_FP4_BLOCK, self.cache.parts()):
+        if not static and not torch.compiler.is_compiling() and coding and self.opts.cpu.store_entries(  # in one call
+                normed, at, slot, first, self.rope.cos, self.rope.sin, self.rope_dim, self.rotate, *coding,
+                self.cache.parts()):
             return
         cos, sin = self.rope.at(first)
         out = finish_entry(normed, lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),

@@ -3759,10 +3759,11 @@ int mhc_store_entries(const float* normed, const int64_t* at, const int64_t* slo
     for (int64_t i = 0; i < n; i++)
         if (at[i] < 0 || at[i] >= n_rows || slot[i] < 0 || slot[i] >= c_len || first[i] < 0 || first[i] >= positions)
             return 6;
-    std::vector<float> out, tc, ts;
+    std::vector<float> out, tc, ts, sc, rp;
     std::vector<uint8_t> tb;
     try {
-        out.resize(n * hd), tc.resize(n * half), ts.resize(n * half), tb.resize(n * code_bytes);
+        out.resize(n * hd), tc.resize(n * half), ts.resize(n * half), tb.resize(n * code_bytes), sc.resize(n * sb);
+        rp.resize(kind == 0 ? n * rd : 0);
     } catch (const std::bad_alloc&) {
         return 4;
     }
@@ -3773,12 +3774,6 @@ int mhc_store_entries(const float* normed, const int64_t* at, const int64_t* slo
     mhc_rope_tail(normed, tc.data(), ts.data(), out.data(), n, 1, hd, rd, 0, 1);
     if (spin != 0.0f)
         if (int rc = mhc_hadamard(out.data(), out.data(), n, hd, spin, 1)) return rc;
-    std::vector<float> sc, rp;
-    try {
-        sc.resize(n * sb), rp.resize(kind == 0 ? n * rd : 0);
-    } catch (const std::bad_alloc&) {
-        return 4;
-    }
     if (int rc = kind == 0 ? mhc_kv_fp8_encode(out.data(), tb.data(), sc.data(), rp.data(), n, width, block, rd)
                            : mhc_kv_fp4_encode(out.data(), tb.data(), sc.data(), n, hd, block))
         return rc;
