@@ -587,27 +587,35 @@ def test_fp4_panels_against_reference(n, k, m, rows):
     assert_gemm_close(y[:, 0], exact, x3[:, 0], w_ref, rel=2 * (k // 32 + 8) * 2.0**-24)
 
 
-def int_x_top(kernel: CpuKernel, x: torch.Tensor, isa: int) -> tuple[torch.Tensor, ...] | None:
-    """The panels' integer x of rows x [rows, k] (`mhc_int_x_top`: the scalar loop, isa 0, or AVX2's, isa 1): windows
-    [rows, chunks, 2, 128] int16, scales and splits [rows, chunks]; None where x does not qualify."""
+def int_x(kernel: CpuKernel, x: torch.Tensor, isa: int, top: bool) -> tuple[torch.Tensor, ...] | None:
+    """The integer x of rows x [rows, k] (`mhc_int_x`): with `top`, the panels' (the scalar loop, isa 0, or AVX2's,
+    isa 1); else the AVX-512 rows' (the scalar loop, isa 0, or AVX-512's, isa 3): windows [rows, chunks, 2, 128] int16,
+    scales and splits (or flags) [rows, chunks]; None where x does not qualify."""
     rows, k = x.shape
     chunks = -(-k // 128)
     v = torch.full((rows, chunks, 2, 128), 7, dtype=torch.int16)
     scale, two = torch.full((rows, chunks), 3.0), torch.full((rows, chunks), 9, dtype=torch.uint8)
-    ok = qgemv.load_library(kernel.library).mhc_int_x_top(x.data_ptr(), rows, k, isa, v.data_ptr(), scale.data_ptr(),
-                                                          two.data_ptr())
+    ok = qgemv.load_library(kernel.library).mhc_int_x(x.data_ptr(), rows, k, isa, int(top), v.data_ptr(),
+                                                      scale.data_ptr(), two.data_ptr())
     return (v, scale, two) if ok else None
 
 
+def fp4_slot(i: int) -> int:
+    """Where the AVX-512 rows' decoded weights hold input i of a chunk of 128 (qgemv.cpp's avx512bf16::fp4_slot)."""
+    return 32 * (i % 4) + i // 4
+
+
 @needs_kernel
+@pytest.mark.parametrize("isa, top", [("avx2", True), ("avx512bf16", False)])
 @pytest.mark.parametrize("k", [512, 320])
-def test_panels_int_x_by_avx2_is_the_scalar_loop(k):
-    """The panels' x as integers (make_int_x in input order, each chunk split at its top bits) by AVX2 a whole chunk
-    at a time (int_chunk_top) is the scalar loop's, bitwise: windows, scales and splits, on FP8-rounded rows (one
-    window, two), chunks of every span from 1 to 30 bits between two values of random signs among zeros and -0.0, an
-    all-zero chunk, the bounds 2**-125 and 2**99 (k = 320: a last chunk of 64 inputs, the scalar loop's in both); both
-    refuse the same rows (a span of 31 bits, a subnormal, inf, NaN, 2**-126, 2**100), and the integers rebuild x."""
-    kernel, g = kernel_in("avx2"), gen(3170 + k)
+def test_int_x_by_vectors_is_the_scalar_loop(isa, top, k):
+    """x as integers a whole chunk at a time by vectors is the scalar loop's, bitwise: windows, scales and splits:
+    the panels' (input order, each chunk split at its top bits) by AVX2 (int_chunk_top) and the AVX-512 rows' (their
+    order, the low 15 bits then the bits above) by AVX-512 (int_chunk_rows). On FP8-rounded rows (one window, two),
+    chunks of every span from 1 to 30 bits between two values of random signs among zeros and -0.0, an all-zero chunk,
+    the bounds 2**-125 and 2**99 (k = 320: a last chunk of 64 inputs, the scalar loop's in both); both refuse the same
+    rows (a span of 31 bits, a subnormal, inf, NaN, 2**-126, 2**100), and the integers rebuild x."""
+    kernel, g = kernel_in(isa), gen(3170 + k)
     rows = [fp4_rows_x("int", 3, k, g)[:, 0], fp4_rows_x("int2", 3, k, g)[:, 0]]
     for span in range(30):  # 1.5 (lowest bit 2**-1, top 2**1) and 2**-span: 1 + span bits
         r = torch.zeros(1, k)
@@ -618,19 +626,24 @@ def test_panels_int_x_by_avx2_is_the_scalar_loop(k):
     edge = torch.zeros(2, k)
     edge[0, 3], edge[0, 9], edge[1, 5] = 2.0**-125, 2.0**-111, 2.0**99 * 1.75
     x = torch.cat(rows + [edge])
-    fast, slow = int_x_top(kernel, x, 1), int_x_top(kernel, x, 0)
+    vec = {"avx2": 1, "avx512bf16": 3}[isa]
+    fast, slow = int_x(kernel, x, vec, top), int_x(kernel, x, 0, top)
     assert fast is not None and slow is not None
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     v, scale, two = fast
-    assert int(two.max()) == 15 and int((two > 0).sum()) > 4  # the widest split, and several chunks split
-    top, rest = v[:, :, 0].double(), v[:, :, 1].double()
-    whole = (top + rest * 2.0 ** -two.double()[..., None]) * scale.double()[..., None] * 2  # 2**(q + s - 1)
+    first, second = v[:, :, 0].double(), v[:, :, 1].double()
+    if top:
+        assert int(two.max()) == 15 and int((two > 0).sum()) > 4  # the widest split, and several chunks split
+        whole = (first + second * 2.0 ** -two.double()[..., None]) * scale.double()[..., None] * 2  # 2**(q + s - 1)
+    else:
+        assert int(two.max()) == 1 and int((two > 0).sum()) > 4  # several chunks in two windows
+        whole = (first + second * 2.0**15)[..., [fp4_slot(i) for i in range(128)]] * scale.double()[..., None] * 2
     assert torch.equal(whole.reshape(len(x), -1)[:, :k], x.double())
     for bad in (2.0**-30, 1e-40, math.inf, math.nan, 2.0**-126, 2.0**100):
         y = torch.zeros(1, k)
         y[0, 0], y[0, 1] = 1.0, bad
-        assert int_x_top(kernel, y, 1) is None and int_x_top(kernel, y, 0) is None, bad
+        assert int_x(kernel, y, vec, top) is None and int_x(kernel, y, 0, top) is None, bad
 
 
 @needs_kernel

@@ -324,6 +324,19 @@ AVX512 INLINE void bf16_split_step(const uint16_t* w, int64_t k, int64_t left, c
 // Whether a job's bf16 rows take the split loop (then prepare_x splits x: AVX-512, an even number of inputs).
 inline bool bf16_split(const Job& j) { return j.fmt == FMT_BF16 && j.k % 2 == 0; }
 
+// split_x of rows of k inputs (k a multiple of 32, no padding) in AVX-512: 32 values at a time, their even and their
+// odd ones by two permutes.
+AVX512 void split_x(const float* x, float* xs, int64_t rows, int64_t k) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i += 32) {
+            const __m512 a = _mm512_loadu_ps(x + r * k + i), b = _mm512_loadu_ps(x + r * k + i + 16);
+            _mm512_storeu_ps(xs + r * k + i / 2, _mm512_permutex2var_ps(a, even, b));
+            _mm512_storeu_ps(xs + r * k + k / 2 + i / 2, _mm512_permutex2var_ps(a, odd, b));
+        }
+}
+
 // bf16 rows ns[0 .. Q) (one, or four of a decode's from four streams, split x only: run_quads), the sums into
 // out[q][r]. A row's result does not depend on Q.
 template <int R, int Q>
@@ -575,13 +588,21 @@ AVX2 bool int_chunk_top(const float* v, int16_t* dst, float& scale, uint8_t& two
 
 inline int in_order(int i) { return i; }
 
-// x rows [rows, k] (row r at x + from[r] * k where `from` is given: gathered rows read where they lie) -> out.
+namespace avx512bf16 {
+inline int fp4_slot(int i);
+bool int_chunk_rows(const float* v, int16_t* dst, float& scale, uint8_t& two);
+}  // namespace avx512bf16
+
+// x rows [rows, k] (row r at x + from[r] * k where `from` is given: gathered rows read where they lie) -> out. Whole
+// chunks by vectors where a loop of this CPU's makes them: AVX2's int_chunk_top (isa 1, `top`, input order) and
+// AVX-512's int_chunk_rows (isa 3, not `top`, the AVX-512 rows' order); the scalar loop for the rest.
 inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out,
                        bool top = false, const int64_t* from = nullptr, int isa = 0) {
     const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
     int slot[INT_CHUNK];
     for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
     const bool fast = isa == 1 && top && order == in_order && unit == 0;
+    const bool fast_rows = isa == 3 && !top && order == avx512bf16::fp4_slot && unit == 0;
     out.chunks = chunks;
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
@@ -594,6 +615,14 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
             if (fast && n == INT_CHUNK) {
                 uint8_t& two = out.two[r * chunks + c];
                 if (!int_chunk_top(v, out.v.data() + (r * chunks + c) * 2 * INT_CHUNK, out.scale[r * chunks + c], two))
+                    return false;
+                if (two) out.any_two[r * chunks] = 1;
+                continue;
+            }
+            if (fast_rows && n == INT_CHUNK) {
+                uint8_t& two = out.two[r * chunks + c];
+                if (!avx512bf16::int_chunk_rows(v, out.v.data() + (r * chunks + c) * 2 * INT_CHUNK,
+                                                out.scale[r * chunks + c], two))
                     return false;
                 if (two) out.any_two[r * chunks] = 1;
                 continue;
@@ -649,9 +678,19 @@ inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int
 
 namespace avx512bf16 {
 
-// Whether every x value [0, n) is exact in bf16 and zero, or finite with a biased exponent of at least `min_exp`.
-inline bool exact_in_bf16(const float* x, int64_t n, uint32_t min_exp) {
-    for (int64_t i = 0; i < n; i++) {
+// Whether every x value [0, n) is exact in bf16 and zero, or finite with a biased exponent of at least `min_exp`
+// (sixteen values a step, the rest one by one).
+AVX512BF16 inline bool exact_in_bf16(const float* x, int64_t n, uint32_t min_exp) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32(0xFFFF);
+    const __m512i least = _mm512_set1_epi32(int(min_exp << 23)), inf = _mm512_set1_epi32(0x7F800000);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_loadu_si512(x + i), a = _mm512_and_si512(u, abs_mask);
+        const __mmask16 out = _mm512_mask_cmplt_epu32_mask(_mm512_test_epi32_mask(a, a), a, least) |
+                              _mm512_cmpge_epu32_mask(a, inf);
+        if (_mm512_test_epi32_mask(u, low) | out) return false;
+    }
+    for (; i < n; i++) {
         const uint32_t u = bits_of(x[i]), a = u & 0x7FFFFFFFu;
         if ((u & 0xFFFFu) || (a && (a < (min_exp << 23) || a >= 0x7F800000u))) return false;
     }
@@ -695,6 +734,75 @@ inline int fp4_slot(int i) {
     return 32 * (2 * (b % 2) + h) + b / 2;
 }
 
+// A whole chunk of 128 values v in input order as make_int_x(..., fp4_slot, 0, ...) makes it for these rows (not split
+// at the top: each magnitude's low 15 bits in the first window, the bits above in the second), sixteen values a step:
+// each value's lowest set bit from its mantissa's lowest bit (m & -m, whose exponent converting it to fp32 gives), the
+// chunk's span by a masked min and max, each magnitude shifted into place per lane and its windows made int16, then
+// input 4j + t of the chunk moved to slot 32t + j (fp4_slot) by word permutes. The same integers, scale and flag as the
+// scalar loop (a decode's x: 2,048 values 5.5 -> 0.4 us); false where it would return false.
+struct SlotWords {  // word j: 4 (j % 16), the first of the four inputs whose slots are 32t + j (fp4_slot)
+    alignas(64) int16_t at[32];
+    SlotWords() {
+        for (int j = 0; j < 32; j++) at[j] = int16_t(4 * (j % 16));
+    }
+};
+const SlotWords SLOT_WORDS;
+
+AVX512BF16 bool int_chunk_rows(const float* v, int16_t* dst, float& scale, uint8_t& two) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), man = _mm512_set1_epi32(0x7FFFFF);
+    const __m512i one = _mm512_set1_epi32(0x800000), zero = _mm512_setzero_si512();
+    __m512i lo_v = _mm512_set1_epi32(1000), hi_v = _mm512_set1_epi32(-1000);
+    __mmask16 bad = 0;
+    for (int i = 0; i < INT_CHUNK; i += 16) {
+        const __m512i u = _mm512_and_si512(_mm512_loadu_si512(v + i), abs_mask), e = _mm512_srli_epi32(u, 23);
+        const __mmask16 nz = _mm512_test_epi32_mask(u, u);
+        bad |= _mm512_mask_cmpeq_epi32_mask(nz, e, zero) | _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255));
+        const __m512i m = _mm512_or_si512(_mm512_and_si512(u, man), one);
+        const __m512i bit = _mm512_and_si512(m, _mm512_sub_epi32(zero, m));  // 2**ctz(m) <= 2**23: exact in fp32
+        const __m512i ctz = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(bit)), 23),
+                                             _mm512_set1_epi32(127));
+        const __m512i low = _mm512_add_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(150)), ctz);
+        lo_v = _mm512_mask_min_epi32(lo_v, nz, lo_v, low);
+        hi_v = _mm512_mask_max_epi32(hi_v, nz, hi_v, _mm512_sub_epi32(e, _mm512_set1_epi32(126)));
+    }
+    if (bad) return false;  // subnormal (below 2**-125 anyway), inf, NaN
+    const int lo = _mm512_reduce_min_epi32(lo_v), hi = _mm512_reduce_max_epi32(hi_v);
+    scale = 1.0f, two = 0;
+    if (hi == -1000) {  // all zero
+        std::memset(dst, 0, sizeof(int16_t) * 2 * INT_CHUNK);
+        return true;
+    }
+    if (chunk_split(lo, hi, false) < 0) return false;
+    two = hi - lo > INT_WINDOW ? 1 : 0;
+    scale = std::ldexp(1.0f, lo - 1);  // e2m1 values are half the table's integers
+    alignas(64) int16_t in_order[2][INT_CHUNK];  // the two windows, input order
+    const __m512i base = _mm512_set1_epi32(150 + lo), low_bits = _mm512_set1_epi32((1 << INT_WINDOW) - 1);
+    for (int i = 0; i < INT_CHUNK; i += 16) {
+        const __m512i w = _mm512_loadu_si512(v + i), u = _mm512_and_si512(w, abs_mask);
+        const __m512i sign = _mm512_srai_epi32(w, 31);
+        const __m512i m = _mm512_maskz_or_epi32(_mm512_test_epi32_mask(u, u), _mm512_and_si512(u, man), one);
+        const __m512i shift = _mm512_sub_epi32(_mm512_srli_epi32(u, 23), base);  // >= -23: shifted-out bits zero
+        const __m512i mag = _mm512_srlv_epi32(_mm512_sllv_epi32(m, _mm512_max_epi32(shift, zero)),
+                                              _mm512_max_epi32(_mm512_sub_epi32(zero, shift), zero));
+        const __m512i a = _mm512_and_si512(mag, low_bits), b = _mm512_srli_epi32(mag, INT_WINDOW);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(in_order[0] + i),
+                           _mm512_cvtepi32_epi16(_mm512_sub_epi32(_mm512_xor_si512(a, sign), sign)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(in_order[1] + i),
+                           _mm512_cvtepi32_epi16(_mm512_sub_epi32(_mm512_xor_si512(b, sign), sign)));
+    }
+    for (int h = 0; h < 2; h++) {
+        const int16_t* src = in_order[h];
+        const __m512i q0 = _mm512_load_si512(src), q1 = _mm512_load_si512(src + 32);
+        const __m512i q2 = _mm512_load_si512(src + 64), q3 = _mm512_load_si512(src + 96);
+        for (int t = 0; t < 4; t++) {  // slot 32t + j holds input 4j + t: j < 16 from q0, q1, the rest from q2, q3
+            const __m512i idx = _mm512_add_epi16(_mm512_load_si512(SLOT_WORDS.at), _mm512_set1_epi16(int16_t(t)));
+            const __m512i first = _mm512_permutex2var_epi16(q0, idx, q1), second = _mm512_permutex2var_epi16(q2, idx, q3);
+            _mm512_storeu_si512(dst + h * INT_CHUNK + 32 * t, _mm512_mask_mov_epi16(first, 0xFFFF0000u, second));
+        }
+    }
+    return true;
+}
+
 // x rows [rows, k] -> [rows, kpad] (kpad: k rounded up to a chunk of `width` inputs), input i of each chunk at
 // slot_of(i), zero past k: as bf16 (T = uint16_t; x already checked exact in bf16) or as fp32.
 template <class T>
@@ -712,6 +820,29 @@ inline void permute_x(const float* x, T* out, int64_t rows, int64_t k, int64_t k
                 else dst[c0 + slot[i]] = uint16_t(bits_of(src[c0 + i]) >> 16);  // exact in bf16: its top half
             }
         }
+    }
+}
+
+// permute_x's bf16 x for the fp8 rows (fp8_slot, chunks of 64), whole chunks by vectors: the high halves of 32 floats
+// at a time (their bf16: exact, the caller checked), then the 16-byte lanes (eight inputs each) of a chunk's two
+// vectors put in fp8_slot's order (lanes 0, 2, 4, 6, then 1, 3, 5, 7); a last chunk that ends early by the scalar loop.
+AVX512BF16 void permute_fp8_x(const float* x, uint16_t* out, int64_t rows, int64_t k, int64_t kpad) {
+    alignas(64) int16_t odd[32];
+    for (int i = 0; i < 32; i++) odd[i] = int16_t(2 * i + 1);
+    const __m512i high = _mm512_load_si512(odd);
+    const int64_t whole = k / 64 * 64;
+    for (int64_t r = 0; r < rows; r++) {
+        const float* src = x + r * k;
+        uint16_t* dst = out + r * kpad;
+        for (int64_t c0 = 0; c0 < whole; c0 += 64) {
+            __m512i h[2];
+            for (int q = 0; q < 2; q++)
+                h[q] = _mm512_permutex2var_epi16(_mm512_loadu_si512(src + c0 + 32 * q), high,
+                                                 _mm512_loadu_si512(src + c0 + 32 * q + 16));
+            _mm512_storeu_si512(dst + c0, _mm512_shuffle_i64x2(h[0], h[1], _MM_SHUFFLE(2, 0, 2, 0)));
+            _mm512_storeu_si512(dst + c0 + 32, _mm512_shuffle_i64x2(h[0], h[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        }
+        if (whole < k) permute_x(src + whole, dst + whole, 1, k - whole, kpad - whole, 64, fp8_slot);
     }
 }
 
@@ -2540,8 +2671,9 @@ struct XBuf {
 
 // x rows [rows, k] -> xs [rows, 2 * half] (half >= ceil(k / 2)): each row's even inputs, then its odd ones, each half
 // zero-padded past its values. The split x of AVX2's bf16 rows (half: avx2::split_half) and of AVX-512's bf16 and fp4
-// rows (k even, half k / 2).
-void split_x(const float* x, float* xs, int64_t rows, int64_t k, int64_t half) {
+// rows (k even, half k / 2; k a multiple of 32 by AVX-512's split_x with isa 2 or 3).
+void split_x(const float* x, float* xs, int64_t rows, int64_t k, int64_t half, int isa) {
+    if (isa >= 2 && 2 * half == k && k % 32 == 0) return avx512::split_x(x, xs, rows, k);
     std::fill(xs, xs + rows * 2 * half, 0.0f);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < k; i++) xs[r * 2 * half + (i & 1) * half + i / 2] = x[r * k + i];
@@ -2589,8 +2721,8 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
             const int64_t width = j.fmt == FMT_FP4 ? 128 : 64;
             j.x_stride = (k + width - 1) / width * width;
             own.h.resize(rows * j.x_stride);
-            avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, int(width),
-                                  j.fmt == FMT_FP4 ? avx512bf16::fp4_slot : avx512bf16::fp8_slot);
+            if (j.fmt == FMT_FP8) avx512bf16::permute_fp8_x(j.x, own.h.data(), rows, k, j.x_stride);
+            else avx512bf16::permute_x(j.x, own.h.data(), rows, k, j.x_stride, int(width), avx512bf16::fp4_slot);
             j.xb = own.h.data();
             return true;
         }
@@ -2611,7 +2743,7 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
         if (j.fmt != FMT_FP4 && !(isa >= 2 && avx512::bf16_split(j)) && !(isa == 1 && j.fmt == FMT_BF16)) return true;
         j.x_stride = isa >= 2 ? k : split ? 2 * avx2::split_half(k) : (k + 63) / 64 * 64;
         own.f.resize(rows * j.x_stride);
-        if (split) split_x(j.x, own.f.data(), rows, k, j.x_stride / 2);
+        if (split) split_x(j.x, own.f.data(), rows, k, j.x_stride / 2, isa);
         else avx2::fp4_permute(j.x, own.f.data(), rows, k, j.x_stride);
     } catch (const std::bad_alloc&) {
         return false;
@@ -3457,7 +3589,9 @@ int mhc_qgemv_isa(void) {
 
 // Whether x [n] takes the BF16 dot-product rows (avx512bf16::takes_bf16): exact in bf16, each value zero or finite
 // and at least 2**-110 in magnitude. 1 or 0.
-int mhc_takes_bf16(const float* x, int64_t n) { return avx512bf16::takes_bf16(x, n) ? 1 : 0; }
+int mhc_takes_bf16(const float* x, int64_t n) {
+    return mhc_qgemv_isa() == 3 && avx512bf16::takes_bf16(x, n) ? 1 : 0;
+}
 
 // Whether AVX2's panels take a prefill's rows of an FP4 weight of k inputs whose scales are its own (k / block a row):
 // panel_layout. 1 or 0.
@@ -3472,12 +3606,14 @@ int mhc_takes_int(const float* x, int64_t rows, int64_t k) {
     return make_int_x(x, rows, k, avx512bf16::fp4_slot, 0, unused) ? 1 : 0;
 }
 
-// The panels' integer x of rows [rows, k] (make_int_x in input order, split at the top bits) into v [rows, chunks, 2,
-// 128], scale and two [rows, chunks], by the scalar loop (isa 0) or AVX2's int_chunk_top (isa 1, a CPU that has it):
-// for the tests, which compare the two. 1, or 0 where x does not qualify (nothing written).
-int mhc_int_x_top(const float* x, int64_t rows, int64_t k, int isa, int16_t* v, float* scale, uint8_t* two) {
+// The integer x of rows [rows, k] (make_int_x) into v [rows, chunks, 2, 128], scale and two [rows, chunks]: with `top`,
+// the panels' (input order, split at the top bits) by the scalar loop (isa 0) or AVX2's int_chunk_top (isa 1); else
+// the AVX-512 rows' (avx512bf16::fp4_slot's order) by the scalar loop (isa 0) or int_chunk_rows (isa 3). For the
+// tests, which compare the two. 1, or 0 where x does not qualify or the CPU lacks the isa (nothing written).
+int mhc_int_x(const float* x, int64_t rows, int64_t k, int isa, int top, int16_t* v, float* scale, uint8_t* two) {
     IntX out;
-    if (isa < 0 || isa > 1 || isa > mhc_qgemv_isa() || !make_int_x(x, rows, k, in_order, 0, out, true, nullptr, isa))
+    if (isa < 0 || isa > mhc_qgemv_isa() || (isa != 0 && isa != (top ? 1 : 3)) ||
+        !make_int_x(x, rows, k, top ? in_order : avx512bf16::fp4_slot, 0, out, top != 0, nullptr, isa))
         return 0;
     std::memcpy(v, out.v.data(), sizeof(int16_t) * out.v.size());
     std::memcpy(scale, out.scale.data(), sizeof(float) * out.scale.size());

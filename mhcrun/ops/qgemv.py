@@ -1079,8 +1079,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_panels_take.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.mhc_takes_int.restype = ctypes.c_int
     lib.mhc_takes_int.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.mhc_int_x_top.restype = ctypes.c_int
-    lib.mhc_int_x_top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.mhc_int_x.restype = ctypes.c_int
+    lib.mhc_int_x.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [
+        ctypes.c_void_p] * 3
     lib.mhc_qgemv.restype = ctypes.c_int
     lib.mhc_qgemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
