@@ -599,10 +599,11 @@ bool int_chunk_rows(const float* v, int16_t* dst, float& scale, uint8_t& two);
 inline bool make_int_x(const float* x, int64_t rows, int64_t k, int (*order)(int), int unit, IntX& out,
                        bool top = false, const int64_t* from = nullptr, int isa = 0) {
     const int64_t chunks = (k + INT_CHUNK - 1) / INT_CHUNK;
-    int slot[INT_CHUNK];
-    for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
     const bool fast = isa == 1 && top && order == in_order && unit == 0;
     const bool fast_rows = isa == 3 && !top && order == avx512bf16::fp4_slot && unit == 0;
+    int slot[INT_CHUNK];
+    if ((!fast && !fast_rows) || k % INT_CHUNK)  // a chunk the scalar loop makes
+        for (int i = 0; i < INT_CHUNK; i++) slot[i] = order(i);
     out.chunks = chunks;
     out.v.assign(rows * chunks * 2 * INT_CHUNK, 0);
     out.scale.assign(rows * chunks, 1.0f);
