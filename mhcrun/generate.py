@@ -284,9 +284,10 @@ class Batch:
     results: list[GenerationResult]
     bad: dict[int, tuple[int, str]] = field(default_factory=dict)
 
-    def take(self, rows: list[int], logits: torch.Tensor) -> list[int]:
-        """The rows of one step's logits [len(rows), V] that are finite (the others are marked bad)."""
-        for i, kind in nonfinite_rows(logits):
+    def take(self, rows: list[int], logits: torch.Tensor, bad: list[tuple[int, str]] | None = None) -> list[int]:
+        """The rows of one step's logits [len(rows), V] that are finite (the others are marked bad; `bad`: their
+        `nonfinite_rows`, where the caller has them)."""
+        for i, kind in nonfinite_rows(logits) if bad is None else bad:
             self.bad[rows[i]] = (len(self.results[rows[i]].tokens), kind)
         return [i for i, r in enumerate(rows) if r not in self.bad]
 
@@ -362,9 +363,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         model.clear_row(0)
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
-        ok = batch.take(rows, logits)
-        chosen = logits if len(ok) == len(rows) else logits[ok]  # every row finite: no copy
-        for i, token in zip(ok, sample(chosen, sampling, gen).tolist() if ok else [], strict=True):
+        greedy = model.opts.cpu.greedy(logits) if sampling.temperature <= 0 else None  # the check and argmax, one call
+        ok = batch.take(rows, logits, None if greedy is None else greedy[0])
+        if greedy is not None:
+            ids = greedy[1].tolist()
+            tokens = [ids[i] for i in ok]
+        else:
+            chosen = logits if len(ok) == len(rows) else logits[ok]  # every row finite: no copy
+            tokens = sample(chosen, sampling, gen).tolist() if ok else []
+        for i, token in zip(ok, tokens, strict=True):
             res = results[rows[i]]
             res.tokens.append(token)
             if record_topk:

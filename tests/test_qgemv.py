@@ -2121,3 +2121,31 @@ def test_window_mask_is_the_reference():
     assert k.window_mask(torch.zeros(qgemv.MAX_ROWS + 1, dtype=torch.int64), 1, 8) is None
     assert k.window_mask(torch.tensor([3], dtype=torch.int32), 1, 8) is None
     assert cpu_kernel("0").window_mask(torch.tensor([3]), 1, 8) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_greedy_pick_is_nonfinite_rows_and_argmax(isa):
+    """Greedy decoding's pick in one call (`CpuKernel.greedy`: AVX-512 sixteen values a step, else one by one) gives
+    `nonfinite_rows` and torch's argmax: rows of 1 to 32,768 values (whole vectors and a partial last one), the largest
+    value anywhere (first, last, in a partial vector), exact ties (the first wins), -0.0 tied with 0.0, and rows
+    holding NaN, +Inf, -Inf or both NaN and Inf beside finite rows."""
+    from mhcrun.generate import nonfinite_rows
+
+    kernel, g = kernel_in(isa), gen(3400)
+    for v in (1, 5, 16, 17, 1000, 32768):
+        x = torch.randn(6, v, generator=g)
+        x[1, -1] = x[1].max() + 1  # the last value, in a partial vector where v % 16
+        x[2, 0] = x[2].max() + 1
+        if v > 3:
+            x[3, 1] = x[3, v - 2] = x[3].max() + 2  # a tie: the first
+        x[4] = 0.0
+        x[4, v // 2:] = -0.0
+        bad, ids = kernel.greedy(x)
+        assert bad == [] and torch.equal(ids, x.argmax(-1)), v
+    x = torch.randn(6, 100, generator=g)
+    x[1, 7], x[2, 3], x[3, 99], x[4, 2], x[4, 3] = math.nan, math.inf, -math.inf, math.inf, math.nan
+    bad, ids = kernel.greedy(x)
+    assert bad == nonfinite_rows(x) == [(1, "NaN"), (2, "Inf"), (3, "Inf"), (4, "NaN")]
+    assert ids[0] == x[0].argmax() and ids[5] == x[5].argmax()
+    assert cpu_kernel("0").greedy(x) is None and kernel.greedy(x.double()) is None and kernel.greedy(x[0]) is None

@@ -943,6 +943,21 @@ class CpuKernel:
             kv_state.shape[1], ratio, lead)
         return None if rc else (pooled, closed)
 
+    def greedy(self, logits: Tensor) -> tuple[list[tuple[int, str]], Tensor] | None:
+        """`mhcrun.generate.nonfinite_rows(logits)` and the argmax of each row (torch's: the first of equal largest
+        values) in one call (`mhc_greedy`), for fp32 CPU logits [b, V] -> (the non-finite rows as nonfinite_rows gives
+        them, ids [b] int64: a non-finite row's unspecified); None where it does not apply."""
+        if not self.on or logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu \
+                or not logits.shape[0] or not logits.shape[1]:
+            return None
+        logits = logits.contiguous()
+        b, v = logits.shape
+        ids, kind = torch.empty(b, dtype=torch.int64), torch.empty(b, dtype=torch.uint8)
+        if load_library(self.library).mhc_greedy(logits.data_ptr(), b, v, ids.data_ptr(), kind.data_ptr(),
+                                                 min(self.isa, 2)):
+            return None
+        return [(i, "NaN" if k == 1 else "Inf") for i, k in enumerate(kind.tolist()) if k], ids
+
     def window_mask(self, start: Tensor, s: int, window: int) -> Tensor | None:
         """mhcrun.ops.attention.window_mask(start, s, window) in one call (`mhc_window_mask`), for a CPU int64 start
         of decode's few rows and chunks; None where it does not apply."""
@@ -1157,6 +1172,9 @@ def load_library(path: str) -> ctypes.CDLL:
         [ctypes.c_int] * 2
     lib.mhc_kv_fp4_encode.restype = ctypes.c_int
     lib.mhc_kv_fp4_encode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.mhc_greedy.restype = ctypes.c_int
+    lib.mhc_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int]
     lib.mhc_window_mask.restype = ctypes.c_int
     lib.mhc_window_mask.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
     lib.mhc_hc_post_pre.restype = ctypes.c_int
