@@ -3976,6 +3976,70 @@ int mhc_store_entries(const float* normed, const int64_t* at, const int64_t* slo
     return 0;
 }
 
+// Compressor.forward of decode tokens of which some close their group, in one call (python: CpuKernel.compress_close):
+// kv = wkv x, score = wgate x (as mhc_compress_open), mhc_close_group of them, each closed group's pooled values
+// normed (mhc_rms_norm by norm [hd], eps: the compressor's RMSNorm in CPU eager), then finished and stored as
+// mhc_store_entries stores them (entry slot start[i] / ratio of cache row rows[i], RoPE at the group's first position,
+// that slot times ratio): the calls of its eager path in its order, so the same values. x [b, 1, d] (one token a
+// row), the state and positions as mhc_close_group's, the cache (codes, scales, rope [c_rows, c_len, ..]) and the
+// rest as mhc_store_entries'. The state rows are pooled in copies and written back only once the entries are stored:
+// nothing is written where a call declines (its code; non-finite entries: 1), where a state row (or a row twice) or a
+// start does not fit, or where no row closes (6); 4 out of memory.
+int mhc_compress_close(const int64_t* weights, int64_t act_kv, int64_t act_gate, const float* x, float* kv_state,
+                       float* score_state, const int64_t* rows, const float* ape, const int64_t* start, int64_t b,
+                       int64_t n_rows, int64_t len, int64_t ratio, int64_t lead, const float* norm, float eps,
+                       const float* cos, const float* sin, int64_t positions, int64_t rd, float spin, int kind,
+                       uint8_t* codes, float* scales, float* rope, int64_t c_rows, int64_t c_len, int64_t block,
+                       int isa, int threads) {
+    const int64_t *wk = weights, *wg = weights + WEIGHT_FIELDS, c = wk[4], hd = lead ? c / 2 : c;
+    if (ratio < 1 || len != lead + ratio || (lead && (lead != ratio || c % 2))) return 6;
+    for (int64_t i = 0; i < b; i++) {
+        if (rows[i] < 0 || rows[i] >= n_rows || start[i] < 1) return 6;
+        for (int64_t j = 0; j < i; j++)
+            if (rows[j] == rows[i]) return 6;
+    }
+    std::vector<float> t, state, pooled, normed;
+    std::vector<int64_t> at, slot, first, mine(b);
+    std::vector<uint8_t> closed(b);
+    try {
+        t.resize(2 * b * c), state.resize(2 * b * len * c), pooled.resize(b * hd);
+        at.reserve(b), slot.reserve(b), first.reserve(b);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    float *kv = t.data(), *score = kv + b * c, *ks = state.data(), *ss = ks + b * len * c;
+    if (int rc = qlinear_at(wk, x, kv, b, act_kv, 1, isa, threads)) return rc;
+    if (int rc = qlinear_at(wg, x, score, b, act_gate, 1, isa, threads)) return rc;
+    for (int64_t i = 0; i < b; i++) {  // the rows' state, pooled in copies (row i of the copies: rows[i]'s)
+        std::memcpy(ks + i * len * c, kv_state + rows[i] * len * c, sizeof(float) * len * c);
+        std::memcpy(ss + i * len * c, score_state + rows[i] * len * c, sizeof(float) * len * c);
+        mine[i] = i;
+    }
+    if (int rc = mhc_close_group(ks, ss, mine.data(), kv, score, ape, start, pooled.data(), closed.data(), b, c, b, len,
+                                 ratio, lead))
+        return rc;
+    for (int64_t i = 0; i < b; i++)  // the closed groups, in row order (as Compressor.close_step keeps them)
+        if (closed[i]) {
+            std::memmove(pooled.data() + at.size() * hd, pooled.data() + i * hd, sizeof(float) * hd);
+            at.push_back(rows[i]), slot.push_back(start[i] / ratio), first.push_back(start[i] / ratio * ratio);
+        }
+    const int64_t n = static_cast<int64_t>(at.size());
+    try {
+        normed.resize(n * hd);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (int rc = mhc_rms_norm(pooled.data(), norm, normed.data(), n, hd, eps, isa)) return rc;
+    if (int rc = mhc_store_entries(normed.data(), at.data(), slot.data(), first.data(), n, hd, cos, sin, positions, rd,
+                                   spin, kind, codes, scales, rope, c_rows, c_len, block, isa))
+        return rc;
+    for (int64_t i = 0; i < b; i++) {  // the entries stored: the state moves on
+        std::memcpy(kv_state + rows[i] * len * c, ks + i * len * c, sizeof(float) * len * c);
+        std::memcpy(score_state + rows[i] * len * c, ss + i * len * c, sizeof(float) * len * c);
+    }
+    return 0;
+}
+
 // Whether every index of idx [count] names one of `experts` experts.
 inline bool in_set(const int64_t* idx, int64_t count, int64_t experts) {
     for (int64_t p = 0; p < count; p++)
