@@ -22,9 +22,10 @@ Prints, in one run:
   reserved, `echo N > /proc/sys/vm/nr_hugepages` as root, N at least the GGUF's size / 2 MB);
 - decode tok/s (batch 1) after 128 and after 1,024 prompt tokens (mhcrun: `generate --prompt-ids` of that length
   then `--gen` tokens, its `decode_tok_s`; ik: `llama-bench -gp N,G`), prefill tok/s at 128 and 1,024 (mhcrun's
-  `prefill_tok_s`, ik's `-p N`); both warmed up: llama-bench runs each test once untimed first (its default), and
-  mhcrun `generate --warmup` prefills the prompt once untimed (the first-touch costs of a fresh process, the
-  weights' pages mapped in above all, would otherwise count in mhcrun's prefill alone);
+  `prefill_tok_s`, ik's `-p N`); both warmed up: llama-bench runs a prompt token and a generated token untimed
+  before each test (its default), and mhcrun `generate --warmup` the prompt and a decode step after it (the
+  first-touch costs of a fresh process, the weights' pages mapped in above all, would otherwise count in mhcrun's
+  prefill and its first decode step alone);
 - weight bytes one decoded token reads (mhcrun: `mhcrun.memory.decode_bytes_per_token` of the checkpoint kept
   quantised; ik: the GGUF's tensors, routed experts at their active share, one embedding row) and the share of
   the read bandwidth that makes at each decode rate; prefill's rate of weight multiply-adds against the matmul

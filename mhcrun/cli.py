@@ -496,9 +496,10 @@ def generate(
     prompt_cache: Path = PromptCacheOpt,
     tp: int = TpOpt,
     draft_tokens: int = DraftOpt,
-    warmup: bool = typer.Option(False, "--warmup", help="Prefill the first prompt once, untimed, before the timed "
-                                "run (as llama-bench warms up): the speeds then leave out first-touch costs (the "
-                                "weights' pages mapped in, kernels loaded, threads started).", rich_help_panel=OUTPUT),
+    warmup: bool = typer.Option(False, "--warmup", help="Prefill the first prompt and decode a token after it "
+                                "once, untimed, before the timed run (as llama-bench warms up): the speeds then leave "
+                                "out first-touch costs (the weights' pages mapped in, kernels loaded, threads "
+                                "started).", rich_help_panel=OUTPUT),
     as_json: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:

@@ -343,10 +343,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     session's caches already set up), the prompt is prefilled by the session, which reuses the state it holds
     (`mhcrun.session`; snapshots at `marks`) and learns the tokens decode runs. `draft_tokens` K > 0: speculative
     decoding with the model's MTP layer (`mhcrun.speculate`, with a session too). `warmup`: the first prompt is
-    prefilled once, untimed, and its row cleared before the timed run (as llama-bench warms up), so that the speeds
-    leave out first-touch costs: the weights' pages mapped in, the kernels loaded, the threads started (no session,
-    no draft tokens). `decoder` (graph_mode "regions", with `session`): the compiled regions of the session's caches,
-    kept across its runs so that a chat's later turns run the graphs its first compiled (`make_decoder`)."""
+    prefilled once and a decode step run after it, untimed, and the rows cleared before the timed run (`warm_up`, as
+    llama-bench warms up: a prompt and a generated token), so that the speeds leave out first-touch costs: the
+    weights' pages mapped in, the kernels loaded, the threads started, a decode step's tables learnt (a compiled
+    step's compile counts as compile time; no session, no draft tokens). `decoder` (graph_mode "regions", with
+    `session`): the compiled regions of the session's caches, kept across its runs so that a chat's later turns run
+    the graphs its first compiled (`make_decoder`)."""
     if warmup and (session is not None or draft_tokens):
         raise InputError("--warmup does not run with --prompt-cache or --draft-tokens")
     if draft_tokens and max_new_tokens:  # with none to make, nothing is drafted: the prompts alone, below
@@ -358,9 +360,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     batch, steps = start_batch(model, prompts, max(map(len, prompts)) + max_new_tokens, prefill_chunk, graph_mode,
                                backend, stages, session, decoder, max_new_tokens > 1)
     results, gen = batch.results, torch.Generator(device=model.device).manual_seed(sampling.seed)
-    if warmup:
-        steps.prefill(0, prompts[0])
-        model.clear_row(0)
+    warm_s = warm_up(steps, prompts[0], max_new_tokens > 1) if warmup else None
 
     def take(rows: list[int], logits: torch.Tensor) -> None:
         greedy = model.opts.cpu.greedy(logits) if sampling.temperature <= 0 else None  # the check and argmax, one call
@@ -416,7 +416,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         session.fed(results[0].tokens[:-1])
     batch.locate(steps)
     finish_stats(model, results, prefill_s, step_s, decode_tokens, steps.decoder is not None, prefilled,
-                 steps.ahead_s)
+                 steps.ahead_s, warm_s)
     if model.opts.tp.world > 1:  # what one rank put into all-reduces per decoded token (fp32)
         for res in results:
             res.stats["collective_bytes_per_token"] = (model.opts.tp.traffic.bytes - moved0) / max(decode_tokens, 1)
@@ -460,18 +460,37 @@ def teacher_force(model: Transformer, prompts: list[list[int]], forced: list[lis
                         ahead_s=steps.ahead_s)
 
 
+def warm_up(steps: Stepper, ids: list[int], decodes: bool) -> float | None:
+    """`generate --warmup`, as llama-bench warms up: the prompt `ids` prefilled in row 0 and (`decodes`) one decode
+    step after it, untimed, then every row cleared (a compiled step runs them all) -> the seconds the step took (None
+    without one)."""
+    steps.prefill(0, ids)
+    warm_s = None
+    if decodes:
+        t0 = time.perf_counter()
+        steps.decode([0], [ids[-1]])
+        warm_s = time.perf_counter() - t0
+    for row in range(steps.model.max_batch):
+        steps.model.clear_row(row)
+    return warm_s
+
+
 def finish_stats(model: Transformer, results: list[GenerationResult], prefill_s: list[float], step_s: list[float],
-                 decode_tokens: int, compiled: bool = False,
-                 prefilled: list[int] | None = None, ahead_s: float = 0.0) -> list[GenerationResult]:
+                 decode_tokens: int, compiled: bool = False, prefilled: list[int] | None = None,
+                 ahead_s: float = 0.0, warm_s: float | None = None) -> list[GenerationResult]:
     """Each result's stats: prefill and decode speed (0.0 where nothing was run: a prompt whose state was reused
     whole, no decode step), the compile time reported apart (the graphs compiled ahead, `ahead_s`, and what the
     first compiled step took beyond the others), peak memory (every rank's: a collective, so every rank gets here in
     step), the hc kernels' calls. `prefilled`: the tokens each row's prefill ran (default: its whole prompt)."""
-    first = 0.0
+    first, decode_s = 0.0, sum(step_s)
     if compiled and step_s:  # the first compiled step may also compile: report that apart
-        typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
-        first = max(0.0, step_s[0] - typical)
-    compile_s, decode_s = ahead_s + first, sum(step_s) - first
+        if warm_s is None:
+            typical = sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else 0.0
+            first = max(0.0, step_s[0] - typical)
+            decode_s -= first
+        else:  # the warmup's step was the first
+            first = max(0.0, warm_s - decode_s / len(step_s))
+    compile_s = ahead_s + first
     rss = peak_rss_mb()
     per_rank = gather_values([rss], model.opts.tp)
     for row, res in enumerate(results):

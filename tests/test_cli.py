@@ -303,8 +303,9 @@ def test_generate_greedy_is_deterministic(greedy_ref):
 
 
 def test_generate_warmup_leaves_the_run_as_it_was(tmp_path, greedy_ref):
-    """--warmup prefills the first prompt once untimed and clears its row: the tokens and log-probs are those of a
-    run without it (a batch of two prompts too); it refuses what it cannot warm (a prompt cache, draft tokens)."""
+    """--warmup prefills the first prompt and decodes a token after it once, untimed, and clears the rows: the tokens
+    and log-probs are those of a run without it (a batch of two prompts too); it refuses what it cannot warm (a prompt
+    cache, draft tokens)."""
     (warm,) = gen_json("--prompt-ids", IDS, "-n", N, "--warmup")
     assert warm["tokens"] == greedy_ref["tokens"] and warm["stats"]["prefill_tok_s"] > 0
     prompts = tmp_path / "p.jsonl"

@@ -679,6 +679,21 @@ def failing_backend(monkeypatch, region: str, stages: str | None = None) -> list
     return made
 
 
+@pytest.mark.parametrize("mode", ["eager", "regions"])
+def test_warmup_decode_step_leaves_the_tokens_as_they_were(mode):
+    """`generate(..., warmup=True)` (a prompt and a decode step after it, untimed; a compiled step runs every row)
+    clears what its step wrote: three rows at different positions take the tokens of a run without it, eager and by
+    compiled regions; a compiled run reports the warmup's step apart as compile time, its decode rate from the timed
+    steps."""
+    model, prompts = make_model(MIXED), make_prompts()
+    kw = dict(graph_mode=mode, backend=STRUCT_BACKEND) if mode == "regions" else {}
+    want = generate(model, prompts, 8, eos_id=1, ignore_eos=True, record_topk=2, **kw)
+    got = generate(model, prompts, 8, eos_id=1, ignore_eos=True, record_topk=2, warmup=True, **kw)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.top_logprobs for r in got] == [r.top_logprobs for r in want]
+    assert got[0].stats["decode_tok_s"] > 0 and got[0].stats["compile_s"] >= 0
+
+
 @pytest.mark.parametrize("ratios,stages,failing", [(MIXED, "whole", None), ([4], "split", "core")],
                          ids=["whole", "split-core"])
 def test_failed_region_compile_falls_back_to_eager_for_that_region_alone(monkeypatch, ratios, stages, failing):
