@@ -2773,11 +2773,14 @@ struct Ranges {  // the weights a call read: a GEMV's jobs' rows, or what note_r
     int64_t bytes[MAX_RANGES];
 };
 
-struct Loop {  // a parallel loop of the calling thread: body(i) for i in [0, count)
-    int64_t count;
+// A parallel loop of the calling thread: body(i) for i in [0, count). The indexes still to run are [front, back): the
+// workers take them from the front, the calling thread from the back, so that a worker runs the first indexes, whose
+// weights it read ahead into its own caches, and the calling thread those it has to fetch itself.
+struct Loop {
     const std::function<int(int64_t)>* body;
-    std::atomic<int64_t> next{0};
-    std::atomic<int> flags{0};  // the OR of body's results
+    std::atomic<uint64_t> span;  // front << 32 | back
+    std::atomic<int> flags{0};   // the OR of body's results
+    Loop(int64_t count, const std::function<int(int64_t)>* b) : body(b), span(uint64_t(count)) {}
 };
 
 struct StepScope {
@@ -2793,9 +2796,17 @@ struct StepScope {
 
 thread_local StepScope* step_scope = nullptr;  // the calling thread's, while mhc_run_step runs its step with workers
 
-void run_indexes(Loop& loop) {
+// The loop's indexes from the front (a worker) or from the back (the calling thread), one at a time, until none is left.
+void run_indexes(Loop& loop, bool back) {
     int f = 0;
-    for (int64_t i; (i = loop.next.fetch_add(1, std::memory_order_relaxed)) < loop.count;) f |= (*loop.body)(i);
+    for (uint64_t s = loop.span.load(std::memory_order_relaxed);;) {
+        const uint64_t front = s >> 32, end = s & 0xFFFFFFFFu;
+        if (front >= end) break;
+        if (!loop.span.compare_exchange_weak(s, back ? s - 1 : s + (uint64_t(1) << 32), std::memory_order_relaxed))
+            continue;  // s holds the span as it is now
+        f |= (*loop.body)(int64_t(back ? end - 1 : front));
+        s = loop.span.load(std::memory_order_relaxed);
+    }
     if (f) loop.flags.fetch_or(f, std::memory_order_relaxed);
 }
 
@@ -2808,7 +2819,7 @@ void serve(StepScope& sc, bool ahead) {
     while (!sc.stop.load(std::memory_order_acquire)) {
         if (sc.loop.load(std::memory_order_relaxed) != nullptr) {
             sc.inside.fetch_add(1);  // then look (seq_cst, as the caller's clearing and its look at `inside`)
-            if (Loop* loop = sc.loop.load()) run_indexes(*loop);
+            if (Loop* loop = sc.loop.load()) run_indexes(*loop, false);
             sc.inside.fetch_sub(1);
             continue;
         }
@@ -2835,10 +2846,9 @@ void serve(StepScope& sc, bool ahead) {
 
 // body(i) for i in [0, count) by the calling thread and the workers that join -> the OR of the results.
 int run_posted(StepScope& sc, int64_t count, const std::function<int(int64_t)>& body) {
-    Loop loop;
-    loop.count = count, loop.body = &body;
+    Loop loop(count, &body);
     sc.loop.store(&loop);
-    run_indexes(loop);
+    run_indexes(loop, true);
     sc.loop.store(nullptr);
     while (sc.inside.load() != 0) _mm_pause();  // a worker that saw the loop is done with it
     return loop.flags.load(std::memory_order_relaxed);
@@ -2853,7 +2863,8 @@ int for_each_index(int64_t count, int threads, F f) {
         for (int64_t i = 0; i < count; i++) flags |= f(i);
         return flags;
     }
-    if (step_scope != nullptr) return run_posted(*step_scope, count, std::function<int(int64_t)>(f));
+    if (step_scope != nullptr && count <= int64_t(UINT32_MAX))  // a Loop's span holds 32-bit indexes
+        return run_posted(*step_scope, count, std::function<int(int64_t)>(f));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : flags)
     for (int64_t i = 0; i < count; i++) flags |= f(i);
     return flags;
