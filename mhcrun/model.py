@@ -973,6 +973,7 @@ class Transformer(nn.Module):
             Block(i, cfg, self.opts) for i in range(cfg.n_layers if n_layers is None else n_layers))
         self.norm = RMSNorm(cfg.norm_eps, self.opts)
         self.head = Linear(self.opts)  # and hc_head_{fn,base,scale}
+        self.tables: dict[str, torch.Tensor | None] = {}  # finish's `weight_table`, learnt once
         self.mtp = nn.ModuleList()  # the MTP layers, when built with them (`build_model(mtp=True)`)
         self.dtype = torch.float32
         self.max_batch = self.max_seq = 0
@@ -1049,12 +1050,33 @@ class Transformer(nn.Module):
         the final norm, the head; `owner`: whose head collapse and final norm (an MTP layer's; the head itself
         is the model's)."""
         cfg, o = self.cfg, owner or self
+        out = None if every or owner is not None else self.finish_in_one_call(c)
+        if out is not None:
+            return out
         x = c.settle(self.opts.hc)
         split = self.fn_split if owner is None else owner.fn_split["head"]
         h = hc_ops.hc_head(x if every else x[:, -1:], o.hc_head_fn, *split, o.hc_head_scale, o.hc_head_base,
                            cfg.hc_eps, cfg.norm_eps, self.opts.hc)
         h = o.norm(h).float()
         return self.logits(h if every else h[:, -1]), x
+
+    def finish_in_one_call(self, c: Carry) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """finish's calls for CPU eager decode rows (one position each) by the run's kernel in one (`CpuKernel.finish`:
+        the post step's, the head collapse's, the final norm's and the head's calls: the same values), where the hc
+        steps take the kernel, on one rank, and no hook watches the norm or the head; None where it does not apply."""
+        cfg, hc = self.cfg, self.opts.hc
+        if c.y.shape[1] != 1 or torch.compiler.is_compiling() or self.opts.tp.world > 1 \
+                or watched(self.norm, self.head) or hc.path(c.y.device.type) != "cpu" \
+                or not hc_ops.mixes_supported(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps):
+            return None
+        out = hc.cpu.finish(c.y, c.x, c.post, c.comb, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
+                            cfg.hc_eps, cfg.norm_eps, self.norm.weight, self.norm.eps,
+                            learnt_table(self, "head", self.head), act_blocks(self.opts, self.head)[0])
+        if out is None:
+            return None
+        hc.count("hc_post", "cpu")
+        hc.count("hc_head", "cpu")
+        return out
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> [b, s, d] in the activation dtype; under --tp each rank looks up its vocabulary rows

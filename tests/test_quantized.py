@@ -264,7 +264,7 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
 
 
 LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_compress_close", "mhc_ffn_half",
-               "mhc_moe_step", "mhc_index_queries", "mhc_attend_output")
+               "mhc_moe_step", "mhc_index_queries", "mhc_attend_output", "mhc_finish")
 
 
 @pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
@@ -273,10 +273,11 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
                                                                       hc):
     """In CPU eager decode the attention's projections, its attention with its output (the output alone where the
     caches are plain: the simulation off), the indexer's queries, a compressor's step that closes no group and one
-    that closes groups (its entries stored: not where the caches are plain) and the MoE half (the post+pre step, then
-    router, routed and shared experts, their sum) are one kernel call each (`mhc_attn_project`, `mhc_attend_output` /
-    `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_compress_close`, `mhc_ffn_half`; the MoE alone,
-    `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0): bit for bit the
+    that closes groups (its entries stored: not where the caches are plain), the MoE half (the post+pre step, then
+    router, routed and shared experts, their sum) and the model's finish (the last post step, the head collapse, the
+    final norm, the head) are one kernel call each (`mhc_attn_project`, `mhc_attend_output` / `mhc_attn_output`,
+    `mhc_index_queries`, `mhc_compress_open`, `mhc_compress_close`, `mhc_ffn_half`, `mhc_finish`; the MoE alone,
+    `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0, and no finish): bit for bit the
     logits of the modules' own calls, which forward hooks on the modules bring back (`probes.first_nonfinite_op`),
     across the window's and the compressors' group edges with 2 rows at different positions (tiny), on the mid-size
     config's shapes too; each call was made, and none under the hooks."""
@@ -309,7 +310,8 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
             want = teacher_forced(model, prompts, steps)
     # the MoE half's call makes the MoE's; the attention's call makes its output's, which alone serves plain caches
     unused = {"mhc_ffn_half" if hc == "torch" else "mhc_moe_step", "mhc_attn_output" if quant_sim else
-              "mhc_attend_output"} | (set() if quant_sim else {"mhc_compress_close"})
+              "mhc_attend_output"} | (set() if quant_sim else {"mhc_compress_close"}) | \
+        ({"mhc_finish"} if hc == "torch" else set())
     assert all(made[name] for name in LAYER_STEPS if name not in unused), made
     assert not any(calls.values()), calls
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -396,6 +398,41 @@ def test_compress_close_declines_what_it_does_not_take(tiny_fp8):
     assert close()  # in range: the state moves on, the entry is written
     after = buffers()
     assert not torch.equal(after["kv"], before["kv"]) and not torch.equal(after["scale"], before["scale"])
+
+
+@torch.inference_mode()
+def test_finish_in_one_call_declines_what_it_does_not_take(tiny_fp8):
+    """`CpuKernel.finish` (the model's finish of decode rows in one call; its logits against the module's calls: the
+    test above) gives the streams and logits of the calls it makes, and None for a chunk of two positions, bf16
+    streams, a head of another width, no head table, mixes of another shape, the kernel off."""
+    from mhcrun.model import act_blocks, learnt_table
+
+    if not cpu_kernel().on:
+        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
+    model = models(tiny_fp8)[0]
+    model.opts.cpu = cpu_kernel()
+    n, d, g = model.cfg.hc_mult, model.cfg.dim, torch.Generator().manual_seed(5)
+    y, x = torch.randn(2, 1, d, generator=g), torch.randn(2, 1, n, d, generator=g)
+    post, comb = torch.rand(2, 1, n, generator=g), torch.rand(2, 1, n, n, generator=g) / n
+    table = learnt_table(model, "head", model.head)
+
+    def finish(y=y, x=x, post=post, comb=comb, fn=model.hc_head_fn, head=table, kernel=cpu_kernel()):
+        return kernel.finish(y, x, post, comb, fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps,
+                             model.cfg.norm_eps, model.norm.weight, model.norm.eps, head,
+                             act_blocks(model.opts, model.head)[0])
+
+    logits, streams = finish()
+    k = cpu_kernel()
+    want_streams = k.hc_post(y, x, post, comb)
+    h = k.hc_head(want_streams, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps,
+                  model.cfg.norm_eps)
+    want = model.head(model.norm(h))[:, -1]
+    assert torch.equal(streams, want_streams) and torch.equal(logits, want)
+    two = dict(y=y.expand(2, 2, d), x=x.expand(2, 2, n, d), post=post.expand(2, 2, n), comb=comb.expand(2, 2, n, n))
+    for bad in (two, dict(x=x.bfloat16(), y=y.bfloat16()), dict(head=None), dict(fn=model.hc_head_fn[:, :-1]),
+                dict(head=qgemv.weight_table(model.layers[0].attn.wq_b.w)),
+                dict(kernel=cpu_kernel("0"))):
+        assert finish(**bad) is None, list(bad)
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

@@ -4051,6 +4051,29 @@ int mhc_compress_close(const int64_t* weights, int64_t act_kv, int64_t act_gate,
     return 0;
 }
 
+// Transformer.finish of t decode rows in one call (python: CpuKernel.finish): the carried post step (mhc_hc_post of y
+// [t, d], res [t, n, d], post [t, n], comb [t, n, n] into the streams x_new [t, n, d]), V4's head collapse of them
+// (mhc_hc_pre without post: fn [n, n * d], scale [1], base [n], eps, hc_norm_eps), the final norm (mhc_rms_norm by
+// norm [d], norm_eps) and the head (`head`: a weight as WEIGHT_FIELDS; act its activation block) -> logits [t, vocab]:
+// the calls of its eager path in its order, so the same values (fp32 activations). Their codes, 4 out of memory.
+int mhc_finish(const float* y, const float* res, const float* post, const float* comb, float* x_new, const float* fn,
+               const float* scale, const float* base, float eps, float hc_norm_eps, const float* norm, float norm_eps,
+               const int64_t* head, int64_t act, float* logits, int64_t t, int64_t n, int64_t d, int isa,
+               int threads) {
+    std::vector<float> h;
+    try {
+        h.resize(2 * t * d);
+    } catch (const std::bad_alloc&) {
+        return 4;
+    }
+    if (int rc = mhc_hc_post(0, y, res, post, comb, x_new, t, n, d, isa, threads)) return rc;
+    if (int rc = mhc_hc_pre(0, x_new, fn, scale, base, nullptr, h.data(), nullptr, nullptr, t, n, d, 0, eps,
+                            hc_norm_eps, nullptr, isa, threads))
+        return rc;
+    if (int rc = mhc_rms_norm(h.data(), norm, h.data() + t * d, t, d, norm_eps, isa)) return rc;
+    return qlinear_at(head, h.data() + t * d, logits, t, act, 1, isa, threads);
+}
+
 // Whether every index of idx [count] names one of `experts` experts.
 inline bool in_set(const int64_t* idx, int64_t count, int64_t experts) {
     for (int64_t p = 0; p < count; p++)

@@ -361,6 +361,32 @@ class CpuKernel:
                                                     torch.get_num_threads())
         return None if rc else h
 
+    def finish(self, y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+               eps: float, hc_norm_eps: float, norm: Tensor, norm_eps: float, head: Tensor | None,
+               act: int) -> tuple[Tensor, Tensor] | None:
+        """`Transformer.finish` of decode rows in one call (`mhc_finish`: the calls of its eager path, in its order, so
+        the same values): `hc_post` of the carried streams (y [b, 1, d], residual [b, 1, n, d], post, comb; fp32),
+        `hc_head` of them (fn, scale, base, eps, hc_norm_eps), `rms_norm` by norm [d] (norm_eps), then `linear` of the
+        head (`head`: its `weight_table`; act its activation block) -> (logits [b, vocab], the streams [b, 1, n, d]);
+        None where it does not apply or a call declines."""
+        if not self.hc_takes(residual, post, comb) or residual.dim() != 4 or residual.shape[1] != 1 or head is None \
+                or not cpu_fp32(y, residual, post, comb, fn, scale, base, norm):
+            return None
+        b, _, n, d = residual.shape
+        ((vocab, k),) = table_shapes(head)
+        if self.gemm_first(b) or k != d or y.shape != (b, 1, d) or post.shape != (b, 1, n) \
+                or comb.shape != (b, 1, n, n) or fn.shape != (n, n * d) or base.shape != (n,) or scale.numel() != 1 \
+                or norm.shape != (d,):
+            return None
+        y, residual, post, comb, fn, scale, base, norm = (t.contiguous() for t in (y, residual, post, comb, fn, scale,
+                                                                                   base, norm))
+        streams, logits = torch.empty_like(residual), torch.empty(b, vocab)
+        rc = load_library(self.library).mhc_finish(
+            y.data_ptr(), residual.data_ptr(), post.data_ptr(), comb.data_ptr(), streams.data_ptr(), fn.data_ptr(),
+            scale.data_ptr(), base.data_ptr(), eps, hc_norm_eps, norm.data_ptr(), norm_eps, head.data_ptr(), act,
+            logits.data_ptr(), b, n, d, self.isa, torch.get_num_threads())
+        return None if rc else (logits, streams)
+
     def hc_post_pre(self, y: Tensor | None, residual: Tensor, post: Tensor | None, comb: Tensor | None, fn: Tensor,
                     scale: Tensor, base: Tensor, weight: Tensor, iters: int, eps: float,
                     norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -1178,6 +1204,9 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_index_queries.restype = ctypes.c_int
     lib.mhc_index_queries.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
         [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64] + [ctypes.c_int] * 2
+    lib.mhc_finish.restype = ctypes.c_int
+    lib.mhc_finish.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_float] + \
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_compress_close.restype = ctypes.c_int
     lib.mhc_compress_close.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6 + \
         [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
