@@ -259,16 +259,9 @@ class Compressor(nn.Module):
         opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
         fast = not self.keep_chunk and not torch.compiler.is_compiling()  # the run's kernel may do a step in one call
         lins, lead = (self.wkv, self.wgate), r if self.overlap else 0
-        coding = kernel_coding(self.cache.fmt)
         if opens and fast and not watched(*lins) and self.opts.cpu.compress_open(  # the calls below, in one
                 x.float(), learnt_table(self, "lins", *lins), act_blocks(self.opts, *lins), self.kv_state,
                 self.score_state, rows, self.ape, start, r, lead):
-            return
-        if s == 1 and not opens and not static and fast and coding and not watched(*lins, self.norm) \
-                and self.opts.cpu.compress_close(  # the calls below of a decode step closing groups, in one
-                    x.float(), learnt_table(self, "lins", *lins), act_blocks(self.opts, *lins), self.kv_state,
-                    self.score_state, rows, self.ape, start, r, lead, self.norm.weight, self.norm.eps, self.rope.cos,
-                    self.rope.sin, self.rope_dim, self.rotate, *coding, self.cache.parts()):
             return
         kv, raw = self.wkv(x.float()), self.wgate(x.float())
         if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
@@ -281,11 +274,9 @@ class Compressor(nn.Module):
         if closed is None:
             return
         at, slot, first, pooled = closed
-        # a decode step's groups: the norm module's forward (in CPU eager the kernel's call, as `compress_close` makes
-        # it); a chunk's: torch's op, whose values the goldens hold (the kernel's sums the mean of squares in another
-        # order, and with the FP8 simulation such a last bit can flip a rounding)
-        pooled = pooled.to(x.dtype)
-        normed = self.norm(pooled) if s == 1 else rms_norm(pooled, self.norm.weight, self.norm.eps)
+        fmt = self.cache.fmt
+        coding = kernel_coding(fmt)
+        normed = rms_norm(pooled.to(x.dtype), self.norm.weight, self.norm.eps)
         if not static and not torch.compiler.is_compiling() and coding and self.opts.cpu.store_entries(  # in one call
                 normed, at, slot, first, self.rope.cos, self.rope.sin, self.rope_dim, self.rotate, *coding,
                 self.cache.parts()):
@@ -293,7 +284,7 @@ class Compressor(nn.Module):
         cos, sin = self.rope.at(first)
         out = finish_entry(normed, lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
                            (lambda t: spin(self.opts.cpu, t)) if self.rotate else None)
-        self.cache.store((at, slot), encode_entries(self.opts.cpu, self.cache.fmt, out))
+        self.cache.store((at, slot), encode_entries(self.opts.cpu, fmt, out))
 
     def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
                    static: bool) -> tuple[torch.Tensor, ...] | None:

@@ -263,8 +263,8 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
         assert torch.equal(g, w), f"step {step}"
 
 
-LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_compress_close", "mhc_ffn_half",
-               "mhc_moe_step", "mhc_index_queries", "mhc_attend_output", "mhc_finish")
+LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step",
+               "mhc_index_queries", "mhc_attend_output", "mhc_finish")
 
 
 @pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
@@ -272,12 +272,11 @@ LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_
 def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, mid2, monkeypatch, case, quant_sim,
                                                                       hc):
     """In CPU eager decode the attention's projections, its attention with its output (the output alone where the
-    caches are plain: the simulation off), the indexer's queries, a compressor's step that closes no group and one
-    that closes groups (its entries stored: not where the caches are plain), the MoE half (the post+pre step, then
-    router, routed and shared experts, their sum) and the model's finish (the last post step, the head collapse, the
-    final norm, the head) are one kernel call each (`mhc_attn_project`, `mhc_attend_output` / `mhc_attn_output`,
-    `mhc_index_queries`, `mhc_compress_open`, `mhc_compress_close`, `mhc_ffn_half`, `mhc_finish`; the MoE alone,
-    `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0, and no finish): bit for bit the
+    caches are plain: the simulation off), the indexer's queries, a compressor's step that closes no group, the MoE
+    half (the post+pre step, then router, routed and shared experts, their sum) and the model's finish (the last post
+    step, the head collapse, the final norm, the head) are one kernel call each (`mhc_attn_project`,
+    `mhc_attend_output` / `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_ffn_half`, `mhc_finish`;
+    the MoE alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0, and no finish): bit for bit the
     logits of the modules' own calls, which forward hooks on the modules bring back (`probes.first_nonfinite_op`),
     across the window's and the compressors' group edges with 2 rows at different positions (tiny), on the mid-size
     config's shapes too; each call was made, and none under the hooks."""
@@ -310,8 +309,7 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
             want = teacher_forced(model, prompts, steps)
     # the MoE half's call makes the MoE's; the attention's call makes its output's, which alone serves plain caches
     unused = {"mhc_ffn_half" if hc == "torch" else "mhc_moe_step", "mhc_attn_output" if quant_sim else
-              "mhc_attend_output"} | (set() if quant_sim else {"mhc_compress_close"}) | \
-        ({"mhc_finish"} if hc == "torch" else set())
+              "mhc_attend_output"} | ({"mhc_finish"} if hc == "torch" else set())
     assert all(made[name] for name in LAYER_STEPS if name not in unused), made
     assert not any(calls.values()), calls
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -320,15 +318,12 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
 
 @pytest.mark.parametrize("quant_sim", [True, False])
 @pytest.mark.parametrize("case", ["tiny", "mid"])
-@pytest.mark.parametrize("call", ["store_entries", "compress_close"])
-def test_closed_groups_stored_in_one_call_are_the_modules_entries(tiny_fp8, mid2, monkeypatch, case, quant_sim, call):
+def test_closed_groups_stored_in_one_call_are_the_modules_entries(tiny_fp8, mid2, monkeypatch, case, quant_sim):
     """A compressor's groups closed in a decode step are finished and stored in one kernel call after their norm
     (`mhc_store_entries`: RoPE at the group's first position, for indexer keys the Hadamard rotation, the FP8 / FP4
-    encoding, the store; `compress_close` off), and the whole step that closes them is one call (`mhc_compress_close`:
-    wkv and wgate, the pooling, the norm, the store): the decode's logits and every cache and state buffer equal, bit
-    for bit, those of the calls the module otherwise makes (the call turned off), across the compressors' group edges,
-    2 rows at different positions (tiny: rows whose groups close at different steps); with the simulation off (plain
-    caches) the call declines and nothing changes."""
+    encoding, the store): the decode's logits and every cache and state buffer equal, bit for bit, those of the calls
+    the module otherwise makes (the call turned off), across the compressors' group edges, 2 rows at different
+    positions (tiny); with the simulation off (plain caches) the call declines and nothing changes."""
     if not cpu_kernel().on:
         pytest.skip(f"CPU kernel {cpu_kernel().status()}")
     path, steps, layers, prompts = ((tiny_fp8, 20, None, DECODE_PROMPTS) if case == "tiny" else
@@ -336,68 +331,24 @@ def test_closed_groups_stored_in_one_call_are_the_modules_entries(tiny_fp8, mid2
     model = models(path, layers)[0]
     model.opts.cpu, model.opts.quant_sim = cpu_kernel(), quant_sim
     made = [0]
-    kernel_call = getattr(qgemv.CpuKernel, call)
-    if call == "store_entries":
-        monkeypatch.setattr(qgemv.CpuKernel, "compress_close", lambda self, *args: False)
+    store = qgemv.CpuKernel.store_entries
 
     def counted(self, *args):
-        ok = kernel_call(self, *args)
+        ok = store(self, *args)
         made[0] += ok
         return ok
 
     with torch.inference_mode():
-        monkeypatch.setattr(qgemv.CpuKernel, call, counted)
+        monkeypatch.setattr(qgemv.CpuKernel, "store_entries", counted)
         got = teacher_forced(model, prompts, steps)
         got_state = {k: v.clone() for k, v in model.state().items()}
-        monkeypatch.setattr(qgemv.CpuKernel, call, lambda self, *args: False)
+        monkeypatch.setattr(qgemv.CpuKernel, "store_entries", lambda self, *args: False)
         want = teacher_forced(model, prompts, steps)
     assert made[0] > 0 if quant_sim else made[0] == 0, made
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}"
     for name, t in model.state().items():
         assert torch.equal(got_state[name].view(torch.uint8), t.view(torch.uint8)), name
-
-
-@torch.inference_mode()
-def test_compress_close_declines_what_it_does_not_take(tiny_fp8):
-    """`CpuKernel.compress_close` (a compressor's decode step closing groups in one call; its values against the
-    module's calls: the test above) writes nothing and says so for a state row outside the buffers, a row twice, a
-    sequence's first token, a step that closes no group, an entry slot past the cache, x in another dtype, a plain
-    cache, the kernel off; the same call in range then writes the state and the entry."""
-    from mhcrun.model import act_blocks, kernel_coding, learnt_table
-
-    if not cpu_kernel().on:
-        pytest.skip(f"CPU kernel {cpu_kernel().status()}")
-    model = models(tiny_fp8)[0]
-    model.opts.cpu = cpu_kernel()
-    model.setup_caches(2, 64)
-    comp = next(m.attn.compressor for m in model.layers if m.attn.ratio == 4)
-    lins, coding = (comp.wkv, comp.wgate), kernel_coding(comp.cache.fmt)
-    x = torch.randn(1, 1, model.cfg.dim, generator=torch.Generator().manual_seed(3))
-    closes = torch.tensor([3])  # position 3 closes the group of positions 0-3
-
-    def close(x=x, rows=torch.tensor([0]), start=closes, kernel=cpu_kernel(), coding=coding, parts=None):
-        return kernel.compress_close(x, learnt_table(comp, "lins", *lins), act_blocks(comp.opts, *lins), comp.kv_state,
-                                     comp.score_state, rows, comp.ape, start, 4, 4, comp.norm.weight, comp.norm.eps,
-                                     comp.rope.cos, comp.rope.sin, comp.rope_dim, comp.rotate, *coding,
-                                     parts or comp.cache.parts())
-
-    def buffers() -> dict[str, torch.Tensor]:
-        return {"kv": comp.kv_state.clone(), "score": comp.score_state.clone(),
-                **{n: p.clone().view(torch.uint8) for n, p in comp.cache.parts().items()}}
-
-    before = buffers()
-    x2 = x.expand(2, 1, -1)
-    for bad in (dict(rows=torch.tensor([2])), dict(rows=torch.tensor([-1])),
-                dict(x=x2, rows=torch.tensor([1, 1]), start=torch.tensor([3, 3])), dict(start=torch.tensor([0])),
-                dict(start=torch.tensor([5])), dict(start=torch.tensor([4 * comp.cache.scale.shape[1] + 3])),
-                dict(x=x.double()), dict(coding=("plain", 64)), dict(kernel=cpu_kernel("0")),
-                dict(parts={**comp.cache.parts(), "rope": torch.zeros(2, 1, comp.rope_dim)})):
-        assert not close(**bad), bad
-        assert all(torch.equal(t, before[n]) for n, t in buffers().items()), bad
-    assert close()  # in range: the state moves on, the entry is written
-    after = buffers()
-    assert not torch.equal(after["kv"], before["kv"]) and not torch.equal(after["scale"], before["scale"])
 
 
 @torch.inference_mode()
@@ -542,12 +493,10 @@ KERNEL_STEPS = {name: getattr(qgemv.CpuKernel, name) for name in (*BITWISE_STEPS
 
 # the layer steps whose one call makes a one-call step's call among its own (`CpuKernel.ffn_half`, ...): off with it
 CONTAINING = {"route": ("moe_step", "ffn_half"), "moe_routed": ("moe_step", "ffn_half"),
-              "rope_tail": ("attn_project", "attn_output", "attend_output", "index_queries", "store_entries",
-                            "compress_close"),
-              "attend_decode": ("attend_output",), "compress_step": ("compress_close",),
-              "fp4_simulate": ("index_queries",), "hadamard": ("index_queries", "store_entries", "compress_close"),
-              "kv_fp8_encode": ("store_entries", "compress_close"),
-              "kv_fp4_encode": ("store_entries", "compress_close")}
+              "rope_tail": ("attn_project", "attn_output", "attend_output", "index_queries", "store_entries"),
+              "attend_decode": ("attend_output",),
+              "fp4_simulate": ("index_queries",), "hadamard": ("index_queries", "store_entries"),
+              "kv_fp8_encode": ("store_entries",), "kv_fp4_encode": ("store_entries",)}
 
 
 def small_steps(monkeypatch, names: tuple[str, ...], on: bool) -> dict[str, int]:

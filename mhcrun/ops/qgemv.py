@@ -902,63 +902,25 @@ class CpuKernel:
         rows at [n] of `parts` (the cache's), as the compressor's eager calls make them, so the same values). False
         where it does not apply (then nothing was written)."""
         n, hd = normed.shape if normed.dim() == 2 else (0, 0)
-        if not self.on or not n or n > MAX_ROWS or not cpu_fp32(normed) \
-                or any(t.dtype != torch.int64 or t.shape != (n,) for t in (at, slot, first)):
-            return False
-        store = self._store_args(hd, cos, sin, rope_dim, spin, kind, block, parts)
-        if store is None:
-            return False
-        normed, at, slot, first = (t.contiguous() for t in (normed, at, slot, first))
-        return load_library(self.library).mhc_store_entries(
-            normed.data_ptr(), at.data_ptr(), slot.data_ptr(), first.data_ptr(), n, hd, *store, self.isa) == 0
-
-    def compress_close(self, x: Tensor, table: Tensor | None, act: tuple[int, int], kv_state: Tensor,
-                       score_state: Tensor, rows: Tensor, ape: Tensor, start: Tensor, ratio: int, lead: int,
-                       norm: Tensor, eps: float, cos: Tensor, sin: Tensor, rope_dim: int, spin: bool, kind: str,
-                       block: int, parts: dict[str, Tensor]) -> bool:
-        """`Compressor.forward` of decode tokens (one a row) of which some close their group, in one call
-        (`mhc_compress_close`: the calls of its eager path, its wkv's and wgate's `linear`, `close_group`, the norm's
-        `rms_norm` (weight `norm`, eps) of each closed group, `store_entries` of them, in its order, so the same
-        values): x [b, 1, d] fp32, `table` and `act` as `compress_open`'s, the state and positions as `close_group`'s,
-        the rest as `store_entries`'. False where it does not apply (then nothing was written)."""
-        b, s, d = x.shape if x.dim() == 3 else (0, 0, 0)
-        if table is None or not b or s != 1 or b > MAX_ROWS or self.gemm_first(b) or not cpu_fp32(x, norm):
-            return False
-        (c, k_kv), (c_gate, k_gate) = table_shapes(table)
-        hd = c // 2 if lead else c
-        if k_kv != d or k_gate != d or c_gate != c or norm.shape != (hd,) or not norm.is_contiguous() \
-                or not self.opens_group(kv_state, score_state, rows, ape, start, (b, s, c), ratio):
-            return False
-        store = self._store_args(hd, cos, sin, rope_dim, spin, kind, block, parts)
-        if store is None:
-            return False
-        x, rows, start = x.contiguous(), rows.contiguous(), start.contiguous()
-        return load_library(self.library).mhc_compress_close(
-            table.data_ptr(), *act, x.data_ptr(), kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(),
-            ape.data_ptr(), start.data_ptr(), b, kv_state.shape[0], kv_state.shape[1], ratio, lead, norm.data_ptr(),
-            eps, *store, self.isa, torch.get_num_threads()) == 0
-
-    def _store_args(self, hd: int, cos: Tensor, sin: Tensor, rope_dim: int, spin: bool, kind: str, block: int,
-                    parts: dict[str, Tensor]) -> tuple | None:
-        """`mhc_store_entries`' arguments from cos to block for entries of hd values (`store_entries`' arguments,
-        checked against the cache's parts), or None where they do not fit. The tables and parts are the model's own,
-        contiguous: no copy is made."""
         names = {"fp8": ("fp8", "scale", "rope"), "fp4": ("fp4", "scale")}.get(kind)
-        if names is None or set(parts) != set(names) or block < 1 or not cpu_fp32(cos, sin, parts["scale"]) \
+        if not self.on or not n or n > MAX_ROWS or names is None or set(parts) != set(names) or block < 1 \
+                or not cpu_fp32(normed, cos, sin, parts["scale"]) \
                 or cos.dim() != 2 or cos.shape[1] * 2 != rope_dim or sin.shape != cos.shape \
-                or not cos.is_contiguous() or not sin.is_contiguous() \
+                or any(t.dtype != torch.int64 or t.shape != (n,) for t in (at, slot, first)) \
                 or not all(p.is_cpu and p.is_contiguous() and p.dim() == 3 for p in parts.values()):
-            return None
+            return False
         width = hd - rope_dim if kind == "fp8" else hd
         n_rows, c_len = parts["scale"].shape[:2]
         want = {"fp8": (width, torch.float8_e4m3fn), "rope": (rope_dim, torch.float32), "fp4": (hd // 2, torch.uint8),
                 "scale": (-(-width // block), torch.float32)}
         if any(p.shape != (n_rows, c_len, want[name][0]) or p.dtype != want[name][1] for name, p in parts.items()):
-            return None
+            return False
+        normed, cos, sin, at, slot, first = (t.contiguous() for t in (normed, cos, sin, at, slot, first))
         rope = parts.get("rope")
-        return (cos.data_ptr(), sin.data_ptr(), cos.shape[0], rope_dim, hd**-0.5 if spin else 0.0, int(kind == "fp4"),
-                parts[names[0]].data_ptr(), parts["scale"].data_ptr(), None if rope is None else rope.data_ptr(),
-                n_rows, c_len, block)
+        return load_library(self.library).mhc_store_entries(
+            normed.data_ptr(), at.data_ptr(), slot.data_ptr(), first.data_ptr(), n, hd, cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], rope_dim, hd**-0.5 if spin else 0.0, int(kind == "fp4"), parts[names[0]].data_ptr(),
+            parts["scale"].data_ptr(), None if rope is None else rope.data_ptr(), n_rows, c_len, block, self.isa) == 0
 
     def close_group(self, kv_state: Tensor, score_state: Tensor, rows: Tensor, kv: Tensor, score: Tensor,
                     ape: Tensor, start: Tensor, ratio: int, lead: int) -> tuple[Tensor, Tensor] | None:
@@ -1207,10 +1169,6 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_finish.restype = ctypes.c_int
     lib.mhc_finish.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_float] + \
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    lib.mhc_compress_close.restype = ctypes.c_int
-    lib.mhc_compress_close.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6 + \
-        [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
-        [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.mhc_store_entries.restype = ctypes.c_int
     lib.mhc_store_entries.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + \
