@@ -255,14 +255,13 @@ class Compressor(nn.Module):
         at its first position and stored (in the cache's format) as compressed entry `position // ratio`. Eager,
         only the groups closed are finished (in decode most steps close none); with `static` every group of the
         buffer is, an open one (no entry yet) into the spare last slot."""
+        opened = self.open_step(x, rows, start, static)
+        if opened is not None and self.opts.cpu.compress_open(*opened):  # the calls below, in one
+            return
         r, s = self.ratio, x.size(1)
         opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
         fast = not self.keep_chunk and not torch.compiler.is_compiling()  # the run's kernel may do a step in one call
-        lins, lead = (self.wkv, self.wgate), r if self.overlap else 0
-        if opens and fast and not watched(*lins) and self.opts.cpu.compress_open(  # the calls below, in one
-                x.float(), learnt_table(self, "lins", *lins), act_blocks(self.opts, *lins), self.kv_state,
-                self.score_state, rows, self.ape, start, r, lead):
-            return
+        lead = r if self.overlap else 0
         kv, raw = self.wkv(x.float()), self.wgate(x.float())
         if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
                                                        start, r, lead):
@@ -285,6 +284,17 @@ class Compressor(nn.Module):
         out = finish_entry(normed, lambda t: rotate(self.opts.cpu, t, cos, sin, self.rope_dim),
                            (lambda t: spin(self.opts.cpu, t)) if self.rotate else None)
         self.cache.store((at, slot), encode_entries(self.opts.cpu, fmt, out))
+
+    def open_step(self, x: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, static: bool = False) -> tuple | None:
+        """`CpuKernel.compress_open`'s arguments for forward's step where its tokens close no group (most decode
+        steps) and the run's kernel may make its calls in one (outside graphs and speculative verifies, no hook on
+        wkv or wgate); else None."""
+        lins = (self.wkv, self.wgate)
+        if static or self.keep_chunk or torch.compiler.is_compiling() or watched(*lins) \
+                or not stays_open(start, x.size(1), self.ratio):
+            return None
+        return (x.float(), learnt_table(self, "lins", *lins), act_blocks(self.opts, *lins), self.kv_state,
+                self.score_state, rows, self.ape, start, self.ratio, self.ratio if self.overlap else 0)
 
     def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
                    static: bool) -> tuple[torch.Tensor, ...] | None:
@@ -500,12 +510,16 @@ class Attention(nn.Module):
         chosen = valid = None
         if self.ratio == 4:
             chosen, valid = self.indexer(x, qr, rows, start, cos, sin, static)
-        if self.ratio:
+        one = not torch.compiler.is_compiling() and not watched(self.wo_b)  # CPU eager decode: the calls in one
+        opened = self.compressor.open_step(x, rows, start, static) if self.ratio and one else None
+        if self.ratio and opened is None:
             self.compressor(x, rows, start, static)
-        if not torch.compiler.is_compiling() and not watched(self.wo_b):  # in CPU eager decode: both in one call
-            y = self.attend_output(q, kv, rows, start, chosen, valid, cos, sin)
+        if one:  # with a compressor's step that closes no group, that too
+            y = self.attend_output(q, kv, rows, start, chosen, valid, cos, sin, opened)
             if y is not None:
                 return y
+            if opened is not None:
+                self.compressor(x, rows, start, static)
         o = eager_first(lambda: self.attend_one(q, kv, rows, start, chosen, valid),
                         lambda: self.attend_chunk(q, kv, rows, start, pos, chosen, valid, static))
         return self.output(o, cos, sin)
@@ -566,13 +580,14 @@ class Attention(nn.Module):
 
     def attend_output(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                       chosen: torch.Tensor | None, valid: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor | None:
+                      sin: torch.Tensor, opened: tuple | None = None) -> torch.Tensor | None:
         """`attend_one`, then `output` of its o, by the run's kernel in one call (`CpuKernel.attend_output`: the calls
-        each makes, so the same values); None where either does not apply."""
+        each makes, so the same values), with `opened` (`Compressor.open_step`'s) the compressor's step first; None
+        where any does not apply."""
         args = self.decode_args(q, kv, rows, start, chosen, valid)
         y = None if args is None else self.opts.cpu.attend_output(
             *args, learnt_table(self, "output", self.wo_a, self.wo_b), act_blocks(self.opts, self.wo_b)[0], cos, sin,
-            self.n_groups, self.rope_dim)
+            self.n_groups, self.rope_dim, opened)
         return None if y is None else all_reduce(y, self.opts.tp)
 
     def decode_args(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,

@@ -264,7 +264,7 @@ def test_decode_steps_in_a_step_scope_give_the_logits_of_plain_steps(tiny_fp8, m
 
 
 LAYER_STEPS = ("mhc_attn_project", "mhc_attn_output", "mhc_compress_open", "mhc_ffn_half", "mhc_moe_step",
-               "mhc_index_queries", "mhc_attend_output", "mhc_finish")
+               "mhc_index_queries", "mhc_attend_output", "mhc_open_attend_output", "mhc_finish")
 
 
 @pytest.mark.parametrize("quant_sim, hc", [(True, "kernel"), (False, "kernel"), (True, "torch")])
@@ -276,7 +276,8 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
     half (the post+pre step, then router, routed and shared experts, their sum) and the model's finish (the last post
     step, the head collapse, the final norm, the head) are one kernel call each (`mhc_attn_project`,
     `mhc_attend_output` / `mhc_attn_output`, `mhc_index_queries`, `mhc_compress_open`, `mhc_ffn_half`, `mhc_finish`;
-    the MoE alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0, and no finish): bit for bit the
+    a compressor's step closing no group and the attention with its output in one, `mhc_open_attend_output`; the MoE
+    alone, `mhc_moe_step`, where the hc steps take torch: MHCRUN_NKI_HC=0, and no finish): bit for bit the
     logits of the modules' own calls, which forward hooks on the modules bring back (`probes.first_nonfinite_op`),
     across the window's and the compressors' group edges with 2 rows at different positions (tiny), on the mid-size
     config's shapes too; each call was made, and none under the hooks."""
@@ -309,7 +310,8 @@ def test_eager_decode_layer_steps_in_one_call_give_the_modules_logits(tiny_fp8, 
             want = teacher_forced(model, prompts, steps)
     # the MoE half's call makes the MoE's; the attention's call makes its output's, which alone serves plain caches
     unused = {"mhc_ffn_half" if hc == "torch" else "mhc_moe_step", "mhc_attn_output" if quant_sim else
-              "mhc_attend_output"} | ({"mhc_finish"} if hc == "torch" else set())
+              "mhc_attend_output"} | (set() if quant_sim else {"mhc_open_attend_output"}) | \
+        ({"mhc_finish"} if hc == "torch" else set())
     assert all(made[name] for name in LAYER_STEPS if name not in unused), made
     assert not any(calls.values()), calls
     for step, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -3941,6 +3941,29 @@ int mhc_compress_open(const int64_t* weights, int64_t act_kv, int64_t act_gate, 
     return mhc_open_group(kv_state, score_state, rows, kv, score, ape, start, b, s, c, n_rows, len, ratio, lead);
 }
 
+// A compressor's decode step that closes no group, then the attention with its output, in one call (python:
+// CpuKernel.attend_output with `opened`; Attention.forward's calls in its order): mhc_compress_open (its arguments),
+// then mhc_attend_output (its arguments). Their codes; where the second fails, the first has put the tokens into the
+// open groups' slots and the second may have put them into the ring: the caller's calls write the same there.
+int mhc_open_attend_output(const int64_t* cweights, int64_t act_kv, int64_t act_gate, const float* x, float* kv_state,
+                           float* score_state, const int64_t* crows, const float* ape, const int64_t* cstart,
+                           int64_t cb, int64_t cs, int64_t c_n_rows, int64_t len, int64_t ratio, int64_t lead,
+                           int c_isa, int c_threads, const float* q, const float* kv, uint8_t* rcodes, float* rscale,
+                           float* rrope, const int64_t* rows, const int64_t* start, const uint8_t* ccodes,
+                           const float* cscale, const float* crope, const int64_t* idx, const uint8_t* cvalid,
+                           const float* sink, int64_t b, int64_t h, int64_t d, int64_t rd, int64_t block,
+                           int64_t n_rows, int64_t win, int64_t c_len, int64_t k, float scale, int isa, int threads,
+                           const int64_t* weights, int64_t act_b, const float* cos, const float* sin, float* out,
+                           int64_t m, int64_t heads, int64_t hd, int64_t out_rd, int64_t groups, int out_isa,
+                           int out_threads) {
+    if (int rc = mhc_compress_open(cweights, act_kv, act_gate, x, kv_state, score_state, crows, ape, cstart, cb, cs,
+                                   c_n_rows, len, ratio, lead, c_isa, c_threads))
+        return rc;
+    return mhc_attend_output(q, kv, rcodes, rscale, rrope, rows, start, ccodes, cscale, crope, idx, cvalid, sink, b, h,
+                             d, rd, block, n_rows, win, c_len, k, scale, isa, threads, weights, act_b, cos, sin, out, m,
+                             heads, hd, out_rd, groups, out_isa, out_threads);
+}
+
 // A compressor's closed groups finished and stored in one call (python: CpuKernel.store_entries), as its eager calls
 // make them (mhcrun.model.Compressor.forward, finish_entry, encode_entries, Cache.store), so the same values: each of
 // the n normed groups [n, hd] with RoPE on its tail at its group's first position (mhc_rope_tail by the rows first[i]

@@ -510,17 +510,24 @@ class CpuKernel:
     def attend_output(self, q: Tensor, kv: Tensor, ring: dict[str, Tensor], rows: Tensor, start: Tensor,
                       comp: dict[str, Tensor] | None, idx: Tensor | None, valid: Tensor | None, sink: Tensor,
                       scale: float, block: int, table: Tensor | None, act_b: int, cos: Tensor, sin: Tensor,
-                      groups: int, rope_dim: int) -> Tensor | None:
+                      groups: int, rope_dim: int, opened: tuple | None = None) -> Tensor | None:
         """`attend_decode` (its arguments) and then `attn_output` of its o (its arguments after o) in one call
-        (`mhc_attend_output`: the same calls, so the same values) -> [b, 1, wo_b rows]; None where either does not
-        apply or a call declines (the token's kv may then be in the ring already: the caller's calls write the same)."""
+        (`mhc_attend_output`: the same calls, so the same values) -> [b, 1, wo_b rows]; with `opened` (`compress_open`'s
+        arguments: the compressor's step before the attention, closing no group) that call first, all in one
+        (`mhc_open_attend_output`). None where any does not apply or a call declines (the tokens may then be in the
+        open groups' slots and the ring already: the caller's calls write the same)."""
         call = self._attend_decode_call(q, kv, ring, rows, start, comp, idx, valid, sink, scale, block)
         out = None if call is None else self._attn_output_call(q.shape, table, act_b, cos, sin, groups, rope_dim)
-        if out is None:
+        first = None if out is None or opened is None else self._compress_open_call(*opened)
+        if out is None or (opened is not None and first is None):
             return None
         (args, held), (before_o, after_o, y, out_held) = call, out
-        rc = load_library(self.library).mhc_attend_output(*args, *before_o, *after_o)
-        del held, out_held  # what the call read: alive through it
+        lib = load_library(self.library)
+        if first is None:
+            rc = lib.mhc_attend_output(*args, *before_o, *after_o)
+        else:
+            rc = lib.mhc_open_attend_output(*first[0], *args, *before_o, *after_o)
+        del held, out_held, first  # what the call read: alive through it
         return None if rc else y
 
     def _attend_decode_call(self, q: Tensor, kv: Tensor, ring: dict[str, Tensor], rows: Tensor, start: Tensor,
@@ -879,19 +886,31 @@ class CpuKernel:
         eager path, its wkv's and wgate's `linear` (act their activation blocks) and `open_group`, in its order, so the
         same values): x [b, s, d] fp32, `table` wkv and wgate (`weight_table`), the rest as `open_group`'s. False
         where it does not apply (then nothing was written)."""
+        call = self._compress_open_call(x, table, act, kv_state, score_state, rows, ape, start, ratio, lead)
+        if call is None:
+            return False
+        args, held = call
+        rc = load_library(self.library).mhc_compress_open(*args)
+        del held  # what the call read: alive through it
+        return rc == 0
+
+    def _compress_open_call(self, x: Tensor, table: Tensor | None, act: tuple[int, int], kv_state: Tensor,
+                            score_state: Tensor, rows: Tensor, ape: Tensor, start: Tensor, ratio: int,
+                            lead: int) -> tuple[list, tuple] | None:
+        """`mhc_compress_open`'s arguments for `compress_open`'s (checked) and the tensors whose addresses they hold
+        (contiguous copies among them), which the caller keeps until the call returns; None where they do not fit."""
         b, s, d = x.shape if x.dim() == 3 else (0, 0, 0)
         m = b * s
         if table is None or not m or m > MAX_ROWS or self.gemm_first(m) or not cpu_fp32(x):
-            return False
+            return None
         (c, k_kv), (c_gate, k_gate) = table_shapes(table)
         if k_kv != d or k_gate != d or c_gate != c \
                 or not self.opens_group(kv_state, score_state, rows, ape, start, (b, s, c), ratio):
-            return False
+            return None
         x, rows, start = x.contiguous(), rows.contiguous(), start.contiguous()
-        return load_library(self.library).mhc_compress_open(
-            table.data_ptr(), *act, x.data_ptr(), kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(),
-            ape.data_ptr(), start.data_ptr(), b, s, kv_state.shape[0], kv_state.shape[1], ratio, lead, self.isa,
-            torch.get_num_threads()) == 0
+        return ([table.data_ptr(), *act, x.data_ptr(), kv_state.data_ptr(), score_state.data_ptr(), rows.data_ptr(),
+                 ape.data_ptr(), start.data_ptr(), b, s, kv_state.shape[0], kv_state.shape[1], ratio, lead, self.isa,
+                 torch.get_num_threads()], (x, rows, start))
 
     def store_entries(self, normed: Tensor, at: Tensor, slot: Tensor, first: Tensor, cos: Tensor, sin: Tensor,
                       rope_dim: int, spin: bool, kind: str, block: int, parts: dict[str, Tensor]) -> bool:
@@ -1196,6 +1215,8 @@ def load_library(path: str) -> ctypes.CDLL:
     lib.mhc_attend_output.restype = ctypes.c_int
     lib.mhc_attend_output.argtypes = lib.mhc_attend_decode.argtypes[:13] + lib.mhc_attend_decode.argtypes[14:] + \
         lib.mhc_attn_output.argtypes[:2] + lib.mhc_attn_output.argtypes[3:]
+    lib.mhc_open_attend_output.restype = ctypes.c_int
+    lib.mhc_open_attend_output.argtypes = lib.mhc_compress_open.argtypes + lib.mhc_attend_output.argtypes
     lib.mhc_route.restype = ctypes.c_int
     lib.mhc_route.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_float] + \
         [ctypes.c_int] * 2
