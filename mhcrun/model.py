@@ -760,8 +760,9 @@ class MoE(nn.Module):
         the FP4 experts' many rows by its panels; on a 2-core VM a 128-token prefill took 0.77x as long as by a call an
         expert and weight, before the panels, and a 1,024-token one 0.82-0.86x as long as by torch's GEMMs of
         dequantised experts: BENCHMARKS.md); else expert by expert, as also where the chunk is longer than a call
-        takes and AMX multiplies an expert's many rows (`CpuKernel.gemm_first`: a 512-token chunk's experts 0.59x as
-        long as by the calls' GEMV rows on an AMX VM, a 128-token one 1.09x: BENCHMARKS.md)."""
+        takes and a GEMM engine multiplies an expert's many rows (`CpuKernel.gemm_first`: a 512-token chunk's experts
+        0.59x as long as by the calls' GEMV rows by AMX on an Intel VM, a 128-token one 1.09x; a 1,024-token prefill
+        0.70x as long by the BF16 dot products on a Zen 4 VM: BENCHMARKS.md)."""
         if static or self.reads_in_place(x.shape[0]):
             return self.routed_gathered(x, weights, idx)
         if not self.reads_in_place(1):

@@ -878,18 +878,19 @@ def test_bf16_gemm_keeps_nan_codes_and_empty_inputs(engine):
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
 def test_prefill_qlinear_takes_the_bf16_gemm(engine):
     """qlinear of a chunk of rows with the activation rounding, through the panels: the reference's values within
-    the two-orders bound, for FP8 and FP4 weights; with AMX from AMX_ROWS rows on (below them the GEMV rows), with
-    BF16 dot products above MAX_ROWS."""
+    the two-orders bound, for FP8 and FP4 weights; from the engine's GEMM_ROWS rows on (below them the GEMV rows: up
+    to MAX_ROWS)."""
     kernel, g = gemm_in(engine), gen(3700)
     for data, scale, block, fmt in (*fp8_weight(96, 384, 128, g), 128, "fp8"), (*fp4_weight(96, 384, g), 32, "fp4"):
-        for rows in (50, 16, qgemv.AMX_ROWS, qgemv.AMX_ROWS - 1):
+        first = qgemv.GEMM_ROWS[kernel.gemm]
+        for rows in (50, qgemv.MAX_ROWS, qgemv.MAX_ROWS - 1, first, first - 1):
             x = torch.randn(rows, 384, generator=g)
             w_ref = reference_weight(data, scale, fmt, block)
             y = qlinear(x, qw(data, scale, block), act_quant=True, cpu=kernel)
             assert_gemm_close(y, reference_qlinear(x, w_ref, act_quant=True), x, w_ref, act_quant=True)
             xq = fp8_simulate(x, 128, pow2_scale=True)
-            panels = engine == "amx" and rows >= qgemv.AMX_ROWS or rows > qgemv.MAX_ROWS
-            assert kernel.gemm_first(rows) == (engine == "amx" and rows >= qgemv.AMX_ROWS)
+            panels = rows >= first or rows > qgemv.MAX_ROWS
+            assert kernel.gemm_first(rows) == (rows >= first)
             took = kernel.qgemm(xq, qw(data, scale, block)) if panels else kernel.qgemv(xq[:, None],
                                                                                       qw(data, scale, block), 1)[:, 0]
             assert torch.equal(y, took), rows

@@ -120,19 +120,20 @@ def test_eager_decode_reads_the_experts_in_place(tiny_fp8):
     assert not off.layers[1].ffn.reads_in_place(1) and not off.layers[1].ffn.gathered
 
 
-@pytest.mark.parametrize("extra", [3, "long", "amx"])
+@pytest.mark.parametrize("extra", [3, "long", "panels"])
 def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monkeypatch, extra):
     """A prefill chunk of more than MAX_ROWS tokens whose routes come to decode-sized rows an expert takes one
     `moe_routed` call (not a call an expert and weight); a longer one as few calls as that bound allows, of even size,
-    the kernel's transients staying what one such call needs, except where AMX multiplies an expert's many rows
-    (`CpuKernel.gemm_first`): there it goes expert by expert, by AMX's GEMMs, in no such call; each gives the
-    per-expert loop's output within rounding; with the kernel off it takes the loop."""
+    the kernel's transients staying what one such call needs, except where a GEMM engine (AMX's tiles, the BF16 dot
+    products) multiplies an expert's many rows (`CpuKernel.gemm_first`): there it goes expert by expert, by the
+    engine's GEMMs, in no such call; each gives the per-expert loop's output within rounding; with the kernel off it
+    takes the loop."""
     model, ffn, _ = kernel_moe(tiny_fp8)
-    amx = model.opts.cpu.gemm_first(qgemv.AMX_ROWS)
-    if extra == "amx" and not amx:
-        pytest.skip(f"no AMX GEMMs (CPU kernel {model.opts.cpu.status()})")
-    if extra == "long" and amx:  # the same instructions without AMX's GEMMs: the calls' slices
-        model.opts.cpu = cpu_kernel("avx512bf16")
+    panels = bool(model.opts.cpu.gemm)
+    if extra == "panels" and not panels:
+        pytest.skip(f"no GEMM engine (CPU kernel {model.opts.cpu.status()})")
+    if extra == "long" and panels:  # the same instructions without a GEMM engine: the calls' slices
+        model.opts.cpu = cpu_kernel("avx512")
     span = qgemv.MAX_ROWS * model.cfg.n_routed_experts // model.cfg.n_activated_experts
     t = qgemv.MAX_ROWS + 3 if extra == 3 else 2 * span + 5
     x = torch.randn(t, model.cfg.dim, generator=torch.Generator().manual_seed(7))
@@ -143,13 +144,13 @@ def test_eager_prefill_chunk_runs_the_routed_experts_in_one_call(tiny_fp8, monke
     got = ffn.routed(x, weights, idx, static=False)
     k = model.cfg.n_activated_experts
     even = -(-t // 3)  # three calls of even size (not two of `span` and one of five tokens)
-    assert calls == {3: [idx.shape], "amx": []}.get(extra, [(even, k), (even, k), (t - 2 * even, k)])
+    assert calls == {3: [idx.shape], "panels": []}.get(extra, [(even, k), (even, k), (t - 2 * even, k)])
     assert all(shape[0] * k <= qgemv.MAX_ROWS * model.cfg.n_routed_experts for shape in calls)
     torch.testing.assert_close(got, ffn.routed_loop(x, weights, idx), rtol=1e-5, atol=1e-6)
     off, _ = models(tiny_fp8)
     off.opts.cpu = cpu_kernel("0")
     off_ffn = off.layers[1].ffn
-    ref = off_ffn.routed_loop(x, weights, idx)  # torch's: dequantised experts (AMX's loop is the kernel's GEMMs)
+    ref = off_ffn.routed_loop(x, weights, idx)  # torch's: dequantised experts (the engines' loop: the kernel's GEMMs)
     torch.testing.assert_close(off_ffn.routed(x, weights, idx, static=False), ref)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 

@@ -64,7 +64,6 @@ TORCH_OPS = Path(__file__).with_name("torch_ops.cpp")
 RC_EXPERT = 8  # qgemv.cpp: a routed expert index outside its set
 MAX_ROWS = 16  # rows of x (tokens x batch) up to which the kernel beats dequantise-then-matmul
 HEAD_ROWS = 128  # rows a token may bring to a per-head step (its heads: V4's 128 at most)
-AMX_ROWS = 8  # rows of x from which AMX's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20)
 ROUTED_CALL_BYTES = 128 << 20  # a routed call's transients where its panels take a prefill's many routes
 FORMATS = {name: i for i, name in enumerate(WEIGHT_FORMATS)}  # the C++ codes (`QWeight.operands`); float: bf16 only
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # the router's score functions (qgemv.cpp's mhc_route)
@@ -74,6 +73,10 @@ ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
 # what multiplies a prefill chunk by FP8/FP4 weights (`qgemm`): AMX tiles, or the BF16 dot products of avx512bf16
 GEMMS = {"amx": 4, "avx512bf16": 3}
 CAPS = {name: {**ISAS, "amx": GEMMS["amx"]}[name] for name in CPU_KERNEL_CAPS}  # MHCRUN_CPU_KERNEL's caps
+# rows of x from which each engine's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20): AMX from 8; the BF16
+# dot products from 16 (a Zen 4 core: an FP4 [1,024 x 2,048] weight 108 G multiply-adds/s by the panels at 16 rows
+# against 50 by the GEMV rows, 178-193 from 64 rows; FP8 64 against 58)
+GEMM_ROWS = {GEMMS["amx"]: 8, GEMMS["avx512bf16"]: 16}
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,8 @@ class CpuKernel:
         return max(most, ROUTED_CALL_BYTES // route_bytes(w2.out_features, w1.out_features)) if panels else most
 
     def gemm_first(self, rows: int) -> bool:
-        """Whether `rows` rows of x take the panels (`qgemm`) before the GEMV rows: with AMX, from AMX_ROWS on."""
-        return self.gemm == GEMMS["amx"] and rows >= AMX_ROWS
+        """Whether `rows` rows of x take the panels (`qgemm`) before the GEMV rows: from the engine's GEMM_ROWS on."""
+        return bool(self.gemm) and rows >= GEMM_ROWS[self.gemm]
 
     def qgemv(self, x3: Tensor, w: QWeight, groups: int) -> Tensor | None:
         """y [M, G, N/G] fp32 = x3 [M, G, K] (fp32) times the rows of the 2-D weight in G groups, or None when the
