@@ -974,7 +974,8 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     routing weights, the k results summed) within rounding (silu's exp is the C library's), with the activation
     rounding and without, experts repeated within a row, the clamps biting (limit 0.05) or off (0). It declines NaN x
     (torch's rules then apply), more routes than its bound (`routed_routes`: MAX_ROWS rows an expert on average, or
-    ROUTED_CALL_BYTES of transients where AVX2's panels take FP4 experts), and sets of two layouts."""
+    ROUTED_CALL_BYTES of transients where panels take the experts: AVX2's FP4, avx512bf16's FP4 and FP8), and sets of
+    two layouts."""
     from mhcrun.model import swiglu_expert
     from mhcrun.ops.qlinear import qlinear_gathered
 
@@ -1004,7 +1005,7 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     assert isa.moe_routed(bad, weights, idx, *sets, limit, 128) is None
     floor = qgemv.MAX_ROWS * sets[0].ptrs.shape[0]
     monkeypatch.setattr(qgemv, "ROUTED_CALL_BYTES", 2 * floor * qgemv.route_bytes(d, inter))
-    panels = fmt == "fp4" and isa.isa == qgemv.ISAS["avx2"]
+    panels = isa.isa == qgemv.ISAS["avx512bf16"] or fmt == "fp4" and isa.isa == qgemv.ISAS["avx2"]
     assert isa.routed_routes(sets[0], sets[2]) == (2 * floor if panels else floor)
     many = isa.routed_routes(sets[0], sets[2]) // k + 1  # more routes than the call's bound
     assert isa.moe_routed(torch.randn(many, d), torch.rand(many, k), torch.zeros(many, k, dtype=torch.long), *sets,
@@ -1015,6 +1016,60 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     other = expert_set(experts(inter, d)) if fmt == "fp4" else None
     if other is not None:
         assert isa.moe_routed(x, weights, idx, sets[0], sets[1], replace(other, block=64), limit, 128) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(37, 256), (64, 2048), (1, 96)])
+def test_gemv_rows_take_the_bf16_panels_from_job_rows(n, k):
+    """With BF16 dot products, a GEMV call of gemm::JOB_ROWS_FP4 (8) to MAX_ROWS rows of x whose values and scales
+    qualify (the activation rounding's) runs its FP4 weight by the panels (gemm::run_job): bit for bit what the
+    prefill GEMM gives (`qgemm`: the same panels and sums), panels cut short (n not a multiple of 32) and K not a
+    multiple of the 16-pair chunk included; below 8 rows the GEMV rows, the two-orders bound against the reference."""
+    kernel, g = gemm_in("avx512bf16"), gen(3900 + n + k)
+    data, scale = fp4_weight(n, k, g)
+    w = qw(data, scale, 32)
+    w_ref = reference_weight(data, scale, "fp4", 32)
+    for rows in (7, 8, 13, qgemv.MAX_ROWS - 1):
+        x = fp8_simulate(torch.randn(rows, k, generator=g), 128, pow2_scale=True)
+        y = kernel.qgemv(x[:, None], w, 1)[:, 0]
+        assert_gemm_close(y, F.linear(x, w_ref), x, w_ref)
+        if rows >= 8:
+            assert torch.equal(y, kernel.qgemm(x, w)), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_routed_experts_by_the_bf16_panels(fmt):
+    """A prefill chunk's routed call with BF16 dot products whose experts get 16 rows and more (gemm::run_job): the
+    torch path's result within rounding; where one expert's w3 has a scale the panels refuse (2**-127 in e8m0,
+    2**-126 in fp32: below 2**-70) while its w1 takes them, that w3 prepares its own x (not w1's pairs) and the
+    result is still the torch path's."""
+    from mhcrun.model import swiglu_expert
+    from mhcrun.ops.qlinear import qlinear_gathered
+
+    kernel, g = gemm_in("avx512bf16"), gen(3950)
+    d, inter, n_exp, k, rows = 256, 128, 4, 2, 40  # 20 rows an expert on average
+    block = 128 if fmt == "fp8" else 32
+
+    def experts(out_f: int, in_f: int) -> list[QWeight]:
+        return [qw(*(fp8_weight(out_f, in_f, 128, g) if fmt == "fp8" else fp4_weight(out_f, in_f, g)), block)
+                for _ in range(n_exp)]
+
+    kept = experts(inter, d), experts(inter, d), experts(d, inter)
+    tiny = kept[1][0].scale.view(torch.uint8) if fmt == "fp4" else kept[1][0].scale
+    tiny[0, 0] = 0 if fmt == "fp4" else 2.0**-126  # w3 of expert 0: a scale the panels refuse (their exponent wraps)
+    sets = [expert_set(ws) for ws in kept]
+    x, weights = torch.randn(rows, d, generator=g), torch.rand(rows, k, generator=g)
+    idx = torch.randint(0, n_exp, (rows, k), generator=g)
+    idx[:, 0] = 0  # expert 0 in every row
+    got = kernel.moe_routed(x, weights, idx, *sets, 10.0, 128)
+
+    def proj(i: int):
+        return functools.partial(qlinear_gathered, w=sets[i], idx=idx, act_quant=True, cpu=kernel)
+
+    want = swiglu_expert(proj(0), proj(2), proj(1), 10.0, x.unsqueeze(1), weights.unsqueeze(-1)).float().sum(1)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel

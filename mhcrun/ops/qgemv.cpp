@@ -111,6 +111,7 @@ struct Job {
     const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does (at the row's first chunk)
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
     bool panel = false;  // fp4 on AVX2 with many rows of x: by panels of decoded weights (avx2::run_panels), x in order
+    const uint32_t* xp = nullptr;  // isa 3, many rows of x: x in bf16 pairs (k2 a row) for the BF16 panels (gemm::run_job)
     bool f32_fp8 = false;  // fp8 with isa 3, x not exact in bf16: x permuted for avx512bf16::fp8_row (fp8_f32_slot)
 };
 
@@ -1124,6 +1125,9 @@ AVX512BF16 void fp4_int_rows(const Job& j, const int64_t* ns, const int16_t* con
 namespace gemm {
 
 constexpr int NB = 32, MR = 8;
+// rows of x from which a job of the GEMV calls (a routed expert's in a prefill chunk) takes the panels (run_job) where
+// its x and scales qualify, FP4 and FP8: where the panels beat the GEMV rows on a Zen 4 core (qgemv.py's GEMM_ROWS)
+constexpr int64_t JOB_ROWS_FP4 = 8, JOB_ROWS_FP8 = 16;
 
 // Row xr [k] of x written as bf16 pairs, sixteen pairs (a chunk) at a time, chunk c at out + c * chunk_stride, `k2s`
 // pairs in all (zero past k; a last chunk that ends early is stored masked); false where a value does not qualify
@@ -1148,14 +1152,21 @@ AVX512 bool pack_row(const float* xr, int64_t k, int64_t k2s, uint32_t* out, int
     return !bad;
 }
 
-// Whether every scale of the job's grid qualifies (see above).
-inline bool scales_take(const Job& j, int64_t grid_rows) {
-    for (int64_t i = 0; i < grid_rows * j.s_cols; i++) {
-        const uint32_t u = j.scale_kind == 0 ? uint32_t(static_cast<const uint8_t*>(j.s)[i]) << 23
-                                             : bits_of(static_cast<const float*>(j.s)[i]);
-        if ((u & 0x807FFFFFu) || (u >> 23) < 57 || (u >> 23) == 255) return false;  // 57: 2**-70 biased
+// Whether every scale of the job's grid (an FP8 weight's tiles, an FP4 weight's rows of groups) qualifies (see above).
+// Without an early exit, so that the compiler vectorizes it: a prefill's routed call asks it of every expert it runs
+// by the panels.
+inline bool scales_take(const Job& j) {
+    const int64_t count = (j.fmt == FMT_FP8 ? (j.n + j.block - 1) / j.block : j.n) * j.s_cols;
+    uint32_t bad = 0;
+    if (j.scale_kind == 0) {  // e8m0: the byte is the biased exponent (57: 2**-70; 255: NaN)
+        const uint8_t* s = static_cast<const uint8_t*>(j.s);
+        for (int64_t i = 0; i < count; i++) bad |= uint32_t(s[i] < 57) | uint32_t(s[i] == 255);
+    } else {
+        const uint32_t* s = static_cast<const uint32_t*>(j.s);
+        for (int64_t i = 0; i < count; i++)
+            bad |= uint32_t((s[i] & 0x807FFFFFu) != 0) | uint32_t((s[i] >> 23) < 57) | uint32_t((s[i] >> 23) == 255);
     }
-    return true;
+    return !bad;
 }
 
 // This thread's scratch buffer of type T (one per T) of at least n values, kept from call to call: a prefill chunk
@@ -1342,6 +1353,22 @@ AVX512BF16 void tiles(const uint32_t* a, int64_t m, int64_t k2, const uint32_t* 
         case 1: tile<1>(a + m0 * k2, k2, panel, y + m0 * ldy, ldy, cols); break;
         default: break;
     }
+}
+
+// Output rows n0..n1 of a job whose x is in bf16 pairs (j.xp, k2 a row: prepare_x) by the panels: each block of NB
+// rows decoded once (decode_panel) and multiplied into every row of x (tiles), as mhc_qgemm_bf16 does. False where
+// this thread's scratch cannot grow (nothing written).
+AVX512BF16 bool run_job(const Job& j, int64_t n0, int64_t n1) {
+    const int64_t k2 = (j.k + 1) / 2;
+    uint32_t* panel = scratch<uint32_t>(NB * k2);
+    float* rows = scratch<float>(16 * row_words(k2));
+    if (!panel || !rows) return false;
+    for (int64_t c0 = n0; c0 < n1; c0 += NB) {
+        const int cols = n1 - c0 < NB ? int(n1 - c0) : NB;
+        decode_panel(j, c0, cols, rows, panel, k2, k2);
+        tiles(j.xp, j.m, k2, panel, j.y + c0, j.n, cols);
+    }
+    return true;
 }
 
 }  // namespace gemm
@@ -2666,6 +2693,7 @@ struct XBuf {
     std::vector<uint16_t> h;
     IntX i;
     Floats g;  // the rows gathered, where they were given by a row map and the integer x does not take them
+    std::vector<uint32_t> p;  // x in bf16 pairs for the panels (j.xp)
 };
 
 // x rows [rows, k] -> xs [rows, 2 * half] (half >= ceil(k / 2)): each row's even inputs, then its odd ones, each half
@@ -2685,7 +2713,21 @@ inline bool panel_layout(int fmt, int scale_kind, int64_t block, int64_t k, int6
     return isa == 1 && fmt == FMT_FP4 && block == 32 && scale_kind == 0 && k % INT_CHUNK == 0 && s_cols == k / 32;
 }
 
-// Points the job at the x its rows read, made in `own`: with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
+// With isa 3: x's rows (row r at j.x + from[r] * k with a row map, else j.x + r * k) as bf16 pairs in `own` for the
+// panels (j.xp, k2 pairs a row), where every value and the job's scales qualify (gemm::pack_row, gemm::scales_take:
+// then the panels are exact up to the order of the sums); false, j untouched, where they do not.
+bool pack_pairs(Job& j, XBuf& own, const int64_t* from) {
+    const int64_t k = j.k, k2 = (k + 1) / 2;
+    if (!gemm::scales_take(j)) return false;
+    own.p.resize(j.m * k2);
+    for (int64_t r = 0; r < j.m; r++)
+        if (!gemm::pack_row(j.x + (from ? from[r] : r) * k, k, k2, own.p.data() + r * k2, 16)) return false;
+    j.xp = own.p.data();
+    return true;
+}
+
+// Points the job at the x its rows read, made in `own`: with isa 3 and gemm::JOB_ROWS_FP4 / _FP8 rows or more whose values and
+// scales qualify, x in bf16 pairs for the panels (pack_pairs: j.xp); with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
 // (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
 // and whole chunks: in input order, split at each chunk's top bits, for the panels: j.panel); else with isa 3, fp8 /
 // fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their
@@ -2699,6 +2741,9 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
+        if (isa == 3 && j.m >= (j.fmt == FMT_FP4 ? gemm::JOB_ROWS_FP4 : gemm::JOB_ROWS_FP8) && j.groups == 1 &&
+            (j.fmt == FMT_FP8 || j.fmt == FMT_FP4) && j.block % 32 == 0 && pack_pairs(j, own, from))
+            return true;
         const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
         const bool panel = panel_layout(j.fmt, j.scale_kind, j.block, k, j.s_cols, isa) && j.groups == 1 &&
                            j.m >= avx2::PANEL_MIN_ROWS;
@@ -2947,7 +2992,9 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
         const Unit& t = units[u];
         const int flushes = take_caller_mode(caller);
         const Job& j = jobs[t.job];
-        if (j.panel) {
+        if (j.xp) {
+            if (!gemm::run_job(j, t.n0, t.n1)) return flushes | 2;
+        } else if (j.panel) {
             avx2::run_panels(j, t.n0, t.n1);
         } else {  // NaN rows are written as NaN (run_row)
             j.xi ? (isa == 3 ? run_rows<IntRows<3>>(j, t.n0, t.n1) : run_rows<IntRows<1>>(j, t.n0, t.n1))
@@ -2963,7 +3010,7 @@ int run_jobs(const std::vector<Job>& jobs, int isa, int threads) {
             if (mine.n < MAX_RANGES) mine.at[mine.n] = j.w, mine.bytes[mine.n++] = j.n * j.row_bytes;
         plan_next(*step_scope, mine);
     }
-    return flush ? 5 : 0;
+    return flush & 2 ? 4 : flush ? 5 : 0;
 }
 
 }  // namespace
@@ -3160,7 +3207,7 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
         flush |= take_caller_mode(caller);
         decode_fp8_entry(codes + r * nope, scale + r * sb, rope + r * rd, out + r * width, nope, block, rd, isa);
     }
-    return flush ? 5 : 0;
+    return flush & 2 ? 4 : flush ? 5 : 0;
 }
 
 // mhcrun.ops.kvcache.decode of the fp4 format (indexer keys) in fp32, bitwise: each row's packed e2m1 codes [k / 2]
@@ -3658,10 +3705,12 @@ int mhc_takes_bf16(const float* x, int64_t n) {
     return mhc_qgemv_isa() == 3 && avx512bf16::takes_bf16(x, n) ? 1 : 0;
 }
 
-// Whether AVX2's panels take a prefill's rows of an FP4 weight of k inputs whose scales are its own (k / block a row):
-// panel_layout. 1 or 0.
+// Whether panels take a prefill's rows of a weight of k inputs whose scales are its own (k / block a row): AVX2's
+// (panel_layout), or with isa 3 the BF16 panels of FP4 and FP8 weights in blocks of 32 (gemm::run_job, where x and
+// the scales qualify). 1 or 0.
 int mhc_panels_take(int fmt, int scale_kind, int64_t block, int64_t k, int isa) {
-    return block > 0 && panel_layout(fmt, scale_kind, block, k, k / block, isa) ? 1 : 0;
+    const bool bf16 = isa == 3 && (fmt == FMT_FP4 || fmt == FMT_FP8) && block % 32 == 0;  // gemm::run_job's
+    return block > 0 && (bf16 || panel_layout(fmt, scale_kind, block, k, k / block, isa)) ? 1 : 0;
 }
 
 // Whether x [rows, k] takes the FP4 integer rows of isa 3 and 1 (make_int_x): every value finite, and each
@@ -3713,8 +3762,7 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
     if (fmt == FMT_FP4 && block % 2) return 7;
     if (flushes_denormals()) return 5;
     const Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
-    const int64_t grid_rows = fmt == FMT_FP8 ? (n + block - 1) / block : n;
-    if (!gemm::scales_take(j, grid_rows)) return 7;
+    if (!gemm::scales_take(j)) return 7;
     // x in bf16 pairs: row-major (k2 pairs a row), or for AMX in tile order (k2s pairs a row, a whole number of tile
     // steps; ms rows, whole blocks; zero-padded)
     const int64_t k2 = (k + 1) / 2, panels = (n + gemm::NB - 1) / gemm::NB;
@@ -4158,7 +4206,11 @@ class ExpertBatch {
         for (auto [i, o] : shared) {
             Job& j = jobs[i];
             const Job& from = jobs[o];
-            j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
+            if (from.xp && !gemm::scales_take(j)) {  // the panels' pairs need its own scales to qualify too
+                oom |= prepare_x(j, isa, parts[i].own, parts[i].from.data()) ? 0 : 1;
+                continue;
+            }
+            j.xp = from.xp, j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
             j.x_stride = from.x_stride, j.xi_any_two = from.xi_any_two, j.x_exp = from.x_exp, j.panel = from.panel;
             j.f32_fp8 = from.f32_fp8;
         }
@@ -4441,7 +4493,7 @@ int mhc_decode_rows(int fmt, const void* w, const void* s, int scale_kind, float
             decode_block(fmt, isa, src, dst, c0, c1, scale_at(j, srow, c));
         }
     }
-    return flush ? 5 : 0;
+    return flush & 2 ? 4 : flush ? 5 : 0;
 }
 
 }  // extern "C"

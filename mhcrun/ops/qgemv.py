@@ -111,11 +111,12 @@ class CpuKernel:
 
     def routed_routes(self, w1: ExpertSet, w2: ExpertSet) -> int:
         """The most routes (tokens times k) a `moe_routed` call takes: MAX_ROWS rows an expert on average (beyond
-        decode's sizes the GEMV rows lose to GEMMs of dequantised experts), or where AVX2's panels multiply the experts
-        (FP4, e8m0 groups of 32, whole chunks of 128 inputs), as many as ROUTED_CALL_BYTES of the call's transients
-        hold (`route_bytes`; the layouts the panels take, as the C++ decides them: `mhc_panels_take`): a panel decoded
-        once serves more rows (a 1,024-token prefill of the mid-size config takes two calls, not seven:
-        BENCHMARKS.md)."""
+        decode's sizes the GEMV rows lose to GEMMs of dequantised experts), or where panels multiply the experts'
+        many rows (AVX2's: FP4, e8m0 groups of 32, whole chunks of 128 inputs; avx512bf16's BF16 panels: FP4 and FP8
+        in blocks of 32, from gemm::JOB_ROWS_FP4 / _FP8 rows an expert, where x and the scales qualify), as many as
+        ROUTED_CALL_BYTES of the call's transients hold (`route_bytes`; the layouts the panels take, as the C++
+        decides them: `mhc_panels_take`): a panel decoded once serves more rows (a 1,024-token prefill of the
+        mid-size config takes two calls, not seven: BENCHMARKS.md)."""
         most = MAX_ROWS * w1.ptrs.shape[0]
         panels = self.on and all(load_library(self.library).mhc_panels_take(s.fmt, s.kind, s.block, s.in_features,
                                                                             self.isa) for s in (w1, w2))
