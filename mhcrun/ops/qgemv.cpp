@@ -111,7 +111,7 @@ struct Job {
     const uint8_t* xi_any_two = nullptr;  // and whether any chunk of a row does (at the row's first chunk)
     int x_exp = 0;  // fp8 on AVX2: x was scaled by 2**(112 - x_exp) (avx2::scale_x), each row's sum takes 2**x_exp
     bool panel = false;  // fp4 on AVX2 with many rows of x: by panels of decoded weights (avx2::run_panels), x in order
-    const uint32_t* xp = nullptr;  // isa 3, many rows of x: x in bf16 pairs (k2 a row) for the BF16 panels (gemm::run_job)
+    const uint32_t* xp = nullptr;  // isa 3, many rows of x: x in bf16 pairs (k2 a row) for gemm::run_job's panels
     bool f32_fp8 = false;  // fp8 with isa 3, x not exact in bf16: x permuted for avx512bf16::fp8_row (fp8_f32_slot)
 };
 
@@ -1126,7 +1126,8 @@ namespace gemm {
 
 constexpr int NB = 32, MR = 8;
 // rows of x from which a job of the GEMV calls (a routed expert's in a prefill chunk) takes the panels (run_job) where
-// its x and scales qualify, FP4 and FP8: where the panels beat the GEMV rows on a Zen 4 core (qgemv.py's GEMM_ROWS)
+// its x and scales qualify: where they beat the GEMV rows on a Zen 4 core (an FP4 [1,024 x 2,048] weight: 60-80 G
+// multiply-adds/s against 50 at 8 rows, 35 against 43 at 4; FP8 64 against 58 at 16 rows, 42 against 56 at 8)
 constexpr int64_t JOB_ROWS_FP4 = 8, JOB_ROWS_FP8 = 16;
 
 // Row xr [k] of x written as bf16 pairs, sixteen pairs (a chunk) at a time, chunk c at out + c * chunk_stride, `k2s`
@@ -2726,16 +2727,16 @@ bool pack_pairs(Job& j, XBuf& own, const int64_t* from) {
     return true;
 }
 
-// Points the job at the x its rows read, made in `own`: with isa 3 and gemm::JOB_ROWS_FP4 / _FP8 rows or more whose values and
-// scales qualify, x in bf16 pairs for the panels (pack_pairs: j.xp); with isa 3 or 1 (AVX2), fp4 whose x the integer rows take
-// (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or more of e8m0 groups of 32
-// and whole chunks: in input order, split at each chunk's top bits, for the panels: j.panel); else with isa 3, fp8 /
-// fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the dot-product rows take, x in bf16 in their
-// order (j.xb); else for fp4 and bf16 weights (AVX-512: of an even number of inputs, avx512::bf16_split), x
-// reordered (AVX-512: each row's even inputs, then its odd ones; AVX2: fp4_permute's order, bf16's split_x); else x
-// as given.
-// With `from`, row r of x lies at j.x + from[r] * k (a routed expert's rows): the integer x reads them there, the
-// others a gathered copy. False when out of memory.
+// Points the job at the x its rows read, made in `own`: with isa 3 and gemm::JOB_ROWS_FP4 / _FP8 rows or more whose
+// values and scales qualify, x in bf16 pairs for the panels (pack_pairs: j.xp); with isa 3 or 1 (AVX2), fp4 whose x
+// the integer rows take (make_int_x), x as integer windows in their order (j.xi; with AVX2, PANEL_MIN_ROWS rows or
+// more of e8m0 groups of 32 and whole chunks: in input order, split at each chunk's top bits, for the panels:
+// j.panel); else with isa 3, fp8 / fp4 whose x qualifies (avx512bf16::takes_bf16) and whose tiles / groups the
+// dot-product rows take, x in bf16 in their order (j.xb); else for fp4 and bf16 weights (AVX-512: of an even number
+// of inputs, avx512::bf16_split), x reordered (AVX-512: each row's even inputs, then its odd ones; AVX2:
+// fp4_permute's order, bf16's split_x); else x as given.
+// With `from`, row r of x lies at j.x + from[r] * k (a routed expert's rows): the integer x and the pairs read them
+// there, the others a gathered copy. False when out of memory.
 bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     const int64_t rows = j.m * j.groups, k = j.k;
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
@@ -3207,7 +3208,7 @@ int mhc_kv_fp8_decode(const uint8_t* codes, const float* scale, const float* rop
         flush |= take_caller_mode(caller);
         decode_fp8_entry(codes + r * nope, scale + r * sb, rope + r * rd, out + r * width, nope, block, rd, isa);
     }
-    return flush & 2 ? 4 : flush ? 5 : 0;
+    return flush ? 5 : 0;
 }
 
 // mhcrun.ops.kvcache.decode of the fp4 format (indexer keys) in fp32, bitwise: each row's packed e2m1 codes [k / 2]
@@ -4210,9 +4211,9 @@ class ExpertBatch {
                 oom |= prepare_x(j, isa, parts[i].own, parts[i].from.data()) ? 0 : 1;
                 continue;
             }
-            j.xp = from.xp, j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
+            j.x = from.x, j.xb = from.xb, j.xi = from.xi, j.xi_scale = from.xi_scale, j.xi_two = from.xi_two;
             j.x_stride = from.x_stride, j.xi_any_two = from.xi_any_two, j.x_exp = from.x_exp, j.panel = from.panel;
-            j.f32_fp8 = from.f32_fp8;
+            j.f32_fp8 = from.f32_fp8, j.xp = from.xp;
         }
         return oom ? 4 : 0;
     }
