@@ -974,8 +974,8 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     routing weights, the k results summed) within rounding (silu's exp is the C library's), with the activation
     rounding and without, experts repeated within a row, the clamps biting (limit 0.05) or off (0). It declines NaN x
     (torch's rules then apply), more routes than its bound (`routed_routes`: MAX_ROWS rows an expert on average, or
-    ROUTED_CALL_BYTES of transients where panels take the experts: AVX2's FP4, avx512bf16's FP4 and FP8), and sets of
-    two layouts."""
+    ROUTED_CALL_BYTES of transients where panels take the experts: AVX2's FP4, avx512bf16's FP4 and FP8 on a CPU
+    without AMX), and sets of two layouts."""
     from mhcrun.model import swiglu_expert
     from mhcrun.ops.qlinear import qlinear_gathered
 
@@ -1005,7 +1005,7 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
     assert isa.moe_routed(bad, weights, idx, *sets, limit, 128) is None
     floor = qgemv.MAX_ROWS * sets[0].ptrs.shape[0]
     monkeypatch.setattr(qgemv, "ROUTED_CALL_BYTES", 2 * floor * qgemv.route_bytes(d, inter))
-    panels = isa.isa == qgemv.ISAS["avx512bf16"] or fmt == "fp4" and isa.isa == qgemv.ISAS["avx2"]
+    panels = isa.isa == qgemv.ISAS["avx512bf16"] and job_panels(isa) or fmt == "fp4" and isa.isa == qgemv.ISAS["avx2"]
     assert isa.routed_routes(sets[0], sets[2]) == (2 * floor if panels else floor)
     many = isa.routed_routes(sets[0], sets[2]) // k + 1  # more routes than the call's bound
     assert isa.moe_routed(torch.randn(many, d), torch.rand(many, k), torch.zeros(many, k, dtype=torch.long), *sets,
@@ -1018,14 +1018,21 @@ def test_routed_experts_in_one_call(isa, fmt, rows, limit, monkeypatch):
         assert isa.moe_routed(x, weights, idx, sets[0], sets[1], replace(other, block=64), limit, 128) is None
 
 
+def job_panels(kernel: CpuKernel) -> bool:
+    """Whether the kernel's GEMV jobs of many rows take the BF16 panels (qgemv.cpp's job_panels: CPUs without AMX)."""
+    return not qgemv.load_library(kernel.library).mhc_qgemm_amx()
+
+
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(37, 256), (64, 2048), (1, 96)])
 def test_gemv_rows_take_the_bf16_panels_from_job_rows(n, k):
-    """With BF16 dot products, a GEMV call of gemm::JOB_ROWS_FP4 (8) to MAX_ROWS rows of x whose values and scales
-    qualify (the activation rounding's) runs its FP4 weight by the panels (gemm::run_job): bit for bit what the
-    prefill GEMM gives (`qgemm`: the same panels and sums), panels cut short (n not a multiple of 32) and K not a
-    multiple of the 16-pair chunk included; below 8 rows the GEMV rows, the two-orders bound against the reference."""
+    """With BF16 dot products on a CPU without AMX, a GEMV call of gemm::JOB_ROWS_FP4 (8) to MAX_ROWS rows of x
+    whose values and scales qualify (the activation rounding's) runs its FP4 weight by the panels (gemm::run_job):
+    bit for bit what the prefill GEMM gives (`qgemm`: the same panels and sums), one output row and panels cut short
+    (n not a multiple of 32) included; below 8 rows the GEMV rows, the two-orders bound against the reference."""
     kernel, g = gemm_in("avx512bf16"), gen(3900 + n + k)
+    if not job_panels(kernel):
+        pytest.skip("an AMX CPU: its GEMV jobs keep the GEMV rows")
     data, scale = fp4_weight(n, k, g)
     w = qw(data, scale, 32)
     w_ref = reference_weight(data, scale, "fp4", 32)
@@ -1048,6 +1055,8 @@ def test_routed_experts_by_the_bf16_panels(fmt):
     from mhcrun.ops.qlinear import qlinear_gathered
 
     kernel, g = gemm_in("avx512bf16"), gen(3950)
+    if not job_panels(kernel):
+        pytest.skip("an AMX CPU: its GEMV jobs keep the GEMV rows")
     d, inter, n_exp, k, rows = 256, 128, 4, 2, 40  # 20 rows an expert on average
     block = 128 if fmt == "fp8" else 32
 

@@ -2714,6 +2714,11 @@ inline bool panel_layout(int fmt, int scale_kind, int64_t block, int64_t k, int6
     return isa == 1 && fmt == FMT_FP4 && block == 32 && scale_kind == 0 && k % INT_CHUNK == 0 && s_cols == k / 32;
 }
 
+// Whether the BF16 panels take a GEMV job's many rows (gemm::JOB_ROWS_*, mhc_panels_take): on CPUs without AMX (the
+// rates there measured on Zen 4, whose vdpbf16ps retires one a cycle); where AMX is, its GEMMs take a long chunk's
+// experts (CpuKernel.gemm_first) and the Intel cores' vdpbf16ps retires one every 2 cycles, so the GEMV rows stay.
+inline bool job_panels() { return !amx::usable(); }
+
 // With isa 3: x's rows (row r at j.x + from[r] * k with a row map, else j.x + r * k) as bf16 pairs in `own` for the
 // panels (j.xp, k2 pairs a row), where every value and the job's scales qualify (gemm::pack_row, gemm::scales_take:
 // then the panels are exact up to the order of the sums); false, j untouched, where they do not.
@@ -2742,8 +2747,8 @@ bool prepare_x(Job& j, int isa, XBuf& own, const int64_t* from = nullptr) {
     const bool fits = (j.fmt == FMT_FP8 && j.block % 64 == 0) ||
                       (j.fmt == FMT_FP4 && j.block == 32 && j.s_cols <= avx512bf16::ROW_GROUPS);
     try {
-        if (isa == 3 && j.m >= (j.fmt == FMT_FP4 ? gemm::JOB_ROWS_FP4 : gemm::JOB_ROWS_FP8) && j.groups == 1 &&
-            (j.fmt == FMT_FP8 || j.fmt == FMT_FP4) && j.block % 32 == 0 && pack_pairs(j, own, from))
+        if (isa == 3 && job_panels() && j.m >= (j.fmt == FMT_FP4 ? gemm::JOB_ROWS_FP4 : gemm::JOB_ROWS_FP8) &&
+            j.groups == 1 && (j.fmt == FMT_FP8 || j.fmt == FMT_FP4) && j.block % 32 == 0 && pack_pairs(j, own, from))
             return true;
         const bool int_rows = (isa == 3 && fits) || isa == 1;  // isa 1: block % 32 == 0 (check_args)
         const bool panel = panel_layout(j.fmt, j.scale_kind, j.block, k, j.s_cols, isa) && j.groups == 1 &&
@@ -3707,10 +3712,10 @@ int mhc_takes_bf16(const float* x, int64_t n) {
 }
 
 // Whether panels take a prefill's rows of a weight of k inputs whose scales are its own (k / block a row): AVX2's
-// (panel_layout), or with isa 3 the BF16 panels of FP4 and FP8 weights in blocks of 32 (gemm::run_job, where x and
-// the scales qualify). 1 or 0.
+// (panel_layout), or with isa 3 on a CPU without AMX (job_panels) the BF16 panels of FP4 and FP8 weights in blocks of
+// 32 (gemm::run_job, where x and the scales qualify). 1 or 0.
 int mhc_panels_take(int fmt, int scale_kind, int64_t block, int64_t k, int isa) {
-    const bool bf16 = isa == 3 && (fmt == FMT_FP4 || fmt == FMT_FP8) && block % 32 == 0;  // gemm::run_job's
+    const bool bf16 = isa == 3 && job_panels() && (fmt == FMT_FP4 || fmt == FMT_FP8) && block % 32 == 0;  // run_job's
     return block > 0 && (bf16 || panel_layout(fmt, scale_kind, block, k, k / block, isa)) ? 1 : 0;
 }
 
