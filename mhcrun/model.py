@@ -228,6 +228,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.head_dim, self.rope_dim = ratio, head_dim, cfg.rope_head_dim
         self.overlap = ratio == 4
+        self.lead = ratio if self.overlap else 0  # the state's slots before the open group (the overlapping half)
         self.rotate = rotate  # indexer keys: Hadamard-rotated (then stored FP4 instead of FP8)
         self.opts = opts
         self.wkv = Linear(opts)  # bf16 as stored, fp32 math (x is fp32)
@@ -261,10 +262,9 @@ class Compressor(nn.Module):
         r, s = self.ratio, x.size(1)
         opens = not static and stays_open(start, s, r)  # most decode steps: the tokens join the open group, no more
         fast = not self.keep_chunk and not torch.compiler.is_compiling()  # the run's kernel may do a step in one call
-        lead = r if self.overlap else 0
         kv, raw = self.wkv(x.float()), self.wgate(x.float())
         if opens and fast and self.opts.cpu.open_group(self.kv_state, self.score_state, rows, kv, raw, self.ape,
-                                                       start, r, lead):
+                                                       start, r, self.lead):
             return
         one = s == 1 and not opens and (fast or static and not self.keep_chunk)  # a decode step: the kernel's call
         closed = self.close_step(rows, kv, raw, start, static) if one else None
@@ -294,7 +294,7 @@ class Compressor(nn.Module):
                 or not stays_open(start, x.size(1), self.ratio):
             return None
         return (x.float(), learnt_table(self, "lins", *lins), act_blocks(self.opts, *lins), self.kv_state,
-                self.score_state, rows, self.ape, start, self.ratio, self.ratio if self.overlap else 0)
+                self.score_state, rows, self.ape, start, self.ratio, self.lead)
 
     def close_step(self, rows: torch.Tensor, kv: torch.Tensor, raw: torch.Tensor, start: torch.Tensor,
                    static: bool) -> tuple[torch.Tensor, ...] | None:

@@ -1126,8 +1126,9 @@ namespace gemm {
 
 constexpr int NB = 32, MR = 8;
 // rows of x from which a job of the GEMV calls (a routed expert's in a prefill chunk) takes the panels (run_job) where
-// its x and scales qualify: where they beat the GEMV rows on a Zen 4 core (an FP4 [1,024 x 2,048] weight: 60-80 G
-// multiply-adds/s against 50 at 8 rows, 35 against 43 at 4; FP8 64 against 58 at 16 rows, 42 against 56 at 8)
+// its x and scales qualify: where they beat the GEMV rows on a Zen 4 VM (an FP4 [1,024 x 2,048] weight, G
+// multiply-adds/s on two cores, panels against GEMV rows: 35-49 / 43-73 at 4 rows, 65 / 73 at 6, 60-80 / 50 at 8; FP8:
+// 73 / 102 at 8 rows, 94 / 85 at 12, 64-115 / 58 at 16; the VM's phases moved both, the order held)
 constexpr int64_t JOB_ROWS_FP4 = 8, JOB_ROWS_FP8 = 16;
 
 // Row xr [k] of x written as bf16 pairs, sixteen pairs (a chunk) at a time, chunk c at out + c * chunk_stride, `k2s`
@@ -1356,9 +1357,9 @@ AVX512BF16 void tiles(const uint32_t* a, int64_t m, int64_t k2, const uint32_t* 
     }
 }
 
-// Output rows n0..n1 of a job whose x is in bf16 pairs (j.xp, k2 a row: prepare_x) by the panels: each block of NB
-// rows decoded once (decode_panel) and multiplied into every row of x (tiles), as mhc_qgemm_bf16 does. False where
-// this thread's scratch cannot grow (nothing written).
+// Output rows n0..n1 of a job whose x is in bf16 pairs (j.xp, k2 a row: prepare_x, mhc_qgemm_bf16) by the panels:
+// each block of NB rows decoded once (decode_panel) and multiplied into every row of x (tiles). False where this
+// thread's scratch cannot grow (nothing written).
 AVX512BF16 bool run_job(const Job& j, int64_t n0, int64_t n1) {
     const int64_t k2 = (j.k + 1) / 2;
     uint32_t* panel = scratch<uint32_t>(NB * k2);
@@ -3767,7 +3768,7 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
         return 3;
     if (fmt == FMT_FP4 && block % 2) return 7;
     if (flushes_denormals()) return 5;
-    const Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
+    Job j = make_job(fmt, scale_kind, w, s, x, y, m, n, k, block, 1);
     if (!gemm::scales_take(j)) return 7;
     // x in bf16 pairs: row-major (k2 pairs a row), or for AMX in tile order (k2s pairs a row, a whole number of tile
     // steps; ms rows, whole blocks; zero-padded)
@@ -3787,24 +3788,16 @@ int mhc_qgemm_bf16(int fmt, const void* w, const void* s, int scale_kind, const 
         bad |= gemm::pack_row(x + r * k, k, k2s, out, isa == 4 ? amx::TILE_WORDS : 16) ? 0 : 1;
     }
     if (bad) return 7;
-    const uint32_t* a = xb.data();
-    if (isa == 4) return amx::multiply(j, a, ms, k2, k2s, threads);
+    if (isa == 4) return amx::multiply(j, xb.data(), ms, k2, k2s, threads);
+    j.xp = xb.data();
     int oom = 0, flush = 0;
     const unsigned caller = _mm_getcsr();
 #pragma omp parallel num_threads(threads) reduction(| : oom, flush)
     {
         flush |= take_caller_mode(caller);
-        uint32_t* panel = gemm::scratch<uint32_t>(gemm::NB * k2);
-        float* row = gemm::scratch<float>(16 * gemm::row_words(k2));
-        oom |= panel && row ? 0 : 1;
 #pragma omp for schedule(static)
-        for (int64_t pi = 0; pi < panels; pi++) {
-            if (oom || flush) continue;
-            const int64_t n0 = pi * gemm::NB;
-            const int cols = n - n0 < gemm::NB ? int(n - n0) : gemm::NB;
-            gemm::decode_panel(j, n0, cols, row, panel, k2, k2);
-            gemm::tiles(a, m, k2, panel, y + n0, n, cols);
-        }
+        for (int64_t pi = 0; pi < panels; pi++)
+            if (!oom && !flush) oom |= gemm::run_job(j, pi * gemm::NB, std::min(n, (pi + 1) * gemm::NB)) ? 0 : 1;
     }
     return oom ? 4 : flush ? 5 : 0;
 }

@@ -74,8 +74,10 @@ ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1}
 GEMMS = {"amx": 4, "avx512bf16": 3}
 CAPS = {name: {**ISAS, "amx": GEMMS["amx"]}[name] for name in CPU_KERNEL_CAPS}  # MHCRUN_CPU_KERNEL's caps
 # rows of x from which each engine's panels (`qgemm`) beat the GEMV rows (BENCHMARKS.md, issue 20): AMX from 8; the BF16
-# dot products from 16 (a Zen 4 core: an FP4 [1,024 x 2,048] weight 108 G multiply-adds/s by the panels at 16 rows
-# against 50 by the GEMV rows, 178-193 from 64 rows; FP8 64 against 58)
+# dot products from 16, where a dense weight's GEMV rows stop (MAX_ROWS; below it a GEMV job of many rows takes the
+# same panels itself, qgemv.cpp's JOB_ROWS_*), so that a long prefill chunk's routed experts go expert by expert
+# through them (a Zen 4 VM: an FP4 [1,024 x 2,048] weight 108-125 G multiply-adds/s by the panels at 16 rows against
+# 50 by the GEMV rows, 178-205 from 64 rows)
 GEMM_ROWS = {GEMMS["amx"]: 8, GEMMS["avx512bf16"]: 16}
 
 
