@@ -812,6 +812,39 @@ def test_bf16_gemm_against_reference(engine, fmt, block, m, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("engine", GEMM_ENGINES)
+@pytest.mark.parametrize("fmt, m, n, k", [("fp4", 12, 200, 576), ("fp4", 3, 40, 96), ("fp4", 20, 33, 6240),
+                                          ("fp8", 12, 200, 251), ("fp8", 9, 70, 96), ("fp8", 17, 130, 4200)])
+def test_bf16_panels_from_the_codes_equal_the_decoded_rows(engine, fmt, m, n, k):
+    """The panels decoded straight from the codes (blocks of a multiple of 32: the codes transposed in registers, the
+    scales' exponents added) are bitwise those of the generic decode through fp32 rows (blocks of 48): a weight in
+    blocks of 96 and the same weight in blocks of 48 (each scale repeated) give the same GEMM bit for bit. Every code
+    (FP8 NaN codes too: one opens the row after an odd K's row, whose decode must stop at K), both scale encodings,
+    partial panels, an odd K (FP8), K past 64 scale groups (FP4's scales transposed 64 groups at a time) and past a
+    64-byte step."""
+    kernel, g = gemm_in(engine), gen(3560 + m + n + k)
+    for e8m0 in (True, False):
+        if fmt == "fp8":
+            data = every_code_fp8(n, k).view(torch.uint8).clone()
+            data[5, 3], data[10, 0], data[n - 1, k - 1] = 0x7F, 0x7F, 0xFF  # NaN codes (row 9's odd K ends by row 10)
+            data = data.view(torch.float8_e4m3fn)
+            s96 = fp8_weight(n, k, 96, g, e8m0=False)[1]
+            s48 = s96.repeat_interleave(2, 0).repeat_interleave(2, 1)[:-(-n // 48), :-(-k // 48)]
+        else:
+            data = every_byte_fp4(n, k)
+            s96 = fp4_weight(n, k, g, e8m0=False, block=96)[1]
+            s48 = s96.repeat_interleave(2, 1)[:, :-(-k // 48)]
+        if e8m0:
+            s96, s48 = float_to_e8m0(s96), float_to_e8m0(s48)
+        x = act_rounded(m, k, g=g)
+        direct, rows = kernel.qgemm(x, qw(data, s96, 96)), kernel.qgemm(x, qw(data, s48, 48))
+        assert direct is not None and rows is not None
+        torch.testing.assert_close(direct, rows, rtol=0, atol=0, equal_nan=True)
+        if fmt == "fp8":
+            assert torch.isnan(direct[:, [5, 10, n - 1]]).all() and not torch.isnan(direct[:, 9]).any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("engine", GEMM_ENGINES)
 def test_bf16_gemm_refuses_what_it_would_not_multiply_exactly(engine):
     """x not exact in bf16 or with a value below 2**-40; a scale that is not a power of two, below 2**-70 (e8m0
     byte 0 among them) or a float weight: qgemm declines (None) and qlinear takes its fp32 path, whose result it
@@ -1026,21 +1059,21 @@ def job_panels(kernel: CpuKernel) -> bool:
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(37, 256), (64, 2048), (1, 96)])
 def test_gemv_rows_take_the_bf16_panels_from_job_rows(n, k):
-    """With BF16 dot products on a CPU without AMX, a GEMV call of gemm::JOB_ROWS_FP4 (8) to MAX_ROWS rows of x
+    """With BF16 dot products on a CPU without AMX, a GEMV call of gemm::JOB_ROWS_FP4 (4) to MAX_ROWS rows of x
     whose values and scales qualify (the activation rounding's) runs its FP4 weight by the panels (gemm::run_job):
     bit for bit what the prefill GEMM gives (`qgemm`: the same panels and sums), one output row and panels cut short
-    (n not a multiple of 32) included; below 8 rows the GEMV rows, the two-orders bound against the reference."""
+    (n not a multiple of 32) included; below 4 rows the GEMV rows, the two-orders bound against the reference."""
     kernel, g = gemm_in("avx512bf16"), gen(3900 + n + k)
     if not job_panels(kernel):
         pytest.skip("an AMX CPU: its GEMV jobs keep the GEMV rows")
     data, scale = fp4_weight(n, k, g)
     w = qw(data, scale, 32)
     w_ref = reference_weight(data, scale, "fp4", 32)
-    for rows in (7, 8, 13, qgemv.MAX_ROWS - 1):
+    for rows in (3, 4, 7, 13, qgemv.MAX_ROWS - 1):
         x = fp8_simulate(torch.randn(rows, k, generator=g), 128, pow2_scale=True)
         y = kernel.qgemv(x[:, None], w, 1)[:, 0]
         assert_gemm_close(y, F.linear(x, w_ref), x, w_ref)
-        if rows >= 8:
+        if rows >= 4:
             assert torch.equal(y, kernel.qgemm(x, w)), rows
 
 
