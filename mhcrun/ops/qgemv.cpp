@@ -1359,7 +1359,8 @@ AVX512BF16 void panel_of_codes(const Job& j, int64_t n0, int cols, uint32_t* pan
 // Rows [n0, n0 + cols) of W, decoded with their scales (bitwise the reference's dequantisation, AVX-512) through
 // `rows` (16 x row_words(k2p) floats), into the panel of `k2p` >= k2 pairs: dword p * NB + c holds row n0 + c's
 // values 2p and 2p + 1 in bf16 (their high halves: exact), zero past the row (odd K, pairs k2 .. k2p) and past
-// `cols`. Sixteen rows at a time, sixteen pairs of each made one vector (a word permute) and transposed.
+// `cols`: FP4 and FP8 in blocks of a multiple of 32 straight from the codes (panel_of_codes); other blocks sixteen
+// rows at a time through `rows`, sixteen pairs of each made one vector (a word permute) and transposed.
 AVX512BF16 void decode_panel(const Job& j, int64_t n0, int cols, float* rows, uint32_t* panel, int64_t k2,
                              int64_t k2p) {
     if (j.fmt == FMT_FP4 && j.block % 32 == 0) return panel_of_codes<Fp4Codes>(j, n0, cols, panel, k2, k2p);
