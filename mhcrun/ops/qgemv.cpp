@@ -1269,7 +1269,7 @@ AVX512BF16 void column_exponents(const Job& j, int64_t r0, int live, int64_t gro
                 const __m512i sel = _mm512_load_si512(SELECT.twice[(g - g0) % 4]);
                 const __m512i b = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, sel, v[(g - g0) / 4]);
                 const __m512i e = _mm512_sub_epi16(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(127 * 128));
-                _mm512_store_si512(out + g * 16, e);
+                _mm512_storeu_si512(out + g * 16, e);
             }
         }
         return;
@@ -1331,9 +1331,9 @@ AVX512BF16 void panel_of_codes(const Job& j, int64_t n0, int cols, uint32_t* pan
     constexpr int B = Codes::BYTES, PER_DWORD = 4 / B, STEP = 64 / B;  // pairs a dword of codes, a load
     const Codes codes;
     const int64_t group = j.block / 2, groups = (k2 + group - 1) / group;  // pairs a scale (a multiple of 16)
-    thread_local std::vector<uint32_t, Uninit<uint32_t>> exps;
-    if (int64_t(exps.size()) < 16 * groups + 16) exps.resize(16 * groups + 16);
-    uint32_t* e16 = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(exps.data()) + 63) & ~uintptr_t(63));
+    thread_local std::vector<uint32_t, Uninit<uint32_t>> exps;  // column_exponents' table, kept from call to call
+    if (int64_t(exps.size()) < 16 * groups) exps.resize(16 * groups);
+    uint32_t* e16 = exps.data();
     for (int c0 = 0; c0 < NB; c0 += 16) {
         const int live = std::clamp(cols - c0, 0, 16);
         const uint8_t* w = j.w + (n0 + c0) * j.row_bytes;
@@ -1345,7 +1345,7 @@ AVX512BF16 void panel_of_codes(const Job& j, int64_t n0, int cols, uint32_t* pan
             const int qs = int(std::min<int64_t>(16, (k2p - p0 + PER_DWORD - 1) / PER_DWORD));
             for (int q = 0; q < qs; q++) {
                 const int64_t p = p0 + PER_DWORD * q, g = std::min(p / group, groups - 1);  // pairs past k2: zero
-                const __m512i e = _mm512_load_si512(e16 + 16 * g);
+                const __m512i e = _mm512_loadu_si512(e16 + 16 * g);
                 for (int t = 0; t < PER_DWORD && p + t < k2p; t++) {
                     __mmask32 scaled;
                     const __m512i pair = codes.pair(v[q], t, scaled);
@@ -1456,8 +1456,8 @@ AVX512BF16 bool run_job(const Job& j, int64_t n0, int64_t n1) {
         const int cols = n1 - c0 < NB ? int(n1 - c0) : NB;
         decode_panel(j, c0, cols, rows, panel, k2, k2);
         const int64_t next = std::clamp<int64_t>(n1 - c0 - NB, 0, NB);  // the next panel's rows
-        tiles(j.xp, j.m, k2, panel, j.y + c0, j.n, cols, reinterpret_cast<const char*>(j.w + (c0 + NB) * j.row_bytes),
-              std::min(k2, (next * j.row_bytes + 63) / 64));
+        const char* ahead = next ? reinterpret_cast<const char*>(j.w + (c0 + NB) * j.row_bytes) : nullptr;
+        tiles(j.xp, j.m, k2, panel, j.y + c0, j.n, cols, ahead, std::min(k2, (next * j.row_bytes + 63) / 64));
     }
     return true;
 }
