@@ -14,9 +14,12 @@ the ratios).
 
 Prints, in one run:
 - the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given, on
-  4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`) and torch's fp32 matmul rate at 4,096, each
-  measured in every round beside the runs and the best kept, as for the rates (these VMs' read stream moves between
-  ~30 and ~38 GB/s within minutes: one measurement at the end made every share rise or fall with the phase it met);
+  4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`), measured just before each side's runs in every
+  round, and torch's fp32 matmul rate at 4,096, measured in every round and the best kept, as for the rates. These
+  VMs' read stream moves between phases within minutes (~30-38 GB/s; on a Zen 4 VM 33-35 and, some minutes, 60-64):
+  a decode's share is its rate against the read stream measured beside it, in the same round (`paired_share`),
+  the best round's kept as for the rates; one read stream for the whole run made every share rise or fall with the
+  phase that one met, not with the phase its decode ran in;
 - the pages each side's weights are on (mhcrun's `weight_pages`; ik_llama.cpp's mmap of the GGUF is on 4 KB pages,
   and with `--peer-huge-pages` it reads the model into 2 MB hugetlbfs pages: its `-thp 1`, for which pages must be
   reserved, `echo N > /proc/sys/vm/nr_hugepages` as root, N at least the GGUF's size / 2 MB);
@@ -157,6 +160,13 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: max(r[k] for r in runs) for k in runs[0]}
 
 
+def paired_share(runs: list[dict[str, float]], key: str, read_bytes: float) -> tuple[float, float]:
+    """A side's decode share of the read bandwidth: in each round, `read_bytes` a token times its rate `key` against
+    the read stream measured just before its runs in that round (the round's "read_bw"); the best round's
+    -> (share, that round's read stream, bytes/s)."""
+    return max((read_bytes * r[key] / r["read_bw"], r["read_bw"]) for r in runs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bench", type=Path, help="ik_llama.cpp's llama-bench, built by you")
@@ -187,37 +197,44 @@ def main() -> None:
         vocab = plan.config.vocab_size
         ours, theirs, compile_s, pages, machine = {m: [] for m in modes}, [], [], set(), []
         for r in range(args.rounds):
-            machine.append((read_bandwidth(), matmul_rate()))
+            machine.append(matmul_rate())
             for m in modes:
+                bw = read_bandwidth()  # beside this side's runs: the phase they run in
                 # the first regions process compiles into empty caches (cold), the rest reuse them
                 stats = {n: run_mhcrun(model, m, n, args.gen, vocab, args.threads, Path(tmp) / "torch")
                          for n in PROMPTS}
                 pages.add(stats[PROMPTS[0]].get("weight_pages", "?"))
-                ours[m].append({f"{k}@{n}": stats[n][f"{k}_tok_s"] for n in PROMPTS for k in ("prefill", "decode")})
+                ours[m].append({f"{k}@{n}": stats[n][f"{k}_tok_s"] for n in PROMPTS for k in ("prefill", "decode")}
+                               | {"read_bw": bw})
                 if m == "regions":
                     compile_s += [stats[n]["compile_s"] for n in PROMPTS]
             if args.llama_bench:
+                bw = read_bandwidth()
                 theirs.append(ik_rates(run_llama_bench(args.llama_bench, args.gguf, args.gen, args.threads,
-                                                       args.peer_huge_pages)))
+                                                       args.peer_huge_pages)) | {"read_bw": bw})
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        missed = report(plan, args, {m: best(v) for m, v in ours.items()}, best(theirs) if theirs else None,
-                        compile_s, pages, max(b for b, _ in machine), max(m for _, m in machine))
+        missed = report(plan, args, ours, theirs or None, compile_s, pages, max(machine))
         if missed and not args.no_breakdown:
             print_breakdown(model, args.threads, *missed, Path(tmp) / "torch" if "regions" in modes else None)
 
 
-def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] | None,
-           compile_s: list[float], pages: set[str], bw: float, mm: float) -> tuple[float, float] | None:
-    """Prints the table and the goals (against read bandwidth `bw` and matmul rate `mm`) -> (bytes a decoded token
-    reads, read bandwidth) where a mode's decode misses GOAL_SHARE of the read bandwidth, else None."""
+def report(plan, args, our_runs: dict[str, list[dict[str, float]]], ik_runs: list[dict[str, float]] | None,
+           compile_s: list[float], pages: set[str], mm: float) -> tuple[float, float] | None:
+    """Prints the table and the goals (each side's rounds' rates, with the read stream measured beside them, and
+    matmul rate `mm`) -> (bytes a decoded token reads, read bandwidth) where a mode's decode misses GOAL_SHARE of the
+    read bandwidth, else None."""
+    runs = dict(our_runs) | ({"ik": ik_runs} if ik_runs is not None else {})
+    ours, ik = {m: best(v) for m, v in our_runs.items()}, best(ik_runs) if ik_runs is not None else None
     reads = dict.fromkeys(ours, decode_bytes_per_token(plan))
     rates = dict(ours)
     if ik is not None:
         reads["ik"], rates["ik"] = gguf_bytes_per_token(args.gguf), ik
     macs = decode_macs_per_token(plan)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s (read stream), fp32 matmul {mm / 1e9:.1f} G multiply-adds/s "
-          f"at 4096 (each the best of the rounds'); {args.threads} threads; best of {args.rounds} alternating rounds; "
-          f"{args.gen} tokens decoded")
+    shares = {c: {n: paired_share(runs[c], f"decode@{n}", reads[c]) for n in PROMPTS} for c in rates}
+    print("read stream before each side's runs, GB/s by round: "
+          + "; ".join(f"{c} " + " / ".join(f"{r['read_bw'] / 1e9:.1f}" for r in runs[c]) for c in rates)
+          + f"; fp32 matmul {mm / 1e9:.1f} G multiply-adds/s at 4096 (the best of the rounds'); "
+          f"{args.threads} threads; best of {args.rounds} alternating rounds; {args.gen} tokens decoded")
     print(f"weights: mhcrun on {', '.join(sorted(pages))}"
           + (f"; ik_llama.cpp on {'2 MB (hugetlbfs) pages' if args.peer_huge_pages else '4 KB pages (its mmap)'}"
              if ik is not None else ""))
@@ -230,9 +247,10 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
         print(f"{label:28}" + "".join(f"{rates[c][key]:18.1f}" for c in cols)
               + "".join(f"{rates[c][key] / ik[key]:14.2f}" for c in ratios))
     print(f"{'bytes read / decoded token':28}" + "".join(f"{reads[c] / 1e6:15.1f} MB" for c in cols))
-    for n in PROMPTS:
-        print(f"{f'share of read bw after {n}':28}"
-              + "".join(f"{reads[c] * rates[c][f'decode@{n}'] / bw:17.0%} " for c in cols))
+    for n in PROMPTS:  # each round's decode against the read stream beside it, the best round's (`paired_share`)
+        print(f"{f'share of read bw after {n}':28}" + "".join(f"{shares[c][n][0]:17.0%} " for c in cols)
+              + "  by round: " + "; ".join(f"{c} " + " / ".join(
+                  f"{reads[c] * r[f'decode@{n}'] / r['read_bw']:.0%}" for r in runs[c]) for c in cols))
     for n in PROMPTS:  # the GGUF's multiply-adds are the checkpoint's: the same weights
         print(f"{f'prefill of {n}: matmul rate':28}"
               + "".join(f"{macs * rates[c][f'prefill@{n}'] / mm:17.0%} " for c in cols))
@@ -246,7 +264,7 @@ def report(plan, args, ours: dict[str, dict[str, float]], ik: dict[str, float] |
     print("goals (issue 20):")
     missed = None
     for m in ours:
-        share = min(reads[m] * ours[m][f"decode@{n}"] / bw for n in PROMPTS)
+        share, bw = min(shares[m].values())
         if share < GOAL_SHARE:
             missed = (reads[m], bw)
         mm_share = macs * ours[m][f"prefill@{PROMPTS[-1]}"] / mm

@@ -1,0 +1,22 @@
+"""benchmarks/bench_cpu_peer.py: a decode's share of the read bandwidth, against the read stream beside it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_cpu_peer  # noqa: E402
+
+
+def test_a_decode_share_pairs_each_round_with_its_own_read_stream():
+    """Round 2's read stream ran in a fast phase (63 GB/s) that its decode did not: each round's share is its own
+    decode against its own read stream, the best round's kept, and the read stream returned is that round's. Taking
+    the best rate and the best read stream from different rounds would have given 358 MB x 62 / 63 GB/s = 35%."""
+    runs = [{"decode@128": 60.0, "read_bw": 35e9}, {"decode@128": 62.0, "read_bw": 63e9},
+            {"decode@128": 50.0, "read_bw": 34e9}]
+    share, bw = bench_cpu_peer.paired_share(runs, "decode@128", 358e6)
+    assert share == pytest.approx(358e6 * 60 / 35e9) and bw == 35e9
+    assert bench_cpu_peer.paired_share(runs[1:2], "decode@128", 358e6) == (pytest.approx(358e6 * 62 / 63e9), 63e9)
