@@ -20,3 +20,12 @@ def test_a_decode_share_pairs_each_round_with_its_own_read_stream():
     share, bw = bench_cpu_peer.paired_share(runs, "decode@128", 358e6)
     assert share == pytest.approx(358e6 * 60 / 35e9) and bw == 35e9
     assert bench_cpu_peer.paired_share(runs[1:2], "decode@128", 358e6) == (pytest.approx(358e6 * 62 / 63e9), 63e9)
+
+
+def test_fast_runs_measure_each_burst_from_its_first_sample_to_its_last():
+    """benchmarks/read_phases.py: runs of samples above the limit, a lone one 0 s, one still open at the end."""
+    import read_phases
+
+    series = [(0.0, 34), (0.4, 58), (0.8, 57), (1.2, 59), (1.6, 33), (2.0, 56), (2.4, 34), (2.8, 55), (3.2, 57)]
+    assert read_phases.fast_runs(series, 45) == [pytest.approx(0.8), 0.0, pytest.approx(0.4)]
+    assert read_phases.fast_runs(series, 60) == []
