@@ -4,11 +4,11 @@
 
 Reads a 512 MB buffer on 2 MB pages (where the kernel offers them, as a CPU run's weights are) with
 benchmarks/read_stream.cpp's loop, again and again: each sample the best of 3 reads on `--threads` threads and of 2 on
-one, ~0.3 s apart, for `--seconds`. Prints every sample (seconds since the start: GB/s on the threads / on one), then
-the median, the share of samples above 1.3x it and the lengths of those runs in seconds. On a 2-vCPU Zen 4 VM the
-two threads read 33-35 GB/s and, in bursts of 1-4 s (~15% of the samples), 50-59 while one thread stayed at 24-32:
-bench_cpu_peer.py therefore measures the read stream just before each side's runs and sets each round's decode
-against its own (BENCHMARKS.md, issue 20).
+one (after a read that warms each up), ~0.3 s apart, for `--seconds`. Prints every sample (seconds since the start:
+GB/s on the threads / on one), then the median, the share of samples above 1.3x it and the lengths of those runs in
+seconds. On a 2-vCPU Zen 4 VM the two threads read 29-36 GB/s and, in bursts of 1-4 s (~15% of the samples), 50-59
+while one thread stayed at 24-33: bench_cpu_peer.py therefore measures the read stream just before each side's runs
+and sets each round's decode against its own (BENCHMARKS.md, issue 20).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quantized import _read_stream  # noqa: E402
+from bench_quantized import _read_stream, best_time  # noqa: E402
 
 from mhcrun.errors import run_script  # noqa: E402
 from mhcrun.hugepages import place, why_not  # noqa: E402
@@ -61,12 +61,7 @@ def main() -> None:
     src, lines = buf["read"], nbytes // 64
 
     def rate(threads: int, repeats: int) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            native(src.data_ptr(), lines, threads)
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best
+        return nbytes / best_time(lambda: native(src.data_ptr(), lines, threads), repeats)
 
     series, start = [], time.monotonic()
     while time.monotonic() - start < args.seconds:
