@@ -16,7 +16,8 @@ Prints, in one run:
 - the read bandwidth (the fastest of a native read loop and torch's reductions over 512 MB, the threads given, on
   4 KB pages and on 2 MB ones: `bench_quantized.read_bandwidth`), measured just before each side's runs in every
   round, and torch's fp32 matmul rate at 4,096, measured in every round and the best kept, as for the rates. These
-  VMs' read stream moves between phases within minutes (~30-38 GB/s; on a Zen 4 VM 33-35 and, some minutes, 60-64):
+  VMs' read stream moves between phases within minutes (~30-38 GB/s; on a Zen 4 VM 33-35, in bursts of 1-4 s 50-64:
+  benchmarks/read_phases.py):
   a decode's share is its rate against the read stream measured beside it, in the same round (`paired_share`),
   the best round's kept as for the rates; one read stream for the whole run made every share rise or fall with the
   phase that one met, not with the phase its decode ran in;
@@ -160,11 +161,15 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: max(r[k] for r in runs) for k in runs[0]}
 
 
+def round_shares(runs: list[dict[str, float]], key: str, read_bytes: float) -> list[tuple[float, float]]:
+    """A side's decode share of the read bandwidth in each round: `read_bytes` a token times its rate `key` against
+    the read stream measured just before its runs in that round (the round's "read_bw") -> [(share, read stream)]."""
+    return [(read_bytes * r[key] / r["read_bw"], r["read_bw"]) for r in runs]
+
+
 def paired_share(runs: list[dict[str, float]], key: str, read_bytes: float) -> tuple[float, float]:
-    """A side's decode share of the read bandwidth: in each round, `read_bytes` a token times its rate `key` against
-    the read stream measured just before its runs in that round (the round's "read_bw"); the best round's
-    -> (share, that round's read stream, bytes/s)."""
-    return max((read_bytes * r[key] / r["read_bw"], r["read_bw"]) for r in runs)
+    """The best round's `round_shares` -> (share, that round's read stream, bytes/s)."""
+    return max(round_shares(runs, key, read_bytes))
 
 
 def main() -> None:
@@ -250,7 +255,7 @@ def report(plan, args, our_runs: dict[str, list[dict[str, float]]], ik_runs: lis
     for n in PROMPTS:  # each round's decode against the read stream beside it, the best round's (`paired_share`)
         print(f"{f'share of read bw after {n}':28}" + "".join(f"{shares[c][n][0]:17.0%} " for c in cols)
               + "  by round: " + "; ".join(f"{c} " + " / ".join(
-                  f"{reads[c] * r[f'decode@{n}'] / r['read_bw']:.0%}" for r in runs[c]) for c in cols))
+                  f"{share:.0%}" for share, _ in round_shares(runs[c], f"decode@{n}", reads[c])) for c in cols))
     for n in PROMPTS:  # the GGUF's multiply-adds are the checkpoint's: the same weights
         print(f"{f'prefill of {n}: matmul rate':28}"
               + "".join(f"{macs * rates[c][f'prefill@{n}'] / mm:17.0%} " for c in cols))

@@ -29,3 +29,31 @@ def test_fast_runs_measure_each_burst_from_its_first_sample_to_its_last():
     series = [(0.0, 34), (0.4, 58), (0.8, 57), (1.2, 59), (1.6, 33), (2.0, 56), (2.4, 34), (2.8, 55), (3.2, 57)]
     assert read_phases.fast_runs(series, 45) == [pytest.approx(0.8), 0.0, pytest.approx(0.4)]
     assert read_phases.fast_runs(series, 60) == []
+
+
+def test_the_report_judges_each_side_by_its_paired_rounds(capsys):
+    """report() on two rounds of one mode, the second's read stream a burst: the goal is judged on the first round's
+    pair, each round's share is printed, and a miss returns the read stream of the round it was judged on."""
+    from argparse import Namespace
+
+    from mhcrun.checkpoint import plan_checkpoint
+    from mhcrun.memory import decode_bytes_per_token
+    from mhcrun.runner import DEFAULT_MODEL
+
+    plan = plan_checkpoint(DEFAULT_MODEL)
+    read = decode_bytes_per_token(plan)
+    args = Namespace(threads=2, rounds=2, gen=32, gguf=None, peer_huge_pages=False)
+
+    def rounds(rate: float) -> list[dict[str, float]]:  # a decode of `rate` tok/s against 0.7 and 0.35 of its bytes/s
+        return [{"decode@128": rate, "decode@1024": rate, "prefill@128": 1.0, "prefill@1024": 1.0,
+                 "read_bw": read * rate / 0.7},
+                {"decode@128": rate, "decode@1024": rate, "prefill@128": 1.0, "prefill@1024": 1.0,
+                 "read_bw": 2 * read * rate / 0.7}]
+
+    assert bench_cpu_peer.report(plan, args, {"eager": rounds(50.0)}, None, [], {"2 MB pages"}, 1e9) is None
+    out = capsys.readouterr().out
+    assert "by round: eager 70% / 35%" in out and "decode >= 60% of the read bandwidth: met (70% at worst)" in out
+    slow = rounds(50.0)
+    slow[0]["read_bw"] = read * 50.0 / 0.5  # now the better round gives 50%
+    assert bench_cpu_peer.report(plan, args, {"eager": slow}, None, [], {"2 MB pages"}, 1e9) == (read, read * 100.0)
+    assert "MISSED (50% at worst)" in capsys.readouterr().out
