@@ -44,7 +44,7 @@ def test_the_report_judges_each_side_by_its_paired_rounds(capsys):
     read = decode_bytes_per_token(plan)
     args = Namespace(threads=2, rounds=2, gen=32, gguf=None, peer_huge_pages=False)
 
-    def rounds(rate: float) -> list[dict[str, float]]:  # a decode of `rate` tok/s against 0.7 and 0.35 of its bytes/s
+    def rounds(rate: float) -> list[dict[str, float]]:  # decodes of `rate` tok/s: 70% and 35% of their read streams
         return [{"decode@128": rate, "decode@1024": rate, "prefill@128": 1.0, "prefill@1024": 1.0,
                  "read_bw": read * rate / 0.7},
                 {"decode@128": rate, "decode@1024": rate, "prefill@128": 1.0, "prefill@1024": 1.0,
