@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quantized import read_bandwidth  # noqa: E402
 
 from mhcrun.checkpoint import plan_checkpoint  # noqa: E402
-from mhcrun.errors import run_script  # noqa: E402
+from mhcrun.errors import InputError, run_script  # noqa: E402
 from mhcrun.memory import decode_bytes_per_token, decode_macs_per_token  # noqa: E402
 from mhcrun.synthetic import make_synthetic  # noqa: E402
 
@@ -187,6 +187,8 @@ def main() -> None:
                     help="run llama-bench with -thp 1 (its weights on 2 MB hugetlbfs pages, which must be reserved), "
                          "as mhcrun's are on transparent huge pages where the kernel offers them")
     args = ap.parse_args()
+    if args.rounds < 1 or args.threads < 1 or args.gen < 1:
+        raise InputError(f"--rounds {args.rounds} --threads {args.threads} --gen {args.gen}: each must be at least 1")
     if (args.llama_bench is None) != (args.gguf is None):
         raise SystemExit("--llama-bench and --gguf go together")
     if args.gguf is not None and args.model is None:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quantized import _read_stream, best_time  # noqa: E402
 
-from mhcrun.errors import run_script  # noqa: E402
+from mhcrun.errors import InputError, run_script  # noqa: E402
 from mhcrun.hugepages import place, why_not  # noqa: E402
 
 FAST = 1.3  # a sample this many times the median is in a faster phase
@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.seconds <= 0 or args.threads < 1:
+        raise InputError(f"--seconds {args.seconds:g} --threads {args.threads}: both must be positive")
     native = _read_stream()
     if native is None:
         raise SystemExit("benchmarks/read_stream.cpp did not build here (it needs a C++ compiler and x86-64)")

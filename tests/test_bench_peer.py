@@ -57,3 +57,15 @@ def test_the_report_judges_each_side_by_its_paired_rounds(capsys):
     slow[0]["read_bw"] = read * 50.0 / 0.5  # now the better round gives 50%
     assert bench_cpu_peer.report(plan, args, {"eager": slow}, None, [], {"2 MB pages"}, 1e9) == (read, read * 100.0)
     assert "MISSED (50% at worst)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script, args", [("read_phases.py", ["--seconds", "0"]),
+                                          ("bench_cpu_peer.py", ["--rounds", "0"])])
+def test_a_count_that_measures_nothing_is_refused_in_one_line(script, args):
+    """No samples or no rounds would leave nothing to report: one line naming the options, exit 2."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / script), *args],
+                       capture_output=True, text=True, timeout=300)
+    (line,) = r.stderr.splitlines()
+    assert r.returncode == 2 and line.startswith("error: ") and args[0] in line, r.stderr
