@@ -202,9 +202,9 @@ def main() -> None:
         model = args.model or make_synthetic(CONFIGS / "v4-mid.json", Path(tmp) / "mid4", 4, seed=1)
         plan = plan_checkpoint(model)
         vocab = plan.config.vocab_size
-        ours, theirs, compile_s, pages, machine = {m: [] for m in modes}, [], [], set(), []
+        ours, theirs, compile_s, pages, matmul = {m: [] for m in modes}, [], [], set(), []
         for r in range(args.rounds):
-            machine.append(matmul_rate())
+            matmul.append(matmul_rate())
             for m in modes:
                 bw = read_bandwidth()  # beside this side's runs: the phase they run in
                 # the first regions process compiles into empty caches (cold), the rest reuse them
@@ -220,7 +220,7 @@ def main() -> None:
                 theirs.append(ik_rates(run_llama_bench(args.llama_bench, args.gguf, args.gen, args.threads,
                                                        args.peer_huge_pages)) | {"read_bw": bw})
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        missed = report(plan, args, ours, theirs or None, compile_s, pages, max(machine))
+        missed = report(plan, args, ours, theirs or None, compile_s, pages, max(matmul))
         if missed and not args.no_breakdown:
             print_breakdown(model, args.threads, *missed, Path(tmp) / "torch" if "regions" in modes else None)
 
